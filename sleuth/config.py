@@ -156,6 +156,10 @@ class TrainConfig(Section):
     micro_batch: int = Field(16, ge=1, description="most trajectories per micro-batch")
     micro_batch_tokens: int | None = Field(
         None, ge=1, description="token budget per micro-batch (rows sorted by length, padding trimmed)")
+    packing: bool = Field(
+        False, description="sequence packing in the policy log-prob forward: real tokens of a micro-batch in one "
+                           "row with block-diagonal attention, no padding; micro_batch_tokens then budgets the "
+                           "sum of real lengths (same results as padded, see training.batch)")
     kl_coef: float = Field(0.0, ge=0.0)
     kl_type: Literal["k1", "k3"] = "k3"
     kl_mode: Literal["loss", "reward"] = Field("loss", description="KL to the reference in the loss or as a reward penalty")

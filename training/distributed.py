@@ -65,10 +65,13 @@ class LogprobModule(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, batch: Any, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, batch: Any, with_entropy: bool = True, packed: bool | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logprobs, entropy)`` ``[N, T-1]`` float32; ``packed=None`` follows ``batch.packed``."""
         from training.batch import policy_logprobs
 
-        return policy_logprobs(self.model, batch, with_entropy)
+        return policy_logprobs(self.model, batch, with_entropy, packed)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -240,6 +240,7 @@ def masked_logprobs(
     mask: torch.Tensor,
     chunk_size: int = 8192,
     *,
+    with_entropy: bool = True,
     impl: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target and next-token entropy at policy tokens only, without ``[N, V]`` in float32.
@@ -251,6 +252,9 @@ def masked_logprobs(
         mask: ``[N]`` (or ``[...]``) bool or 0/1; only nonzero rows are computed (compacted first).
         chunk_size: vocabulary columns per chunk; the kernel holds one ``[N_policy, chunk_size]`` logits
             buffer in the input dtype (the chunk logits are rounded to the input dtype, as a bf16 LM head's).
+        with_entropy: ``False`` returns an all-zero entropy on both paths (constant, no gradient). The
+            reference then skips the entropy work; the CUDA kernel computes it in the same pass anyway (one
+            extra fused multiply-add per logit, nearly free) and it is discarded.
 
     Returns ``(logprobs, entropy)``, float32, shaped like ``targets``, zero at masked positions. On the CUDA
     path a ``torch.autograd.Function`` gives gradients for ``hidden`` and ``weight`` (the backward recomputes
@@ -280,13 +284,15 @@ def masked_logprobs(
                 f"targets at policy positions must lie in [0, {weight.shape[0]}), got [{lo}, {hi}]"
             )
     if not _use_cuda(impl, hidden, weight, targets, mask):
-        lp, ent = masked_lm_head_logprobs(h2, weight, tgt, keep, chunk_size)
+        lp, ent = masked_lm_head_logprobs(h2, weight, tgt, keep, chunk_size, with_entropy=with_entropy)
         return lp.reshape(lead), ent.reshape(lead)
     if hidden.dtype != weight.dtype or hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(
             f"kernel needs hidden and weight of one dtype in fp32/bf16/fp16, got {hidden.dtype}, {weight.dtype}"
         )
     lp, ent = _MaskedLogprobs.apply(h2, weight, tgt, keep, int(chunk_size))
+    if not with_entropy:  # computed by the kernel in the same pass; dropped so both paths agree
+        ent = torch.zeros_like(lp)
     return lp.reshape(lead), ent.reshape(lead)
 
 

@@ -30,7 +30,13 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.T
 
 
 def masked_lm_head_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, chunk_size: int = 8192
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    mask: torch.Tensor,
+    chunk_size: int = 8192,
+    *,
+    with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of the fused masked log-prob kernel: LM head + log-softmax + gather at policy tokens only.
 
@@ -39,6 +45,8 @@ def masked_lm_head_logprobs(
     the vocabulary is processed in chunks of ``chunk_size`` with an online log-sum-exp, so at most
     ``[N_policy, chunk_size]`` float32 logits exist at once. Returns ``(logprobs [N], entropy [N])``
     float32, zero at masked positions; differentiable w.r.t. ``hidden`` and ``weight`` through autograd.
+    ``with_entropy=False`` skips the entropy accumulator (one ``[n, chunk]`` product-sum per chunk) and
+    returns an all-zero entropy (constant, no gradient), keeping the return type.
     """
     N = hidden.shape[0]
     acc = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 for gradcheck
@@ -55,7 +63,7 @@ def masked_lm_head_logprobs(
     V = weight.shape[0]
     m = torch.full((h.shape[0],), float("-inf"), device=h.device, dtype=acc)
     s = torch.zeros(h.shape[0], device=h.device, dtype=acc)  # sum exp(z - m)
-    sz = torch.zeros(h.shape[0], device=h.device, dtype=acc)  # sum exp(z - m) * z
+    sz = torch.zeros(h.shape[0], device=h.device, dtype=acc) if with_entropy else None  # sum exp(z - m) * z
     tgt_logit = torch.zeros(h.shape[0], device=h.device, dtype=acc)
     for start in range(0, V, chunk_size):
         z = (h @ weight[start : start + chunk_size].T).to(acc)  # [n, c]
@@ -63,13 +71,16 @@ def masked_lm_head_logprobs(
         scale = torch.exp(m - m_new)
         e = torch.exp(z - m_new.unsqueeze(-1))
         s = s * scale + e.sum(-1)
-        sz = sz * scale + (e * z).sum(-1)
+        if with_entropy:
+            sz = sz * scale + (e * z).sum(-1)
         m = m_new
         in_chunk = (tgt >= start) & (tgt < start + z.shape[1])
         local = (tgt - start).clamp(0, z.shape[1] - 1)
         tgt_logit = tgt_logit + torch.where(in_chunk, z.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
     lse = m + torch.log(s)
     lp = tgt_logit - lse
+    if not with_entropy:
+        return out_lp.index_put((idx,), lp), out_ent
     ent = lse - sz / s  # H = lse - E_p[z]
     return out_lp.index_put((idx,), lp), out_ent.index_put((idx,), ent)
 

@@ -207,13 +207,13 @@ def update_policy(
     device = next(fwd.parameters()).device
     _rank, W = world()
     N = len(batch)
-    idx = micro_batches(batch, cfg.micro_batch, cfg.micro_batch_tokens)
-    micro = [batch.select(i) for i in idx]
+    idx = micro_batches(batch, cfg.micro_batch, cfg.micro_batch_tokens, packed=cfg.packing)
+    micro = [batch.select(i, packed=cfg.packing) for i in idx]
     if batch.token_advantages is None:
         if batch.advantages is None:
             raise ValueError("update_policy needs batch.token_advantages or batch.advantages")
         batch.token_advantages = A.to_token_advantages(batch.advantages, batch.loss_mask)
-        micro = [batch.select(i) for i in idx]
+        micro = [batch.select(i, packed=cfg.packing) for i in idx]
     with torch.no_grad(), _autocast(device, cfg.bf16):
         old = old_logprobs if old_logprobs is not None else [fwd(mb, False)[0].detach() for mb in micro]
         use_ref = ref_model is not None and cfg.kl_coef > 0 and cfg.kl_mode == "loss"
@@ -489,8 +489,8 @@ def rl_train(
         t_roll = time.time() - t0
         batch = collate(trajs, tokenizer.pad_token_id, cfg.agent.max_total_tokens)
         with torch.no_grad():
-            idx = micro_batches(batch, tc.micro_batch, tc.micro_batch_tokens)
-            micro = [batch.select(i) for i in idx]
+            idx = micro_batches(batch, tc.micro_batch, tc.micro_batch_tokens, packed=tc.packing)
+            micro = [batch.select(i, packed=tc.packing) for i in idx]
             old = [fwd(mb, False)[0].detach() for mb in micro]
             kl_tokens = values = gold = None
             if ref_model is not None and tc.kl_mode == "reward":
