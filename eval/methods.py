@@ -6,13 +6,17 @@
 * ``ircot``: interleave retrieval with chain-of-thought (Trivedi et al., ACL 2023): retrieve for the
   question, then repeatedly generate one reasoning sentence over everything retrieved so far and retrieve
   with that sentence, until the model answers (or writes "answer is") or ``max_steps`` runs out.
+* ``search_o1``: Search-o1 (Li et al. 2025): the model reasons and issues ``<search>`` queries itself; a
+  separate "Reason-in-Documents" call of the same backend condenses each query's retrieved documents into
+  the helpful information, and only that is inserted into the reasoning chain.
 * ``agent``: the Sleuth agent (:func:`agent.loop.run_episodes`): the policy decides when and what to search.
 
 All methods speak the agent's Search-R1 tag protocol and use its prompt (:func:`agent.loop.prompt_ids`), so
 the same checkpoint is compared fairly: ``direct`` forces ``<answer>`` right after the prompt; ``rag`` writes
 the agent's first turn for it (``<search> question </search>`` and the ``<information>`` block) and forces
 ``<answer>``; ``ircot`` puts all retrieved passages in one ``<information>`` block and lets the model reason
-inside ``<think>``, one sentence per step (a ``<search>`` query it writes counts as its reasoning step).
+inside ``<think>``, one sentence per step (a ``<search>`` query it writes counts as its reasoning step);
+``search_o1`` continues the agent's own turns and shows the refined information in ``<information>``.
 
 Each method maps a batch of :class:`corpora.formats.QAExample` to one prediction record per question, in
 order: ``{"id", "prediction" (str or None), "golden_answers", "retrieved_ids" (in retrieval order),
@@ -30,7 +34,7 @@ from functools import partial
 from typing import Any
 
 from agent import protocol
-from agent.llm import LLM, Generation, SamplingParams, encode
+from agent.llm import LLM, Generation, SamplingParams, decode, encode
 from corpora.formats import QAExample
 from retrieval.base import Hit, Retriever
 from sleuth.config import AgentConfig
@@ -266,6 +270,192 @@ def ircot(
     return _set_wall(recs, t0)
 
 
+# -- search_o1 ------------------------------------------------------------------------------------------
+REASON_IN_DOCUMENTS = (
+    "Task: read the searched documents and extract the information that helps answer the current search "
+    "query, given the previous reasoning. Keep only facts stated in the documents.\n"
+    "Previous reasoning: {reasoning}\n"
+    "Current search query: {query}\n"
+    "Searched documents:\n{documents}\n"
+    "If the documents contain helpful information, write it concisely; otherwise write: {none}\n"
+    "Helpful information:"
+)
+NO_INFO = "No helpful information found."
+RID_STOP = ("\n\n", "</information>")
+
+
+def _user_ids(llm: LLM, text: str, cfg: AgentConfig) -> list[int]:
+    """Token ids of a one-message user prompt, through the chat template exactly when the agent prompt
+    uses one (:func:`agent.loop.prompt_ids`)."""
+    tok = llm.tokenizer
+    if cfg.chat_template == "on" or (cfg.chat_template == "auto" and getattr(tok, "chat_template", None)):
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    bos = [tok.bos_token_id] if getattr(tok, "bos_token_id", None) is not None else []
+    return bos + encode(tok, text)
+
+
+def reason_in_documents_prompt(llm: LLM, reasoning: str, query: str, docs: list[Hit], cfg: AgentConfig,
+                               max_new: int) -> list[int]:
+    """Token ids of Search-o1's Reason-in-Documents prompt (our wording of the paper's instruction): the
+    previous reasoning, the current query and the documents (Search-R1 rendering). Documents get at most
+    ``cfg.max_obs_tokens`` tokens, the reasoning keeps its most recent tokens, and the prompt fits
+    ``cfg.max_total_tokens - max_new`` tokens when its fixed parts do."""
+    tok = llm.tokenizer
+    limit = cfg.max_total_tokens - max_new
+
+    def build(doc_room: int, reason_room: int) -> list[int]:
+        body = protocol.format_docs(docs, cfg.max_doc_chars)
+        reason = encode(tok, " ".join(reasoning.split()))
+        text = REASON_IN_DOCUMENTS.format(
+            reasoning=decode(tok, reason[max(len(reason) - reason_room, 0):] if reason_room > 0 else []) or "(none)",
+            query=query, documents=decode(tok, _fit(llm, body, doc_room)), none=NO_INFO)
+        return _user_ids(llm, text, cfg)
+
+    fixed = len(build(0, 0))
+    doc_room = min(cfg.max_obs_tokens, limit - fixed)
+    reason_room = limit - fixed - max(doc_room, 0)
+    ids = build(doc_room, reason_room)
+    for _ in range(3):  # re-tokenising the cut pieces can shift a few tokens: shrink until it fits
+        over = len(ids) - limit
+        if over <= 0:
+            break
+        cut = min(over, reason_room)
+        reason_room, doc_room = reason_room - cut, doc_room - (over - cut)
+        ids = build(doc_room, reason_room)
+    return ids
+
+
+def _refined(text: str) -> str:
+    """The Reason-in-Documents output as inserted into the chain: tags removed, whitespace collapsed,
+    :data:`NO_INFO` when empty."""
+    out = " ".join(_TAGS.sub(" ", text).split())
+    return out or NO_INFO
+
+
+def search_o1(
+    examples: list[QAExample],
+    llm: LLM,
+    retriever: Retriever,
+    cfg: AgentConfig | None = None,
+    *,
+    top_k: int = 3,
+    max_steps: int | None = None,
+    max_extract_tokens: int | None = None,
+    temperature: float = 0.0,
+    seed: int | None = 0,
+    **_: Any,
+) -> list[dict[str, Any]]:
+    """Search-o1 (Li et al. 2025, "Search-o1: Agentic Search-Enhanced Large Reasoning Models",
+    arXiv:2501.05366) in the tag protocol, batched across questions.
+
+    Agentic retrieval-augmented reasoning with the Reason-in-Documents module. For up to ``max_steps``
+    steps (default ``cfg.max_turns``) over the questions still running: (1) one batched generation
+    continues each reasoning chain (the agent prompt, then the model's own turns) until ``</search>`` or
+    ``</answer>``; an answer ends the question. (2) One batched search with the queries written. (3) One
+    batched Reason-in-Documents generation: for each query, the same backend is given the previous
+    reasoning, the query and the ``top_k`` documents (:func:`reason_in_documents_prompt`) and writes the
+    helpful information (or :data:`NO_INFO`); that text, not the documents, is appended to the chain as
+    ``<information> ... </information>``. A turn cut by the token budget (``finish_reason == "length"``)
+    with no tag continues at the next step; any other turn without a valid action ends the reasoning.
+    Finally, unanswered questions get a forced ``<answer>`` (closing an open ``<think>``).
+
+    Differences from the original: the Search-R1 tags (``<search>``, ``<information>``, ``<answer>``)
+    replace Search-o1's special tokens (``<|begin_search_query|>``, ``<|begin_search_result|>``,
+    ``\\boxed{}``); the prompts are the agent's task prompt and our short wording of the
+    Reason-in-Documents instruction (no few-shot examples, no "**Final Information**" marker: the whole
+    continuation up to a blank line is the extraction); the search limit is ``max_steps`` reasoning steps
+    (the paper caps searches at 10); documents are passages of the local corpus, not web pages; the
+    chain is cut to the episode budget ``cfg.max_total_tokens``. ``max_extract_tokens`` (default
+    ``cfg.max_new_tokens``) bounds each extraction.
+
+    Record fields: those of every method, with ``turns`` counting every LLM call for the question
+    (reasoning steps, Reason-in-Documents calls and the forced answer), ``generated_tokens`` all their
+    tokens, plus ``refined`` (the inserted extractions, in order).
+    """
+    cfg = cfg or AgentConfig()
+    max_steps = cfg.max_turns if max_steps is None else max_steps
+    extract_new = max_extract_tokens or cfg.max_new_tokens
+    t0 = time.perf_counter()
+    n = len(examples)
+    if n == 0:
+        return []
+    tok = llm.tokenizer
+    eos = getattr(tok, "eos_token_id", None)
+    ctx = [_prompt(llm, ex.question, cfg) for ex in examples]
+    start = [len(c) for c in ctx]
+    head, tail = encode(tok, "\n\n<information>"), encode(tok, "</information>\n\n")
+    force_room = len(encode(tok, " </think>\n<answer>"))
+    reserve = cfg.max_new_tokens + force_room + cfg.max_new_tokens  # one more step, then the forced answer
+    answer: list[str | None] = [None] * n
+    retrieved: list[list[str]] = [[] for _ in range(n)]
+    refined: list[list[str]] = [[] for _ in range(n)]
+    calls, turns, gen_tokens = [0] * n, [0] * n, [0] * n
+    raw = [""] * n
+
+    def record(i: int, g: Generation) -> None:
+        turns[i] += 1
+        gen_tokens[i] += len(g.token_ids)
+
+    active = list(range(n))
+    for _step in range(max_steps):
+        active = [i for i in active if len(ctx[i]) + cfg.max_new_tokens + force_room + cfg.max_new_tokens
+                  <= cfg.max_total_tokens]
+        if not active:
+            break
+        gens = llm.generate([ctx[i] for i in active], _params(cfg, temperature, seed, protocol.STOP_STRINGS))
+        queries: list[tuple[int, str]] = []
+        going: list[int] = []
+        for i, g in zip(active, gens, strict=True):
+            record(i, g)
+            raw[i] = g.text
+            ids = list(g.token_ids)
+            if ids and eos is not None and ids[-1] == eos:
+                ids = ids[:-1]
+            ctx[i] += ids
+            act = protocol.parse_action(g.text, cfg.max_query_chars)
+            if act.kind == "answer":
+                answer[i] = act.content
+            elif act.kind == "search":
+                queries.append((i, act.content))
+            elif g.finish_reason == "length" and not _TAGS.search(g.text):
+                going.append(i)  # reasoning cut by the turn budget: continue it next step
+        if queries:
+            hits = retriever.search([q for _, q in queries], top_k)
+            prompts = []
+            for (i, q), hs in zip(queries, hits, strict=True):
+                calls[i] += 1
+                retrieved[i].extend(h.id for h in hs)
+                prompts.append(reason_in_documents_prompt(llm, decode(tok, ctx[i][start[i]:]), q, hs, cfg, extract_new))
+            rid = llm.generate(prompts, _params(cfg, temperature, seed, RID_STOP, extract_new))
+            for (i, _), g in zip(queries, rid, strict=True):
+                record(i, g)
+                info = _refined(g.text)
+                refined[i].append(info[:RAW_CHARS])
+                room = cfg.max_total_tokens - len(ctx[i]) - reserve - len(head) - len(tail)
+                ctx[i] += head + _fit(llm, info, room) + tail
+                going.append(i)
+        active = sorted(going)
+    pending = [i for i in range(n) if answer[i] is None]
+    if pending:
+        prompts = []
+        for i in pending:
+            chain = decode(tok, ctx[i][start[i]:]).rsplit("</information>", 1)[-1]
+            close = " </think>\n" if chain.rfind("<think>") > chain.rfind("</think>") else ""
+            prompts.append(ctx[i] + encode(tok, close + "<answer>"))
+        gens = llm.generate(prompts, _params(cfg, temperature, seed, ("</answer>",)))
+        for i, g in zip(pending, gens, strict=True):
+            record(i, g)
+            raw[i] = g.text
+            answer[i] = extract_answer(g.text)
+    recs = [
+        _record(ex, answer[i], retrieved_ids=retrieved[i], search_calls=calls[i], turns=turns[i],
+                generated_tokens=gen_tokens[i], raw=raw[i], refined=refined[i])
+        for i, ex in enumerate(examples)
+    ]
+    return _set_wall(recs, t0)
+
+
 # -- agent ----------------------------------------------------------------------------------------------
 def agent(
     examples: list[QAExample],
@@ -325,7 +515,9 @@ def trajectory_record(tr: Any) -> dict[str, Any]:
                    supporting_ids=tr.metadata.get("supporting_ids"), hops=tr.metadata.get("hops"))
 
 
-METHODS: dict[str, Callable[..., list[dict[str, Any]]]] = {"direct": direct, "rag": rag, "ircot": ircot, "agent": agent}
+METHODS: dict[str, Callable[..., list[dict[str, Any]]]] = {
+    "direct": direct, "rag": rag, "ircot": ircot, "agent": agent, "search_o1": search_o1,
+}
 
 
 def get_method(name: str) -> Callable[..., list[dict[str, Any]]]:
@@ -337,7 +529,7 @@ def get_method(name: str) -> Callable[..., list[dict[str, Any]]]:
 
 def make_method(name: str, llm: LLM, retriever: Retriever | None, cfg: AgentConfig | None = None, **kw: Any) -> Method:
     """Bind a method to its backend, retriever, config and options (``top_k``, ``temperature``, ``seed``,
-    ``max_steps``, ``max_docs``, ``run_episodes``): returns ``examples -> records``. Raises ``ValueError``
+    ``max_steps``, ``max_docs``, ``max_extract_tokens``, ``run_episodes``): returns ``examples -> records``. Raises ``ValueError``
     for an unknown method or a retrieval method without a retriever."""
     fn = get_method(name)
     if name != "direct" and retriever is None:
