@@ -11,7 +11,9 @@ verified), ``"rule"`` falls back to the rule metric (EM by default). Either way 
 The judge produces the same per-episode reward record as :func:`agent.loop.rule_judge` (``em``, ``f1``,
 ``cover_em``, ``format_ok``) plus ``llm_correct``, ``llm_verdict`` and ``llm_raw``; the reward is
 ``llm_correct`` (+ the format reward). It is batched: :func:`judge_batch` scores many trajectories in one
-backend call, which is how the trainer should use it.
+backend call, which is how the trainer should use it; :func:`judge_answers` is the same judge on plain
+(question, golden answers, prediction) triples, which evaluation runs (:mod:`eval.run`) use on prediction
+records of any method.
 """
 
 from __future__ import annotations
@@ -53,43 +55,72 @@ def parse_verdict(text: str) -> bool | None:
     return None
 
 
+def judge_answers(llm: LLM, questions: list[str], golden_answers: list[list[str]], predictions: list[str | None],
+                  unparseable: str = "zero", fallback_metric: str = "em", max_new_tokens: int = 16) -> list[dict[str, Any]]:
+    """Judge many answers with one batched, greedy backend call (the record-level judge used by
+    :func:`judge_batch` and by evaluation runs).
+
+    Args:
+        llm: any :class:`agent.llm.LLM` backend (the judge model).
+        questions, golden_answers, predictions: parallel lists, one entry per answer; a ``None`` (or blank)
+            prediction is not sent to the judge.
+        unparseable: ``"zero"`` or ``"rule"`` (see the module docstring).
+        fallback_metric: the rule metric of the ``"rule"`` policy: ``"em"``, ``"f1"`` or ``"cover_em"``.
+        max_new_tokens: tokens of each verdict.
+
+    Returns one dict per answer, in order: ``llm_correct`` (float in [0, 1]), ``llm_verdict`` (``"correct"``,
+    ``"incorrect"``, ``"unparseable"``, ``"error"`` or ``"no_answer"``) and ``llm_raw`` (the judge's reply,
+    the backend error for ``"error"``, ``None`` when not judged). A backend exception marks every judged
+    answer ``"error"`` and applies the unparseable policy to it. Raises ``ValueError`` for an unknown policy
+    or fallback metric, or lists of different lengths.
+    """
+    if unparseable not in ("zero", "rule"):
+        raise ValueError(f"unparseable policy must be 'zero' or 'rule', got {unparseable!r}")
+    if fallback_metric not in ("em", "f1", "cover_em"):
+        raise ValueError(f"fallback_metric must be 'em', 'f1' or 'cover_em', got {fallback_metric!r}")
+    if not len(questions) == len(golden_answers) == len(predictions):
+        raise ValueError(f"judge_answers needs parallel lists, got {len(questions)} questions, "
+                         f"{len(golden_answers)} golden-answer lists and {len(predictions)} predictions")
+    todo = [i for i, p in enumerate(predictions) if p is not None and p.strip()]
+    prompts = [judge_prompt(questions[i], list(golden_answers[i]), predictions[i] or "") for i in todo]
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop=("\n\n",))
+    try:
+        replies: list[str] = list(complete(llm, prompts, params)) if prompts else []
+        status = "ok"
+        if len(replies) != len(prompts):
+            raise RuntimeError(f"judge backend returned {len(replies)} replies for {len(prompts)} prompts")
+    except Exception as e:  # noqa: BLE001 - judged by the stated policy, with the reason
+        replies, status = [f"{type(e).__name__}: {e}"] * len(todo), "error"
+    out: list[dict[str, Any]] = [{"llm_correct": 0.0, "llm_verdict": "no_answer", "llm_raw": None} for _ in predictions]
+    for i, raw in zip(todo, replies, strict=True):
+        parsed = parse_verdict(raw) if status == "ok" else None
+        if parsed is None:
+            score = rule_verdict(predictions[i], list(golden_answers[i]))[fallback_metric] if unparseable == "rule" else 0.0
+            out[i] = {"llm_correct": float(score), "llm_verdict": "unparseable" if status == "ok" else "error", "llm_raw": raw}
+        else:
+            out[i] = {"llm_correct": float(parsed), "llm_verdict": "correct" if parsed else "incorrect", "llm_raw": raw}
+    return out
+
+
 def judge_batch(llm: LLM, trajs: list[Trajectory], unparseable: str = "zero", fallback_metric: str = "em",
                 format_reward: float = 0.0, max_new_tokens: int = 16) -> list[tuple[float, dict[str, Any]]]:
-    """Score ``trajs`` with one batched judge call; returns ``(reward, verdict)`` per trajectory.
+    """Score ``trajs`` with one batched judge call (:func:`judge_answers`); returns ``(reward, verdict)`` per
+    trajectory: the rule verdict (``em``, ``f1``, ``cover_em``), ``format_ok`` and the judge's
+    ``llm_correct``, ``llm_verdict``, ``llm_raw``; reward = ``llm_correct`` (+ ``format_reward`` when the
+    format is valid).
 
     Episodes without an answer are not sent to the judge (reward 0, ``llm_verdict: "no_answer"``).
     ``unparseable`` is ``"zero"`` or ``"rule"`` (see the module docstring). Raises ``ValueError`` for
     another policy; a backend exception marks every judged episode ``llm_verdict: "error"`` and applies
     the unparseable policy to it.
     """
-    if unparseable not in ("zero", "rule"):
-        raise ValueError(f"unparseable policy must be 'zero' or 'rule', got {unparseable!r}")
-    verdicts = []
-    for t in trajs:
+    judged = judge_answers(llm, [t.question for t in trajs], [list(t.golden_answers) for t in trajs],
+                           [t.answer for t in trajs], unparseable, fallback_metric, max_new_tokens)
+    out = []
+    for t, j in zip(trajs, judged, strict=True):
         v: dict[str, Any] = rule_verdict(t.answer, t.golden_answers)
         v["format_ok"] = bool(t.answer is not None and all(x.error is None for x in t.turns))
-        verdicts.append(v)
-    todo = [i for i, t in enumerate(trajs) if t.answer is not None]
-    prompts = [judge_prompt(trajs[i].question, trajs[i].golden_answers, trajs[i].answer or "") for i in todo]
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop=("\n\n",))
-    try:
-        replies: list[str | None] = list(complete(llm, prompts, params)) if prompts else []
-        status = "ok"
-    except Exception as e:  # noqa: BLE001 - judged by the stated policy, with the reason
-        replies, status = [f"{type(e).__name__}: {e}"] * len(todo), "error"
-    out = []
-    for i, t in enumerate(trajs):
-        v = verdicts[i]
-        if i not in todo:
-            v.update(llm_correct=0.0, llm_verdict="no_answer", llm_raw=None)
-        else:
-            raw = replies[todo.index(i)]
-            parsed = parse_verdict(raw) if status == "ok" else None
-            if parsed is None:
-                score = v[fallback_metric] if unparseable == "rule" else 0.0
-                v.update(llm_correct=float(score), llm_verdict="unparseable" if status == "ok" else "error", llm_raw=raw)
-            else:
-                v.update(llm_correct=float(parsed), llm_verdict="correct" if parsed else "incorrect", llm_raw=raw)
+        v.update(j)
         out.append((v["llm_correct"] + (format_reward if v["format_ok"] else 0.0), v))
     return out
 

@@ -8,7 +8,8 @@ A *prediction record* (one per question, written by :mod:`eval.methods` and cach
 a dict with at least ``id``, ``prediction`` (str or None), ``golden_answers`` (list[str]),
 ``retrieved_ids`` (list[str], in retrieval order), ``search_calls``, ``turns``, ``generated_tokens`` (ints)
 and ``wall_s`` (float, seconds); the runner adds ``supporting_ids`` (list[str] or None) and ``hops``
-(int or None) from the example's metadata.
+(int or None) from the example's metadata. A record judged by an LLM (:func:`eval.run.judge_records`,
+:func:`agent.llm_judge.judge_answers`) also has ``llm_correct`` (float), ``llm_verdict`` and ``llm_raw``.
 """
 
 from __future__ import annotations
@@ -71,14 +72,36 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+JUDGED = ("correct", "incorrect", "unparseable", "error")  # verdicts of answers that were sent to the judge
+
+
+def judge_score(record: dict[str, Any]) -> float | None:
+    """The LLM-judge score of a record: its ``llm_correct``, else the agent loop's ``verdict["llm_correct"]``
+    (an agent run with ``agent.judge: llm``), else ``None`` (not judged)."""
+    v = record.get("llm_correct")
+    if v is None and isinstance(record.get("verdict"), dict):
+        v = record["verdict"].get("llm_correct")
+    return None if v is None else float(v)
+
+
+def _judge_verdict(record: dict[str, Any]) -> str | None:
+    if record.get("llm_correct") is not None:
+        return record.get("llm_verdict")
+    return record["verdict"].get("llm_verdict") if isinstance(record.get("verdict"), dict) else None
+
+
 def aggregate(records: Sequence[dict[str, Any]], recall_k: Sequence[int] = (), by_hops: bool = True) -> dict[str, Any]:
     """Means over a benchmark's prediction records.
 
     Returns ``{"n", "em", "f1", "cover_em", "recall", "n_recall", "recall@k"..., "search_calls", "turns",
-    "generated_tokens", "wall_s"}``: answer scores are means in [0, 1]; ``recall`` averages only over the
-    ``n_recall`` questions that have supporting ids (``None`` if none do); efficiency fields are means per
-    question (``wall_s`` in seconds; a missing field counts as absent, not as 0). With ``by_hops`` it also
-    returns ``"by_hops": {hops: {"n", "em", "f1", "cover_em"}}`` over records whose ``hops`` is known (keys
+    "generated_tokens", "wall_s", "judge_acc", "n_judged", "judge_unparseable"}``: answer scores are means
+    in [0, 1]; ``recall`` averages only over the ``n_recall`` questions that have supporting ids (``None``
+    if none do); efficiency fields are means per question (``wall_s`` in seconds; a missing field counts
+    as absent, not as 0). ``judge_acc`` is the mean LLM-judge score (:func:`judge_score`) over the
+    ``n_judged`` records that have one (``None`` if none do; unanswered questions count as 0);
+    ``judge_unparseable`` is the fraction of the answers sent to the judge whose verdict was unparseable
+    or a backend error (``None`` if none were sent). With ``by_hops`` it also returns ``"by_hops": {hops:
+    {"n", "em", "f1", "cover_em"}}`` over records whose ``hops`` is known (keys
     are strings, for JSON). An empty input gives ``n == 0`` and ``None`` means.
     """
     scores = [score_record(r, recall_k) for r in records]
@@ -93,6 +116,11 @@ def aggregate(records: Sequence[dict[str, Any]], recall_k: Sequence[int] = (), b
     for f in EFFICIENCY_FIELDS:
         vals = [float(r[f]) for r in records if r.get(f) is not None and not math.isnan(float(r[f]))]
         out[f] = _mean(vals)
+    judged = [(j, _judge_verdict(r)) for r in records if (j := judge_score(r)) is not None]
+    out["judge_acc"] = _mean([j for j, _ in judged])
+    out["n_judged"] = len(judged)
+    sent = [v for _, v in judged if v in JUDGED]
+    out["judge_unparseable"] = _mean([float(v in ("unparseable", "error")) for v in sent])
     if by_hops:
         groups: dict[int, list[dict[str, float | None]]] = defaultdict(list)
         for r, s in zip(records, scores):

@@ -5,7 +5,8 @@ directories (written by :func:`eval.run.run_benchmarks`) and writes to ``OUT``:
 
 * ``report.md``: EM (benchmarks x methods, in percent, with the average over benchmarks as in Search-R1's
   Table 2), F1 in a second table, cover-EM, supporting-paragraph recall where defined, and efficiency per
-  method (mean search calls, turns, generated tokens, seconds per question);
+  method (mean search calls, turns, generated tokens, seconds per question); when some run was judged by an
+  LLM (``sleuth eval --judge-model``), an LLM-judge accuracy table with the rate of unparseable verdicts;
 * ``em_vs_search_calls.png``: mean EM against mean search calls per question, one point per method;
 * ``em_by_hops.png``: EM by number of hops for the multi-hop benchmarks whose questions have hop counts;
 * ``report.json``: the same numbers, machine-readable.
@@ -20,7 +21,9 @@ from typing import Any
 from eval.datasets import ALL, REGISTRY
 
 ORDER = [*ALL, "sample"]
-SCORE_TABLES = (("em", "EM"), ("f1", "F1"), ("cover_em", "cover-EM"), ("recall", "Recall of supporting paragraphs"))
+SCORE_TABLES = (("em", "EM"), ("f1", "F1"), ("cover_em", "cover-EM"), ("judge_acc", "LLM-judge accuracy"),
+                ("recall", "Recall of supporting paragraphs"))
+OPTIONAL_TABLES = ("judge_acc", "recall")  # shown only when some run has a value
 EFFICIENCY = (("search_calls", "searches / q"), ("turns", "turns / q"), ("generated_tokens", "gen. tokens / q"),
               ("wall_s", "seconds / q"))
 
@@ -66,7 +69,7 @@ def build_report(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     labels = _labels(summaries)
     benches = _bench_order({b for s in summaries for b in s.get("benchmarks", {})})
     rep: dict[str, Any] = {"methods": labels, "benchmarks": benches, "average": {}, "efficiency": {}, "by_hops": {}}
-    for key, _ in SCORE_TABLES:
+    for key in (*(k for k, _ in SCORE_TABLES), "judge_unparseable"):
         rep[key] = {b: {lab: s["benchmarks"].get(b, {}).get(key) for lab, s in zip(labels, summaries)} for b in benches}
         rep["average"][key] = {}
         for lab, s in zip(labels, summaries):
@@ -105,13 +108,16 @@ def to_markdown(rep: dict[str, Any]) -> str:
     parts = ["# Evaluation report", ""]
     ns = {b: max((r["benchmarks"].get(b, {}).get("n", 0) for r in rep["runs"]), default=0) for b in rep["benchmarks"]}
     for key, title in SCORE_TABLES:
-        if key == "recall" and all(v is None for row in rep[key].values() for v in row.values()):
+        if key in OPTIONAL_TABLES and all(v is None for row in rep[key].values() for v in row.values()):
             continue
         parts += [f"## {title} (%)", "", "| benchmark | n | " + " | ".join(methods) + " |",
                   "|---|---:|" + "---:|" * len(methods)]
         for b in rep["benchmarks"]:
             parts.append(f"| {b} | {ns[b]} | " + " | ".join(_pct(rep[key][b][m]) for m in methods) + " |")
         parts.append("| **average** | | " + " | ".join(_pct(rep["average"][key][m]) for m in methods) + " |")
+        if key == "judge_acc":
+            parts.append("| *unparseable verdicts* | | "
+                         + " | ".join(_pct(rep["average"]["judge_unparseable"][m]) for m in methods) + " |")
         parts.append("")
     parts += ["## Efficiency (mean per question)", "", "| method | questions | " + " | ".join(t for _, t in EFFICIENCY) + " |",
               "|---|---:|" + "---:|" * len(EFFICIENCY)]

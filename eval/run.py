@@ -4,6 +4,11 @@ Entry point for ``sleuth eval --benchmarks ... --method ...``: :func:`run_benchm
 loads the (sub-sampled) questions, computes only the predictions missing from the cache (in batches, each
 appended to the cache as soon as it is done), shows a progress bar with the live EM, and writes
 ``RUN_DIR/<method>-<fingerprint>/summary.json`` with the metrics of :func:`eval.metrics.aggregate`.
+
+With a judge LLM (``judge_llm``), every computed batch is also scored by LLM-as-judge
+(:func:`judge_records`, through :func:`agent.llm_judge.judge_answers`) before it is cached, and the judge
+model and its options are part of the fingerprint: judged and unjudged records, or records of two judges,
+never share a cache.
 """
 
 from __future__ import annotations
@@ -20,10 +25,40 @@ from corpora.formats import QAExample
 from eval.cache import PredictionCache, describe_llm, describe_retriever, path_manifest
 from eval.datasets import REGISTRY, benchmark_path, expand_benchmarks, load_benchmark
 from eval.methods import Method, get_method, make_method
-from eval.metrics import aggregate, exact_match, f1_score
+from eval.metrics import aggregate, exact_match, f1_score, judge_score
 
 SUMMARY = "summary.json"
 RECALL_K = (1, 3, 5, 10)
+JUDGE_DEFAULTS: dict[str, Any] = {"unparseable": "zero", "fallback_metric": "em", "max_new_tokens": 16}
+Judge = Callable[[list[dict[str, Any]]], None]
+
+
+def judge_records(records: list[dict[str, Any]], judge_llm: Any, unparseable: str = "zero",
+                  fallback_metric: str = "em", max_new_tokens: int = 16) -> list[dict[str, Any]]:
+    """Score prediction records by LLM-as-judge in one batched call of ``judge_llm``
+    (:func:`agent.llm_judge.judge_answers`): adds ``llm_correct``, ``llm_verdict`` and ``llm_raw`` to each
+    record, in place, and returns ``records``. A record needs ``question`` (else ``KeyError`` naming it),
+    ``golden_answers`` and ``prediction``."""
+    from agent.llm_judge import judge_answers
+
+    for r in records:
+        if not r.get("question"):
+            raise KeyError(f"prediction record {r.get('id')!r} has no 'question' for the LLM judge")
+    verdicts = judge_answers(judge_llm, [r["question"] for r in records], [list(r["golden_answers"]) for r in records],
+                             [r.get("prediction") for r in records], unparseable, fallback_metric, max_new_tokens)
+    for r, v in zip(records, verdicts, strict=True):
+        r.update(v)
+    return records
+
+
+def judge_manifest(judge_llm: Any, options: dict[str, Any], judge_model_dir: str | Path | None = None) -> dict[str, Any]:
+    """What an LLM judge's verdicts depend on, for the fingerprint: the judge model
+    (:func:`eval.cache.describe_llm`, plus ``judge_model_dir``'s file manifest when given) and its options."""
+    man: dict[str, Any] = {"model": describe_llm(judge_llm), "options": dict(options)}
+    if judge_model_dir is not None:
+        man["model"]["files"] = (path_manifest(judge_model_dir) if Path(judge_model_dir).exists()
+                                 else {"name": str(judge_model_dir)})
+    return man
 
 
 def method_manifest(
@@ -35,12 +70,15 @@ def method_manifest(
     index_dir: str | Path | None = None,
     model_dir: str | Path | None = None,
     extra: dict[str, Any] | None = None,
+    judge: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Everything a method's predictions depend on, hashed into the cache fingerprint: method name and
     options (``top_k``, ``temperature``, and the sampling seed when sampling), the agent config, the model
     (:func:`eval.cache.describe_llm`, plus ``model_dir``'s file manifest when given), the retriever and its
-    index manifest (which records the corpus sha256), and ``extra``. Not included: ``limit`` and the
-    sub-sampling seed (they choose questions, not answers), so a larger ``--limit`` reuses the cache."""
+    index manifest (which records the corpus sha256), ``extra``, and the LLM judge (:func:`judge_manifest`;
+    the key is absent without a judge, so unjudged runs keep their fingerprint). Not included: ``limit``
+    and the sub-sampling seed (they choose questions, not answers), so a larger ``--limit`` reuses the
+    cache."""
     cfg = agent_cfg.model_dump() if hasattr(agent_cfg, "model_dump") else agent_cfg
     man: dict[str, Any] = {
         "method": method,
@@ -53,16 +91,22 @@ def method_manifest(
         man["model"]["files"] = path_manifest(model_dir) if Path(model_dir).exists() else {"name": str(model_dir)}
     if extra:
         man["extra"] = extra
+    if judge is not None:
+        man["judge"] = judge
     return man
 
 
 def _live_postfix(done: list[dict[str, Any]]) -> dict[str, str]:
     n = len(done) or 1
-    return {
+    out = {
         "EM": f"{sum(exact_match(r['prediction'], r['golden_answers']) for r in done) / n:.3f}",
         "F1": f"{sum(f1_score(r['prediction'], r['golden_answers']) for r in done) / n:.3f}",
         "calls": f"{sum(r.get('search_calls', 0) for r in done) / n:.2f}",
     }
+    judged = [j for r in done if (j := judge_score(r)) is not None]
+    if judged:
+        out["judge"] = f"{sum(judged) / len(judged):.3f}"
+    return out
 
 
 def evaluate_benchmark(
@@ -72,12 +116,14 @@ def evaluate_benchmark(
     cache: PredictionCache,
     batch_size: int = 32,
     progress: bool = True,
+    judge: Judge | None = None,
 ) -> tuple[list[dict[str, Any]], int]:
     """Predictions for ``examples`` in order, computing only those missing from ``cache``.
 
     ``method_fn`` maps a batch of examples to records (see :mod:`eval.methods`); each batch is appended to
     the cache before the next starts. Records get the example's ``question``, ``supporting_ids``, ``hops``
-    and ``dataset``. Returns ``(records, n_computed)``. Raises ``RuntimeError`` if the method returns
+    and ``dataset``; then ``judge`` (if given, e.g. :func:`judge_records` bound to a judge LLM) scores the
+    batch in place, so the cached records carry the verdicts. Returns ``(records, n_computed)``. Raises ``RuntimeError`` if the method returns
     records that do not match its batch.
     """
     if batch_size < 1:
@@ -100,6 +146,8 @@ def evaluate_benchmark(
                 r["supporting_ids"] = e.metadata.get("supporting_ids")
                 r["hops"] = e.metadata.get("hops")
                 r["dataset"] = e.metadata.get("dataset", benchmark)
+            if judge is not None:
+                judge(recs)
             cache.append(benchmark, recs)
             for r in recs:
                 cached[r["id"]] = r
@@ -132,13 +180,17 @@ def run_benchmarks(
     batch_size: int = 32,
     progress: bool = True,
     method_fn: Method | None = None,
+    judge_llm: Any = None,
+    judge_options: dict[str, Any] | None = None,
+    judge_model_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``method`` on ``benchmarks`` and return the run summary (also saved as JSON).
 
     Args:
         benchmarks: registry names, ``"all"`` (the seven benchmarks), comma-separated lists, or QA file
             paths (any format :func:`eval.datasets.read_qa_file` reads).
-        method: ``direct``, ``rag``, ``ircot`` or ``agent``.
+        method: a name of :data:`eval.methods.METHODS` (``direct``, ``rag``, ``ircot``, ``agent``,
+            ``search_o1``).
         limit, seed: deterministic sub-sample of each benchmark (``None`` = all questions); ``seed`` is also
             the sampling seed when ``temperature > 0``.
         out_dir: the run directory; predictions go to ``out_dir/<method>-<fingerprint>/``.
@@ -153,13 +205,18 @@ def run_benchmarks(
         batch_size: questions per method call (and per cache append).
         method_fn: use this ``examples -> records`` callable instead of building ``method`` (tests, custom
             baselines); it is still cached under ``method``.
+        judge_llm: an :class:`agent.llm.LLM` backend that judges every computed record
+            (:func:`judge_records`; ``None`` = no LLM judge); its description, ``judge_options``
+            (``unparseable``: ``"zero"``/``"rule"``, ``fallback_metric``, ``max_new_tokens``; defaults
+            :data:`JUDGE_DEFAULTS`) and ``judge_model_dir``'s manifest go into the fingerprint.
 
     Returns ``{"method", "fingerprint", "run_dir", "benchmarks": {name: metrics}}`` where metrics are those of
     :func:`eval.metrics.aggregate` plus ``limit``, ``seed``, ``file``, ``split``, ``multihop`` and
-    ``computed`` (questions computed in this call; the rest came from the cache).
+    ``computed`` (questions computed in this call; the rest came from the cache); with a judge, ``judge_acc``
+    and ``judge_unparseable`` are set.
 
     Raises :class:`eval.datasets.UnknownBenchmarkError` (lists known names) before any work, ``ValueError``
-    for an unknown method, and :class:`eval.cache.CacheMismatchError` if the run dir holds predictions of
+    for an unknown method or judge option, and :class:`eval.cache.CacheMismatchError` if the run dir holds predictions of
     another config under this fingerprint.
     """
     names = expand_benchmarks(benchmarks)
@@ -167,7 +224,23 @@ def run_benchmarks(
     options: dict[str, Any] = {"top_k": top_k, "temperature": temperature, **(method_options or {})}
     if temperature > 0:
         options["sampling_seed"] = seed
-    manifest = method_manifest(method, llm, retriever, agent_cfg, options, index_dir, model_dir, fingerprint_extra)
+    judge: Judge | None = None
+    judge_man = None
+    if judge_llm is not None:
+        unknown = set(judge_options or {}) - set(JUDGE_DEFAULTS)
+        if unknown:
+            raise ValueError(f"unknown judge option(s) {sorted(unknown)}; known: {', '.join(JUDGE_DEFAULTS)}")
+        jopts = {**JUDGE_DEFAULTS, **(judge_options or {})}
+        if jopts["unparseable"] not in ("zero", "rule"):
+            raise ValueError(f"judge unparseable policy must be 'zero' or 'rule', got {jopts['unparseable']!r}")
+        judge_man = judge_manifest(judge_llm, jopts, judge_model_dir)
+
+        def judge(recs: list[dict[str, Any]]) -> None:
+            judge_records(recs, judge_llm, **jopts)
+    elif judge_options:
+        raise ValueError("judge_options given without a judge_llm")
+    manifest = method_manifest(method, llm, retriever, agent_cfg, options, index_dir, model_dir, fingerprint_extra,
+                               judge_man)
     cache = PredictionCache(out_dir, method, manifest)
     if method_fn is None:
         kw = dict(options)
@@ -182,7 +255,7 @@ def run_benchmarks(
     datasets = {n: load_benchmark(n, data_dir, limit, seed) for n in names}  # load all first: fail early
     for name, examples in datasets.items():
         t0 = time.perf_counter()
-        records, computed = evaluate_benchmark(name, examples, method_fn, cache, batch_size, progress)
+        records, computed = evaluate_benchmark(name, examples, method_fn, cache, batch_size, progress, judge)
         metrics = aggregate(records, recall_k=RECALL_K)
         spec = REGISTRY.get(name)
         metrics.update({
@@ -204,10 +277,13 @@ def run_benchmarks(
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    """A markdown table of one run's summary: one row per benchmark."""
+    """A markdown table of one run's summary: one row per benchmark (LLM-judge accuracy and unparseable
+    verdicts as two more columns when the run was judged)."""
     cols = [("em", "EM"), ("f1", "F1"), ("cover_em", "cover-EM"), ("recall", "recall"),
             ("search_calls", "searches"), ("turns", "turns"), ("generated_tokens", "gen. tokens"),
             ("wall_s", "s/question")]
+    if any(m.get("judge_acc") is not None for m in summary.get("benchmarks", {}).values()):
+        cols[3:3] = [("judge_acc", "LLM-judge"), ("judge_unparseable", "unparseable")]
     head = f"| {summary.get('method', '')} | n | " + " | ".join(c for _, c in cols) + " |"
     lines = [head, "|" + "---|" * (len(cols) + 2)]
     for name, m in summary.get("benchmarks", {}).items():
@@ -219,6 +295,6 @@ def format_summary(summary: dict[str, Any]) -> str:
 def _fmt(v: Any, key: str) -> str:
     if v is None:
         return "-"
-    if key in ("em", "f1", "cover_em", "recall"):
+    if key in ("em", "f1", "cover_em", "recall", "judge_acc", "judge_unparseable"):
         return f"{100 * v:.1f}"
     return f"{v:.2f}" if isinstance(v, float) else str(v)

@@ -211,9 +211,12 @@ class TrainConfig(Section):
 
 
 class EvalConfig(Section):
-    """Evaluation: question limit and decoding temperature (0 = greedy)."""
+    """Evaluation: question limit, decoding temperature (0 = greedy) and the optional LLM judge."""
     limit: int | None = None
     temperature: float = 0.0
+    judge_model: str | None = Field(None, description="LLM-as-judge model (path or hub id); None = no judge")
+    judge_unparseable: Literal["zero", "rule"] = Field(
+        "zero", description="an unparseable verdict scores 0 (zero) or falls back to EM (rule)")
 
 
 class Config(Section):

@@ -1,4 +1,5 @@
-"""``sleuth eval``: run the agent on a QA file (or the benchmarks) and report EM / F1 / cover-EM."""
+"""``sleuth eval``: run the agent on a QA file (or a method on the benchmarks) and report EM / F1 / cover-EM,
+and with ``--judge-model`` (or ``eval.judge_model``) LLM-as-judge accuracy."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ def add_arguments(p) -> None:
     p.add_argument("--qa", help="QA JSONL file (default: the shipped sample's test questions)")
     p.add_argument("--index", help="index directory (default: retrieval.index_dir)")
     p.add_argument("--model", help="model directory or hub id (default: policy.model or the tiny policy)")
-    p.add_argument("--method", default="agent", help="agent (default), or with --benchmarks: direct, rag, ircot")
+    p.add_argument("--method", default="agent",
+                   help="agent (default), or with --benchmarks: direct, rag, ircot, search_o1")
+    p.add_argument("--judge-model", help="LLM-as-judge model directory or hub id, loaded like --model "
+                   "(default: eval.judge_model; none = no judge); policy: eval.judge_unparseable")
     p.add_argument("--benchmarks", help="comma-separated benchmark names or 'all' (see eval.datasets)")
     p.add_argument("--limit", type=int, help="evaluate at most this many questions (seeded sub-sample)")
     p.add_argument("--seed", type=int, default=0)
@@ -38,6 +42,11 @@ def run(args) -> int:
     out = Path(args.out or Path(cfg.out_dir) / "eval")
     retriever = open_retriever(cfg, args.index)  # first: a missing index is the commonest mistake
     llm = load_llm(cfg, args.model)
+    judge_model = args.judge_model or cfg.eval.judge_model
+    judge_llm = None
+    if judge_model:  # the policy judging itself reuses the loaded backend
+        judge_llm = llm if judge_model == (args.model or cfg.policy.model) else load_llm(cfg, judge_model)
+    judge_options = {"unparseable": cfg.eval.judge_unparseable}
     if args.benchmarks:
         from eval.run import run_benchmarks
 
@@ -45,7 +54,9 @@ def run(args) -> int:
                                 retriever, cfg.agent, args.data_dir, top_k=cfg.retrieval.top_k,
                                 temperature=cfg.eval.temperature,
                                 index_dir=args.index or cfg.retrieval.index_dir,
-                                model_dir=args.model or cfg.policy.model or str(Path(cfg.out_dir) / "tiny"))
+                                model_dir=args.model or cfg.policy.model or str(Path(cfg.out_dir) / "tiny"),
+                                judge_llm=judge_llm, judge_options=judge_options if judge_llm else None,
+                                judge_model_dir=judge_model)
         print(json.dumps(result, indent=1, default=str)[:4000])
         return 0
     if args.method != "agent":
@@ -57,11 +68,22 @@ def run(args) -> int:
 
         examples = subsample(examples, args.limit, args.seed)
     summary, trajs = evaluate_agent(llm, retriever, examples, cfg)
+    if judge_llm is not None:
+        from eval.methods import trajectory_record
+        from eval.metrics import aggregate
+        from eval.run import judge_records
+
+        records = judge_records([trajectory_record(t) for t in trajs], judge_llm, **judge_options)
+        judged = aggregate(records, by_hops=False)
+        summary.update({k: judged[k] for k in ("judge_acc", "n_judged", "judge_unparseable")}, judge_model=judge_model)
     summary.update(qa=str(qa), model=str(args.model or cfg.policy.model or "tiny"))
     name = Path(qa).stem
     write_eval_outputs(out, name, summary, trajs)
     table = markdown_table({summary["model"]: summary})
     (out / f"{name}.md").write_text(table + "\n")
     print(table)
+    if judge_llm is not None:
+        print(f"\nLLM-judge accuracy ({judge_model}): {100 * (summary['judge_acc'] or 0):.1f}% "
+              f"(unparseable verdicts: {100 * (summary['judge_unparseable'] or 0):.1f}%)")
     print(f"\nwrote {out / (name + '.json')}, {out / (name + '.md')} and the trajectories")
     return 0
