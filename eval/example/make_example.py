@@ -1,11 +1,12 @@
-"""Rebuild the example report in this folder: the four methods on the shipped HotpotQA sample.
+"""Rebuild the example report in this folder: the five methods on the shipped HotpotQA sample.
 
 Steps (CPU, a few minutes on 2 cores): BM25 index of ``corpora/sample/corpus.jsonl``; the tiny policy
 (BPE tokenizer + tiny Qwen2 from seed 0, :mod:`training.policy`) warm-started by SFT on oracle trajectories
-of the *train* questions (:mod:`training.sft`); then ``direct``, ``rag``, ``ircot`` and ``agent`` on the 100
-*test* questions through :func:`eval.run.run_benchmarks`, and :func:`eval.report.write_report` into this
-folder. Work files go to ``runs/eval_example`` (re-running reuses the index, the model and every cached
-prediction).
+of the *train* questions (:mod:`training.sft`); then ``direct``, ``rag``, ``ircot``, ``search_o1`` and
+``agent`` on the 100 *test* questions through :func:`eval.run.run_benchmarks`, and
+:func:`eval.report.write_report` into this folder. Work files go to ``runs/eval_example`` (re-running reuses
+the index, the model and every cached prediction). The committed report evaluates the quickstart's RL
+checkpoint (``sleuth quickstart`` first): ``--model runs/quickstart/grpo/checkpoints/step_000008``.
 
     .venv/bin/python -m eval.example.make_example [--work runs/eval_example] [--epochs 6] [--limit 100]
         [--model CHECKPOINT_DIR]   # skip the SFT and evaluate an existing checkpoint
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default="runs/eval_example")
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--limit", type=int, default=100)
-    p.add_argument("--methods", default="direct,rag,ircot,agent")
+    p.add_argument("--methods", default="direct,rag,ircot,search_o1,agent")
     p.add_argument("--model", default=None, help="evaluate this checkpoint (e.g. the quickstart's) instead of building one")
     args = p.parse_args(argv)
 
