@@ -86,6 +86,13 @@ class DocStore:
         a, b = int(self.offsets[row]), int(self.offsets[row + 1])
         return _loads(self._mm[a:b])
 
+    def raw(self, row: int) -> bytes:
+        """The stored JSON object of passage ``row`` as UTF-8 bytes (``{"id", "title", "contents"}``, no
+        newline): the retrieval server splices these into its reply without parsing them."""
+        if not 0 <= row < len(self):
+            raise IndexError(f"passage row {row} outside [0, {len(self)})")
+        return self._mm[int(self.offsets[row]) : int(self.offsets[row + 1])].rstrip(b"\n")
+
     def iter_contents(self, start: int = 0) -> Iterator[str]:
         """Stream ``contents`` from row ``start`` on."""
         with open(self.path, "rb") as f:

@@ -6,6 +6,11 @@ best first); with ``return_scores`` false each item is the document itself, as i
 carries the title on its first line, which Search-R1's client (``search_r1/llm_agent/generation.py``)
 renders as ``Doc i(Title: <first line>) <rest>``. ``GET /health`` reports the index and batching counters.
 
+Reply path: for retrievers over an index directory (BM25, dense: they expose ``search_rows`` and a passage
+store), the worker searches for row ids only and the reply is spliced from the store's stored JSON bytes
+(:meth:`retrieval.index.DocStore.raw`), so no passage is parsed or re-serialised on the server; other
+retrievers (hybrid, cached, remote) go through :class:`~retrieval.base.Hit` objects and orjson.
+
 Batching: requests wait in a queue; one worker takes everything queued (up to ``max_batch_queries``
 queries), runs a single ``retriever.search`` in a thread and hands each request its slice. While one search
 runs, the next requests pile up and form the next batch, so concurrent rollout workers share index passes
@@ -20,10 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -105,6 +112,39 @@ def hits_to_result(hits: list[list[Hit]], return_scores: bool) -> list[list[dict
     return out
 
 
+def _fmt_score(s: float) -> bytes:
+    return repr(s).encode() if math.isfinite(s) else b"null"
+
+
+def rows_to_reply(rows: np.ndarray, scores: np.ndarray, store, return_scores: bool) -> bytes:
+    """The ``/retrieve`` reply body for ``[Q, k]`` rows/scores (row -1 = no hit), spliced from the stored
+    passage JSON (``store.raw(row)``, bytes) without parsing it; the same JSON as :func:`hits_to_result`
+    serialised (documents carry the stored ``id``, ``title``, ``contents``)."""
+    raw = store.raw
+    out = [b'{"result":[']
+    for qi, (r_q, s_q) in enumerate(zip(rows.tolist(), scores.tolist())):
+        if qi:
+            out.append(b",")
+        if return_scores:
+            items = [b'{"document":' + raw(r) + b',"score":' + _fmt_score(s) + b"}" for r, s in zip(r_q, s_q) if r >= 0]
+        else:
+            items = [raw(r) for r in r_q if r >= 0]
+        out.append(b"[" + b",".join(items) + b"]")
+    out.append(b"]}")
+    return b"".join(out)
+
+
+def row_source(retriever):
+    """``(search_rows, store)`` when ``retriever`` searches an index directory by row ids and its store can
+    hand out raw passage JSON (:class:`retrieval.index.BM25Retriever`, ``DenseRetriever``); ``None``
+    otherwise (wrappers such as the LRU cache must keep their own ``search``, so the method is looked up on
+    the class, not forwarded)."""
+    store = getattr(retriever, "store", None)
+    if callable(getattr(type(retriever), "search_rows", None)) and callable(getattr(store, "raw", None)):
+        return retriever.search_rows, store
+    return None
+
+
 class Batcher:
     """Coalesce concurrent searches into one ``retriever.search`` call (see module docstring).
 
@@ -113,6 +153,7 @@ class Batcher:
 
     def __init__(self, retriever: Retriever, max_batch_queries: int = 8192, max_wait_ms: float = 0.0):
         self.retriever = retriever
+        self.rows = row_source(retriever)  # (search_rows, store) for the raw-bytes reply path, or None
         self.max_batch_queries = max_batch_queries
         self.max_wait = max_wait_ms / 1000
         self.batches = self.queries = 0
@@ -127,10 +168,25 @@ class Batcher:
         if self._task:
             self._task.cancel()
 
-    async def search(self, queries: list[str], k: int) -> list[list[Hit]]:
+    async def search(self, queries: list[str], k: int) -> list[list[Hit]] | tuple[np.ndarray, np.ndarray]:
+        """Search ``queries`` together with whatever else is queued. Returns hit lists, or ``([Q, k] rows,
+        [Q, k] scores)`` arrays on the row path (see :func:`encode_reply`)."""
         fut = asyncio.get_running_loop().create_future()
         await self._queue.put((queries, k, fut))
         return await fut
+
+    def _search_rows(self, queries: list[str], k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Row-path search; empty queries get no hits (row -1), as in ``retriever.search``."""
+        search_rows, _ = self.rows
+        keep = [i for i, q in enumerate(queries) if q.strip()]
+        if len(keep) == len(queries):
+            return search_rows(queries, k)
+        rows = np.full((len(queries), k), -1, dtype=np.int64)
+        scores = np.zeros((len(queries), k), dtype=np.float32)
+        if keep:
+            r, sc = search_rows([queries[i] for i in keep], k)
+            rows[keep, : r.shape[1]], scores[keep, : r.shape[1]] = r, sc
+        return rows, scores
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -144,8 +200,9 @@ class Batcher:
                 n += len(items[-1][0])
             all_q = [q for qs, _, _ in items for q in qs]
             kmax = max(k for _, k, _ in items)
+            search = self._search_rows if self.rows else self.retriever.search
             try:
-                res = await loop.run_in_executor(None, self.retriever.search, all_q, kmax) if all_q else []
+                res = await loop.run_in_executor(None, search, all_q, kmax) if all_q else []
             except Exception as e:  # noqa: BLE001 (the server keeps serving; each waiting request gets the error)
                 for _, _, fut in items:
                     if not fut.done():
@@ -156,8 +213,17 @@ class Batcher:
             at = 0
             for qs, k, fut in items:
                 if not fut.done():
-                    fut.set_result([hits[:k] for hits in res[at : at + len(qs)]])
+                    if self.rows:
+                        fut.set_result((res[0][at : at + len(qs), :k], res[1][at : at + len(qs), :k]))
+                    else:
+                        fut.set_result([hits[:k] for hits in res[at : at + len(qs)]])
                 at += len(qs)
+
+    def encode_reply(self, res: list[list[Hit]] | tuple[np.ndarray, np.ndarray], return_scores: bool) -> bytes:
+        """The ``/retrieve`` reply body for one request's :meth:`search` result."""
+        if isinstance(res, tuple):
+            return rows_to_reply(res[0], res[1], self.rows[1], return_scores)
+        return _dumps({"result": hits_to_result(res, return_scores)})
 
 
 def create_app(
@@ -198,9 +264,7 @@ def create_app(
             return error(400, f"search failed: {e}")
         except Exception as e:  # noqa: BLE001 (any backend failure is a 500, not a dead server)
             return error(500, f"search failed: {type(e).__name__}: {e}")
-        return Response(
-            _dumps({"result": hits_to_result(hits, return_scores)}), media_type="application/json"
-        )
+        return Response(batcher.encode_reply(hits, return_scores), media_type="application/json")
 
     @app.get("/health")
     async def health():
@@ -209,6 +273,7 @@ def create_app(
             "uptime_s": round(time.time() - started, 1),
             "batches": batcher.batches,
             "queries": batcher.queries,
+            "reply_path": "rows" if batcher.rows else "hits",
             "limits": limits.__dict__,
             **(info or {}),
         }

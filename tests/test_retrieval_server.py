@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 
-import httpx
+import httpx2
 import pytest
 
 from retrieval.base import Hit
@@ -80,7 +80,7 @@ def test_search_r1_payload_and_reply(server, bm25):
         "topk": 3,
         "return_scores": True,
     }
-    r = httpx.post(
+    r = httpx2.post(
         server.url + "/retrieve", content=json.dumps(payload), headers={"Content-Type": "application/json"}
     )
     assert r.status_code == 200
@@ -100,7 +100,7 @@ def test_search_r1_payload_and_reply(server, bm25):
     assert [[d["document"]["id"] for d in q] for q in result] == [[h.id for h in q] for q in local]
     assert result[0][0]["score"] == pytest.approx(local[0][0].score, rel=1e-6)
     # return_scores false: bare documents, as Search-R1's server
-    r = httpx.post(server.url + "/retrieve", json={"queries": ["Everest"], "topk": 1, "return_scores": False})
+    r = httpx2.post(server.url + "/retrieve", json={"queries": ["Everest"], "topk": 1, "return_scores": False})
     assert r.json()["result"][0][0]["id"] == "d2"
 
 
@@ -117,15 +117,15 @@ def test_search_r1_payload_and_reply(server, bm25):
     ],
 )
 def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, payload, status, needle):
-    r = httpx.post(server.url + "/retrieve", json=payload)
+    r = httpx2.post(server.url + "/retrieve", json=payload)
     assert r.status_code == status and needle in r.json()["error"]
-    assert httpx.post(server.url + "/retrieve", json={"queries": ["Everest"], "topk": 1}).status_code == 200
+    assert httpx2.post(server.url + "/retrieve", json={"queries": ["Everest"], "topk": 1}).status_code == 200
 
 
 def test_not_json_and_health(server):
-    r = httpx.post(server.url + "/retrieve", content=b"{nope", headers={"Content-Type": "application/json"})
+    r = httpx2.post(server.url + "/retrieve", content=b"{nope", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
-    h = httpx.get(server.url + "/health").json()
+    h = httpx2.get(server.url + "/health").json()
     assert h["status"] == "ok" and h["method"] == "bm25" and h["limits"]["max_topk"] == 100
 
 
@@ -156,7 +156,7 @@ def test_concurrent_requests_are_batched():
     with _Server(create_app(slow)) as s:
         threads = [
             threading.Thread(
-                target=lambda i=i: httpx.post(
+                target=lambda i=i: httpx2.post(
                     s.url + "/retrieve", json={"queries": [f"q{i}"], "topk": 2}, timeout=10
                 )
             )
@@ -166,7 +166,7 @@ def test_concurrent_requests_are_batched():
             t.start()
         for t in threads:
             t.join()
-        h = httpx.get(s.url + "/health").json()
+        h = httpx2.get(s.url + "/health").json()
     assert h["queries"] == 8 and sum(slow.calls) == 8
     assert h["batches"] < 8 and max(slow.calls) > 1  # requests arriving together shared an index pass
 
@@ -182,8 +182,42 @@ def test_search_error_is_500_and_server_survives():
             return [[] for _ in queries]
 
     with _Server(create_app(Flaky())) as s:
-        r = httpx.post(s.url + "/retrieve", json={"queries": ["a"], "topk": 1})
+        r = httpx2.post(s.url + "/retrieve", json={"queries": ["a"], "topk": 1})
         assert r.status_code == 500 and "disk on fire" in r.json()["error"]
-        assert httpx.post(s.url + "/retrieve", json={"queries": ["a"], "topk": 1}).json() == {"result": [[]]}
+        assert httpx2.post(s.url + "/retrieve", json={"queries": ["a"], "topk": 1}).json() == {"result": [[]]}
         # the client retries a 5xx and then succeeds
         assert RemoteRetriever(s.url).search(["a"], 1) == [[]]
+
+
+def test_row_path_reply_equals_hit_path_reply(tmp_path):
+    """The raw-bytes reply (rows spliced from the passage store) is the same JSON as serialising hits,
+    including unicode, a query without hits, topk above the corpus size and return_scores false."""
+    import numpy as np
+
+    from retrieval.cache import CachedRetriever
+    from retrieval.server import Batcher, hits_to_result, row_source, rows_to_reply
+
+    rows = [*ROWS, ("d4", "Zürich – Ω", 'Zürich "quoted" \\ back\\slash, naïve café 東京.')]
+    with open(tmp_path / "c.jsonl", "w") as f:
+        f.writelines(json.dumps({"id": i, "title": t, "contents": f"{t}\n{x}"}) + "\n" for i, t, x in rows)
+    build_index(tmp_path / "c.jsonl", tmp_path / "index", build_dense=False, show_progress=False)
+    r = load_retriever(tmp_path / "index", "bm25")
+    assert row_source(r) is not None
+    assert row_source(CachedRetriever(r, 8)) is None  # the cache keeps its own search
+    qs = ["Zürich café", "Everest Himalayas", "zzzunknownword", "Trigiani"]
+    for k in (2, 10):
+        rw, sc = r.search_rows(qs, k)
+        for scores in (True, False):
+            fast = json.loads(rows_to_reply(rw, sc, r.store, scores))
+            slow = hits_to_result(r.search(qs, k), scores)
+            assert fast == {"result": json.loads(json.dumps(slow))}
+    assert json.loads(rows_to_reply(rw, sc, r.store, True))["result"][2] == []
+    # empty queries on the row path: no hits, others unchanged
+    b = Batcher(r)
+    er, es = b._search_rows(["", "Everest", " "], 3)
+    assert (er[0] == -1).all() and (er[2] == -1).all() and er[1][0] == r.search_rows(["Everest"], 3)[0][0][0]
+    assert np.isfinite(es).all()
+
+
+def test_server_uses_row_path_for_index_retrievers(server):
+    assert httpx2.get(server.url + "/health").json()["reply_path"] == "rows"
