@@ -1,4 +1,4 @@
-"""A backend for any OpenAI-compatible HTTP server (vLLM serve, SGLang, a hosted API), over ``httpx``.
+"""A backend for any OpenAI-compatible HTTP server (vLLM serve, SGLang, a hosted API), over ``httpx2``.
 
 Uses the **completions** endpoint (``POST {base_url}/completions``) with the prompt given as token ids, so
 the server continues exactly the tokens the agent recorded. Token-exactness of the *output* depends on
@@ -12,7 +12,7 @@ the server:
   self-consistent (what is recorded is what the next turn sends), but the ids may differ from the ones
   the server sampled, so such a backend suits evaluation and serving, not RL training.
 
-Requests run concurrently (``asyncio`` + ``httpx.AsyncClient``) under a concurrency limit, with a timeout
+Requests run concurrently (``asyncio`` + ``httpx2.AsyncClient``) under a concurrency limit, with a timeout
 per request and retries with exponential backoff on connection errors, timeouts, 429 and 5xx. Other 4xx
 responses and malformed bodies raise :class:`BackendError` at once (a retry would not help); the
 scheduler turns that into a failed episode with the reason.
@@ -26,7 +26,7 @@ import json
 import os
 from typing import Any
 
-import httpx
+import httpx2
 
 from agent.llm import Generation, SamplingParams, decode, encode, truncate_at_stop
 
@@ -79,9 +79,9 @@ class OpenAICompatibleLLM:
 
     async def agenerate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        limits = httpx.Limits(max_connections=self.max_concurrency)
+        limits = httpx2.Limits(max_connections=self.max_concurrency)
         sem = asyncio.Semaphore(self.max_concurrency)
-        async with httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout_s,
+        async with httpx2.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout_s,
                                      limits=limits) as client:
             return list(await asyncio.gather(*(self._one(client, sem, p, params, i) for i, p in enumerate(prompts))))
 
@@ -107,7 +107,7 @@ class OpenAICompatibleLLM:
             body["seed"] = params.seed + i
         return body
 
-    async def _one(self, client: httpx.AsyncClient, sem: asyncio.Semaphore, prompt: list[int],
+    async def _one(self, client: httpx2.AsyncClient, sem: asyncio.Semaphore, prompt: list[int],
                    params: SamplingParams, i: int) -> Generation:
         body = self._body(prompt, params, i)
         delay, last = self.backoff_s, "no attempt"
@@ -120,7 +120,7 @@ class OpenAICompatibleLLM:
                 async with sem:
                     self.stats["requests"] += 1
                     r = await client.post("/completions", json=body)
-            except (httpx.TimeoutException, httpx.TransportError) as e:
+            except (httpx2.TimeoutException, httpx2.TransportError) as e:
                 last = f"{type(e).__name__}: {e or 'timed out'}"
                 continue
             if r.status_code == 429 or r.status_code >= 500:
@@ -131,7 +131,7 @@ class OpenAICompatibleLLM:
             return self._parse(r, params)
         raise BackendError(f"{self.base_url}/completions failed after {self.max_retries + 1} attempts ({last})")
 
-    def _parse(self, r: httpx.Response, params: SamplingParams) -> Generation:
+    def _parse(self, r: httpx2.Response, params: SamplingParams) -> Generation:
         try:
             obj = r.json()
             choice = obj["choices"][0]

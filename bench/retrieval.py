@@ -92,14 +92,14 @@ class _Server:
         self.proc = subprocess.Popen([sys.executable, "-c", code])
 
     def __enter__(self):
-        import httpx
+        import httpx2
 
         url = f"http://127.0.0.1:{self.port}"
         for _ in range(1200):
             try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                if httpx2.get(url + "/health", timeout=1).status_code == 200:
                     return url
-            except httpx.TransportError:
+            except httpx2.TransportError:
                 time.sleep(0.1)
             if self.proc.poll() is not None:
                 raise RuntimeError("retrieval server process exited")

@@ -130,7 +130,7 @@ def loop_overhead(examples, tokenizer, retriever, cfg, top_k: int, repeats: int 
 
 
 def serving_latency(llm, retriever, cfg, questions: list[str], concurrency: list[int], per_client: int, top_k: int) -> dict:
-    import httpx
+    import httpx2
 
     from agent.server import ServeLimits, create_app
     from tests.test_agent_fakes import ServerThread
@@ -141,7 +141,7 @@ def serving_latency(llm, retriever, cfg, questions: list[str], concurrency: list
         for c in concurrency:
             lat: list[float] = []
 
-            async def client(j: int, http: httpx.AsyncClient, lat: list[float] = lat) -> None:
+            async def client(j: int, http: httpx2.AsyncClient, lat: list[float] = lat) -> None:
                 for r in range(per_client):
                     q = questions[(j * per_client + r) % len(questions)]
                     t0 = time.perf_counter()
@@ -150,8 +150,8 @@ def serving_latency(llm, retriever, cfg, questions: list[str], concurrency: list
                     lat.append(time.perf_counter() - t0)
 
             async def run_all(c: int = c) -> float:
-                async with httpx.AsyncClient(base_url=srv.url, timeout=600,
-                                             limits=httpx.Limits(max_connections=c)) as http:
+                async with httpx2.AsyncClient(base_url=srv.url, timeout=600,
+                                             limits=httpx2.Limits(max_connections=c)) as http:
                     t0 = time.perf_counter()
                     await asyncio.gather(*(client(j, http) for j in range(c)))
                     return time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """The HTTP client of a Search-R1-compatible retrieval server (``sleuth serve-retrieval`` or Search-R1's
 own ``retrieval_server.py``), behind the :class:`~retrieval.base.Retriever` interface.
 
-One pooled ``httpx.Client`` (keep-alive connections, thread-safe), a timeout per request, retries with
+One pooled ``httpx2.Client`` (keep-alive connections, thread-safe), a timeout per request, retries with
 exponential backoff on connection errors, timeouts, 429 and 5xx; a 4xx is the caller's fault and is raised
 at once with the server's message. Large batches are split into requests of at most ``max_batch`` queries.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-import httpx
+import httpx2
 
 try:  # optional: faster parsing of large replies
     from orjson import loads as _loads
@@ -45,9 +45,9 @@ class RemoteRetriever:
         self.endpoint = url if url.endswith("/retrieve") else url + "/retrieve"
         self.base = self.endpoint[: -len("/retrieve")]
         self.retries, self.backoff, self.max_batch = retries, backoff, max_batch
-        self._client = httpx.Client(
+        self._client = httpx2.Client(
             timeout=timeout,
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            limits=httpx2.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
 
     def close(self) -> None:
@@ -59,14 +59,14 @@ class RemoteRetriever:
     def __exit__(self, *exc):
         self.close()
 
-    def _request(self, method: str, url: str, **kw) -> httpx.Response:
+    def _request(self, method: str, url: str, **kw) -> httpx2.Response:
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
                 r = self._client.request(method, url, **kw)
-            except httpx.TransportError as e:  # connect error, timeout, reset
+            except httpx2.TransportError as e:  # connect error, timeout, reset
                 last = e
                 continue
             if r.status_code == 429 or r.status_code >= 500:
@@ -103,20 +103,25 @@ class RemoteRetriever:
                 raise RetrievalServerError(
                     f"malformed reply from {self.endpoint}: expected 'result' per query"
                 )
-            out.extend([_hit(item) for item in hits] for hits in result)
+            try:
+                out.extend([_hit(item) for item in hits] for hits in result)
+            except (AttributeError, TypeError, ValueError) as e:
+                raise RetrievalServerError(f"malformed hit in the reply from {self.endpoint}: {e}") from None
         return out
 
 
 def _hit(item: dict) -> Hit:
     doc = item.get("document", item)
-    contents = str(doc.get("contents", ""))
+    contents = doc.get("contents", "")
+    if type(contents) is not str:
+        contents = str(contents)
     title = doc.get("title") or contents.partition("\n")[0].strip('"')
-    return Hit(
-        id=str(doc.get("id", "")), title=str(title), contents=contents, score=float(item.get("score", 0.0))
-    )
+    score = item.get("score", 0.0)
+    return Hit(str(doc.get("id", "")), title if type(title) is str else str(title), contents,
+               score if type(score) is float else float(score))
 
 
-def _message(r: httpx.Response) -> str:
+def _message(r: httpx2.Response) -> str:
     try:
         j = r.json()
         return str(j.get("error") or j.get("detail") or j)

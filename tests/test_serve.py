@@ -7,7 +7,7 @@ import asyncio
 import threading
 import time
 
-import httpx
+import httpx2
 import pytest
 
 from agent.llm import Generation
@@ -66,7 +66,7 @@ def test_openai_client_wrong_key_is_401(server):
 
 
 def test_ask_with_httpx(server):
-    r = httpx.post(server.url + "/ask", headers=_h(), json={"question": "What is the capital of France?",
+    r = httpx2.post(server.url + "/ask", headers=_h(), json={"question": "What is the capital of France?",
                                                            "golden_answers": ["Paris"]})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -79,26 +79,26 @@ def test_ask_with_httpx(server):
 def test_bad_requests_get_4xx_with_reasons_and_the_server_keeps_serving(server):
     url = server.url
     cases = [
-        (httpx.post(url + "/ask", headers=_h(), content=b"{not json"), 400, "not valid JSON"),
-        (httpx.post(url + "/ask", headers=_h(), json=["a list"]), 400, "JSON object"),
-        (httpx.post(url + "/ask", headers=_h(), json={"question": "   "}), 422, "empty"),
-        (httpx.post(url + "/ask", headers=_h(), json={"question": 3}), 422, "string"),
-        (httpx.post(url + "/ask", headers=_h(), json={"question": "x" * 100_000}), 413, "exceeds"),
-        (httpx.post(url + "/ask", headers=_h(), json={"question": "x" * 5_000}), 422, "limit is"),
-        (httpx.post(url + "/ask", headers=_h(), json={"question": "q", "top_k": 1000}), 422, "top_k"),
-        (httpx.post(url + "/ask", json={"question": "q"}), 401, "API key"),
-        (httpx.post(url + "/v1/chat/completions", headers=_h(), json={"messages": []}), 422, "messages"),
-        (httpx.post(url + "/v1/chat/completions", headers=_h(), json={"messages": [{"role": "system", "content": "x"}]}), 422, "user"),
+        (httpx2.post(url + "/ask", headers=_h(), content=b"{not json"), 400, "not valid JSON"),
+        (httpx2.post(url + "/ask", headers=_h(), json=["a list"]), 400, "JSON object"),
+        (httpx2.post(url + "/ask", headers=_h(), json={"question": "   "}), 422, "empty"),
+        (httpx2.post(url + "/ask", headers=_h(), json={"question": 3}), 422, "string"),
+        (httpx2.post(url + "/ask", headers=_h(), json={"question": "x" * 100_000}), 413, "exceeds"),
+        (httpx2.post(url + "/ask", headers=_h(), json={"question": "x" * 5_000}), 422, "limit is"),
+        (httpx2.post(url + "/ask", headers=_h(), json={"question": "q", "top_k": 1000}), 422, "top_k"),
+        (httpx2.post(url + "/ask", json={"question": "q"}), 401, "API key"),
+        (httpx2.post(url + "/v1/chat/completions", headers=_h(), json={"messages": []}), 422, "messages"),
+        (httpx2.post(url + "/v1/chat/completions", headers=_h(), json={"messages": [{"role": "system", "content": "x"}]}), 422, "user"),
     ]
     for r, status, reason in cases:
         assert r.status_code == status, (r.status_code, r.text)
         assert reason in r.json()["error"]["message"]
     # a model that never closes its tag: the episode ends at the turn budget, with the reason
-    r = httpx.post(url + "/ask", headers=_h(), json={"question": "rambling question?"})
+    r = httpx2.post(url + "/ask", headers=_h(), json={"question": "rambling question?"})
     assert r.status_code == 200 and r.json()["answer"] is None and r.json()["stop_reason"] == "max_turns"
     assert "unclosed <search>" in r.json()["trajectory"]["turns"][0]["error"]
-    assert httpx.get(url + "/health").json()["status"] == "ok"
-    assert httpx.post(url + "/ask", headers=_h(), json={"question": "What is the capital of France?"}).json()["answer"] == "Paris"
+    assert httpx2.get(url + "/health").json()["status"] == "ok"
+    assert httpx2.post(url + "/ask", headers=_h(), json={"question": "What is the capital of France?"}).json()["answer"] == "Paris"
 
 
 def test_backend_timeout_and_garbage_fail_the_request_not_the_server(tiny_llm, retriever, agent_cfg):
@@ -119,13 +119,13 @@ def test_backend_timeout_and_garbage_fail_the_request_not_the_server(tiny_llm, r
     bad = Bad()
     app = create_app(bad, retriever, agent_cfg, limits=ServeLimits(request_timeout_s=0.5))
     with ServerThread(app) as srv:
-        r = httpx.post(srv.url + "/ask", json={"question": "anything?"}, timeout=10)
+        r = httpx2.post(srv.url + "/ask", json={"question": "anything?"}, timeout=10)
         assert r.status_code == 504 and "longer than 0.5 s" in r.json()["error"]["message"]
         time.sleep(1.2)  # the hung call returns; the next ones get garbage
-        r = httpx.post(srv.url + "/ask", json={"question": "anything?"}, timeout=10)
+        r = httpx2.post(srv.url + "/ask", json={"question": "anything?"}, timeout=10)
         assert r.status_code == 502 and "garbage" in r.json()["error"]["message"]
         bad.mode = "ok"
-        r = httpx.post(srv.url + "/ask", json={"question": "anything?"}, timeout=10)
+        r = httpx2.post(srv.url + "/ask", json={"question": "anything?"}, timeout=10)
         assert r.status_code == 200 and r.json()["stop_reason"] in ("max_turns", "answer")
 
 
@@ -133,13 +133,13 @@ def test_100_concurrent_clients_share_batches(policy, retriever, agent_cfg):
     app = create_app(policy, retriever, agent_cfg, top_k=2)
     with ServerThread(app) as srv:
         async def main():
-            async with httpx.AsyncClient(base_url=srv.url, timeout=60,
-                                         limits=httpx.Limits(max_connections=100)) as c:
+            async with httpx2.AsyncClient(base_url=srv.url, timeout=60,
+                                         limits=httpx2.Limits(max_connections=100)) as c:
                 qs = ["What is the capital of France?", "Where was the designer of the Eiffel Tower born?"]
                 return await asyncio.gather(*(c.post("/ask", json={"question": qs[i % 2] + f" ({i})"}) for i in range(100)))
 
         rs = asyncio.run(main())
-        health = httpx.get(srv.url + "/health").json()
+        health = httpx2.get(srv.url + "/health").json()
     assert all(r.status_code == 200 for r in rs)
     assert [r.json()["answer"] for r in rs] == ["Paris", "Dijon"] * 50
     # 100 episodes x 2 turns went through far fewer backend calls than 200
