@@ -181,11 +181,13 @@ def build_index(
     t0 = time.time()
     fp = file_fingerprint(corpus)
     old = json.loads((out / MANIFEST).read_text()) if (out / MANIFEST).exists() else {}
+    built = False  # whether any part was (re)built; if not, the manifest keeps the original build time
     if old.get("fingerprint") == fp and (out / OFFSETS).exists():
         n = int(old["num_passages"])
     else:
         (out / MANIFEST).unlink(missing_ok=True)
         n = write_docstore(corpus, out, show_progress)
+        built = True
     if n == 0:
         raise ValueError(f"corpus {corpus} has no passages")
     store = DocStore(out)
@@ -203,7 +205,9 @@ def build_index(
     else:
         BM25Index.build(store.iter_contents(), n, out / "bm25", bm25_params, show_progress)
         manifest["bm25"] = asdict(bm25_params)
+        built = True
     if build_dense:
+        built = True  # (the encoder resumes or skips finished embeddings; counted as a build)
         enc = Encoder(dense_model, device=device, query_prefix=query_prefix, passage_prefix=passage_prefix)
         ddir = out / "dense"
         ddir.mkdir(parents=True, exist_ok=True)
@@ -228,7 +232,8 @@ def build_index(
         }
     elif old.get("fingerprint") == fp and old.get("dense"):
         manifest["dense"] = old["dense"]  # keep an existing dense part when rebuilding BM25 only
-    manifest["build_seconds"] = round(time.time() - t0, 2)
+    manifest["build_seconds"] = round(time.time() - t0, 2) if built or "build_seconds" not in old else old["build_seconds"]
+    manifest["reused"] = not built
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
 
