@@ -199,7 +199,10 @@ def policy_logprobs(
     with block-diagonal causal attention instead of running the padded ``[N, T]`` (see :func:`_packed_hidden`);
     outputs and gradients equal the padded path's within float tolerance (``tests/test_packing.py``). It
     needs right-padded rows and a loss mask that is 0 wherever the target is padding (as :func:`collate`
-    builds it); raises ``ValueError`` otherwise.
+    builds it); raises ``ValueError`` otherwise. Cost: with flash-attention (varlen) the attention is
+    ``sum(n_i^2)`` and no padding is computed; with sdpa/eager transformers builds a dense ``[L, L]`` mask
+    (``L = sum(lengths)``), so attention costs ``L^2`` -- on CPU the tiny policy ran 2-2.5x slower packed
+    than padded with length-sorted micro-batches (hence ``train.packing`` defaults to False).
     """
     from training.kernels import masked_logprobs  # kernel or reference, by device and switch
 
@@ -217,8 +220,9 @@ def policy_logprobs(
         full_lp = lp.new_zeros(N, T - 1).masked_scatter(valid, lp.float())
         full_ent = ent.new_zeros(N, T - 1).masked_scatter(valid, ent.float())
         return full_lp, full_ent
-    out = backbone(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-                   use_cache=False)
+    out = backbone(
+        input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device), use_cache=False
+    )
     hidden = out.last_hidden_state[:, :-1]  # [N, T-1, H]
     Tm1, H = hidden.shape[1], hidden.shape[2]
     targets = batch.input_ids[:, 1:].to(device).reshape(-1)
