@@ -294,7 +294,8 @@ def load_retriever(index_dir: str | Path, method: str = "bm25", **kw):
 
     Keyword options: ``mmap`` (bool, memory-map BM25 scores and FAISS shards), ``device`` (encoder),
     ``use_gpu`` (FAISS on GPU), ``rrf_k`` and ``depth`` (hybrid), ``cache_size`` (wrap in an LRU
-    :class:`~retrieval.cache.CachedRetriever`), ``n_threads`` (bm25s). Raises :class:`IndexNotFoundError`
+    :class:`~retrieval.cache.CachedRetriever`), ``n_threads`` and ``bm25_backend`` (bm25s: ``auto``, ``numpy``,
+    ``numba``; see :meth:`retrieval.bm25.BM25Index.load`). Raises :class:`IndexNotFoundError`
     saying which command builds the missing part, and ``ValueError`` for an unknown method.
     """
     index_dir = Path(index_dir)
@@ -312,7 +313,8 @@ def load_retriever(index_dir: str | Path, method: str = "bm25", **kw):
             raise IndexNotFoundError(f"index {index_dir} has no BM25 part; rebuild with: {cmd}")
         try:
             b = BM25Index.load(
-                index_dir / "bm25", mmap=kw.get("mmap", False), n_threads=kw.get("n_threads", 0)
+                index_dir / "bm25", mmap=kw.get("mmap", False), n_threads=kw.get("n_threads", 0),
+                backend=kw.get("bm25_backend", "numpy"),
             )
         except FileNotFoundError as e:
             raise IndexNotFoundError(

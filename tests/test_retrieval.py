@@ -57,6 +57,27 @@ def test_bm25_round_trip(index_dir):
     assert len(r.search(["the film"], 50)[0]) <= 5
 
 
+def test_bm25_backend_choice(index_dir):
+    r = load_retriever(index_dir, "bm25")
+    assert r.bm25.backend == "numpy"  # the default: no JIT compilation at start-up
+    with pytest.raises(ValueError, match="unknown bm25s backend"):
+        load_retriever(index_dir, "bm25", bm25_backend="fortran")
+
+
+@pytest.mark.slow  # numba JIT-compiles bm25s's top-k on first use (several seconds)
+def test_bm25_numba_backend_scores_equal_numpy(index_dir):
+    pytest.importorskip("numba", reason="numba comes with the dev and fast extras")
+    qs = ["highest mountain Himalayas", "who directed Big Stone Gap", "plant glucose", "run", "zzzqqq", "the film"]
+    a = load_retriever(index_dir, "bm25", bm25_backend="numpy")
+    b = load_retriever(index_dir, "bm25", bm25_backend="numba")
+    assert b.bm25.backend == "numba"
+    ra, sa = a.search_rows(qs, 3)
+    rb, sb = b.search_rows(qs, 3)
+    np.testing.assert_allclose(sb, sa, rtol=1e-6)  # same scores, best first
+    assert (ra[:, 0] == rb[:, 0]).all() and ((ra < 0) == (rb < 0)).all()
+    assert [[h.id for h in x] for x in b.search(qs[:3], 1)] == [["d3"], ["d0"], ["d2"]]
+
+
 def test_dense_round_trip(index_dir):
     r = load_retriever(index_dir, "dense")
     res = r.search(["tallest peak in the world", "how do plants make sugar from light"], 2)

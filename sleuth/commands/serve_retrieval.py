@@ -24,13 +24,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-size", type=int, default=0, help="LRU query cache entries (0 = off)")
     p.add_argument("--max-wait-ms", type=float, default=0.0, help="extra wait to gather a batch")
     p.add_argument("--mmap", action="store_true", help="memory-map the index instead of loading it")
+    p.add_argument("--bm25-backend", default="auto", choices=["auto", "numpy", "numba"],
+                   help="bm25s top-k backend (auto: numba when installed, e.g. with the 'fast' extra)")
 
 
 def run(args: argparse.Namespace) -> int:
     from retrieval.index import load_retriever, read_manifest
     from retrieval.server import ServerLimits, create_app, serve
 
-    retriever = load_retriever(args.index, args.method, cache_size=args.cache_size, mmap=args.mmap)
+    retriever = load_retriever(args.index, args.method, cache_size=args.cache_size, mmap=args.mmap,
+                               bm25_backend=args.bm25_backend)
     man = read_manifest(args.index)
     limits = ServerLimits(
         max_queries=args.max_queries,
@@ -40,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
         allow_empty_queries=args.allow_empty_queries,
     )
     info = {"index": str(args.index), "method": args.method, "num_passages": man["num_passages"]}
+    bm25 = getattr(retriever, "bm25", None)
+    if bm25 is not None:
+        info["bm25_backend"] = bm25.backend
     app = create_app(retriever, limits, info, max_wait_ms=args.max_wait_ms)
     print(
         f"serving {args.method} over {man['num_passages']} passages at http://{args.host}:{args.port}/retrieve"
