@@ -65,20 +65,28 @@ def _lat(ts: list[float], n_queries: int) -> dict[str, float]:
 
 def time_search(search, queries: list[str], batch: int, k: int, n_batches: int) -> dict[str, float]:
     """Latency per call of ``search(batch_of_queries, k)`` over ``n_batches`` calls (after one warm-up)."""
-    search(queries[:batch], k)
-    ts = []
+    return time_paired([search], queries, batch, k, n_batches)[0]
+
+
+def time_paired(searches: list, queries: list[str], batch: int, k: int, n_batches: int) -> list[dict[str, float]]:
+    """Like :func:`time_search` for several search functions, alternating them on the same batches so that
+    load changes on a shared machine hit all of them alike (the server-overhead comparison)."""
+    for search in searches:
+        search(queries[:batch], k)  # warm-up (and numba's JIT compilation)
+    ts: list[list[float]] = [[] for _ in searches]
     for i in range(n_batches):
         qs = [queries[(i * batch + j) % len(queries)] for j in range(batch)]
-        t = time.perf_counter()
-        search(qs, k)
-        ts.append(time.perf_counter() - t)
-    return _lat(ts, batch * n_batches)
+        for search, t_list in zip(searches, ts):
+            t = time.perf_counter()
+            search(qs, k)
+            t_list.append(time.perf_counter() - t)
+    return [_lat(t_list, batch * n_batches) for t_list in ts]
 
 
 class _Server:
     """``create_app`` + uvicorn in a separate process (as deployed) on a free 127.0.0.1 port."""
 
-    def __init__(self, index_dir: Path, method: str = "bm25"):
+    def __init__(self, index_dir: Path, method: str = "bm25", bm25_backend: str = "numpy"):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -86,7 +94,8 @@ class _Server:
             f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
             "from retrieval.index import load_retriever\n"
             "from retrieval.server import ServerLimits, create_app, serve\n"
-            f"serve(create_app(load_retriever({str(index_dir)!r}, {method!r}), ServerLimits(max_topk=1000)), "
+            f"serve(create_app(load_retriever({str(index_dir)!r}, {method!r}, bm25_backend={bm25_backend!r}), "
+            "ServerLimits(max_topk=1000)), "
             f"port={self.port})\n"
         )
         self.proc = subprocess.Popen([sys.executable, "-c", code])
@@ -179,22 +188,30 @@ def quality(args, out: dict, lucene) -> None:
 
 
 def speed(args, out: dict, lucene) -> None:
+    from retrieval.bm25 import numba_available
     from retrieval.client import RemoteRetriever
 
+    backends = ["numpy"] + (["numba"] if numba_available() else [])
+    if "numba" not in backends:
+        out["notes"].append("bm25s numba backend not measured: numba is not installed (pip install '.[fast]')")
     rows = []
     for n in args.sizes:
         corpus = WORK / f"synthetic_{n}.jsonl"
         queries = synthetic_corpus(corpus, n)
         idx = WORK / f"index_synthetic_{n}"
         man = build_index(corpus, idx, build_dense=False, show_progress=False)
-        r = load_retriever(idx, "bm25")
         # an index kept from an earlier run is reused; its manifest keeps the original build time
         row = {"passages": n, "bm25s_build_s": round(man["build_seconds"], 1), "bm25s_index_reused": man["reused"]}
-        for b, nb in ((1, args.n_single), (256, args.n_batches)):
-            row[f"bm25s_inproc_b{b}"] = time_search(r.search, queries, b, 10, nb)
-        with _Server(idx) as url, RemoteRetriever(url, timeout=600) as client:
-            for b, nb in ((1, args.n_single), (256, args.n_batches)):
-                row[f"bm25s_server_b{b}"] = time_search(client.search, queries, b, 10, nb)
+        for be in backends:
+            r = load_retriever(idx, "bm25", bm25_backend=be)
+            with _Server(idx, bm25_backend=be) as url, RemoteRetriever(url, timeout=600) as client:
+                for path, fn in (("inproc", r.search), ("server", client.search)):
+                    row[f"bm25s-{be}_{path}_b1"] = time_search(fn, queries, 1, 10, args.n_single)
+                # batch 256: in-process and server calls alternate on the same batches (paired)
+                a, b = time_paired([r.search, client.search], queries, 256, 10, args.n_batches)
+                row[f"bm25s-{be}_inproc_b256"], row[f"bm25s-{be}_server_b256"] = a, b
+                row[f"bm25s-{be}_server_overhead_b256_p50"] = round(b["p50_ms"] / a["p50_ms"] - 1, 3)
+            del r
         if lucene is not None:
             lidx = WORK / f"lucene_synthetic_{n}"
             t = time.perf_counter()
@@ -246,13 +263,15 @@ def table(out: dict) -> str:
     if out.get("speed"):
         lines += [
             "",
-            "Speed: BM25 top-10 on synthetic corpora; q/s (p50 / p99 ms per call)",
+            "Speed: BM25 top-10 on synthetic corpora; q/s (p50 / p99 ms per call). bm25s-numpy is the default",
+            "backend, bm25s-numba the `fast` extra's (`retrieval.bm25_backend=numba`); pyserini searches with 2 threads.",
             "",
             "| passages | backend | path | batch 1 | batch 256 |",
             "|---|---|---|---|---|",
         ]
         for row in out["speed"]:
-            for be, path in (("bm25s", "inproc"), ("bm25s", "server"), ("pyserini", "inproc")):
+            for be, path in (("bm25s-numpy", "inproc"), ("bm25s-numpy", "server"), ("bm25s-numba", "inproc"),
+                             ("bm25s-numba", "server"), ("pyserini", "inproc")):
                 if f"{be}_{path}_b1" not in row:
                     continue
                 cells = []
@@ -260,18 +279,12 @@ def table(out: dict) -> str:
                     s = row[f"{be}_{path}_b{b}"]
                     cells.append(f"{s['qps']} ({s['p50_ms']} / {s['p99_ms']})")
                 lines.append(f"| {row['passages']:,} | {be} | {path} | {cells[0]} | {cells[1]} |")
-            if "bm25s_server_b256" in row:
-                over = row["bm25s_server_b256"]["p50_ms"] / row["bm25s_inproc_b256"]["p50_ms"] - 1
-                row["server_overhead_b256_p50"] = round(over, 3)
-        lines.append("")
-        lines.append(
-            "Server overhead at batch 256 (p50): "
-            + ", ".join(
-                f"{r['passages']:,}: {100 * r['server_overhead_b256_p50']:+.1f}%"
-                for r in out["speed"]
-                if "server_overhead_b256_p50" in r
-            )
-        )
+        lines += ["", "Server overhead at batch 256 (p50, paired calls), by corpus size:", ""]
+        for be in ("numpy", "numba"):
+            key = f"bm25s-{be}_server_overhead_b256_p50"
+            cells = [f"{r['passages']:,}: {100 * r[key]:+.1f}%" for r in out["speed"] if key in r]
+            if cells:
+                lines.append(f"- bm25s-{be}: " + ", ".join(cells))
     return "\n".join(lines)
 
 

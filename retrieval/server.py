@@ -8,7 +8,7 @@ renders as ``Doc i(Title: <first line>) <rest>``. ``GET /health`` reports the in
 
 Reply path: for retrievers over an index directory (BM25, dense: they expose ``search_rows`` and a passage
 store), the worker searches for row ids only and the reply is spliced from the store's stored JSON bytes
-(:meth:`retrieval.index.DocStore.raw`), so no passage is parsed or re-serialised on the server; other
+(:meth:`retrieval.index.DocStore.raw_many`), so no passage is parsed or re-serialised on the server; other
 retrievers (hybrid, cached, remote) go through :class:`~retrieval.base.Hit` objects and orjson.
 
 Batching: requests wait in a queue; one worker takes everything queued (up to ``max_batch_queries``
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -112,24 +111,34 @@ def hits_to_result(hits: list[list[Hit]], return_scores: bool) -> list[list[dict
     return out
 
 
-def _fmt_score(s: float) -> bytes:
-    return repr(s).encode() if math.isfinite(s) else b"null"
-
-
 def rows_to_reply(rows: np.ndarray, scores: np.ndarray, store, return_scores: bool) -> bytes:
     """The ``/retrieve`` reply body for ``[Q, k]`` rows/scores (row -1 = no hit), spliced from the stored
-    passage JSON (``store.raw(row)``, bytes) without parsing it; the same JSON as :func:`hits_to_result`
-    serialised (documents carry the stored ``id``, ``title``, ``contents``)."""
-    raw = store.raw
+    passage JSON (``store.raw_many(rows)``, bytes) without parsing it; the same JSON as
+    :func:`hits_to_result` serialised (documents carry the stored ``id``, ``title``, ``contents``). The
+    reply is assembled with one ``bytes.join`` (each passage copied once); scores are formatted by one
+    serialiser call (non-finite scores become ``null``)."""
+    keep = rows >= 0
+    docs = store.raw_many(rows[keep])
+    score_txt = _dumps(scores[keep].astype(np.float64).tolist())[1:-1].split(b",") if return_scores and docs else []
+    counts = keep.sum(axis=1).tolist()
     out = [b'{"result":[']
-    for qi, (r_q, s_q) in enumerate(zip(rows.tolist(), scores.tolist())):
+    at = 0
+    for qi, n in enumerate(counts):
         if qi:
             out.append(b",")
+        if not n:
+            out.append(b"[]")
+            continue
         if return_scores:
-            items = [b'{"document":' + raw(r) + b',"score":' + _fmt_score(s) + b"}" for r, s in zip(r_q, s_q) if r >= 0]
+            out.append(b'[{"document":')
+            for j in range(at, at + n):
+                if j > at:
+                    out.append(b'},{"document":')
+                out += (docs[j], b',"score":', score_txt[j])
+            out.append(b"}]")
         else:
-            items = [raw(r) for r in r_q if r >= 0]
-        out.append(b"[" + b",".join(items) + b"]")
+            out += (b"[", b",".join(docs[at : at + n]), b"]")
+        at += n
     out.append(b"]}")
     return b"".join(out)
 
@@ -140,7 +149,7 @@ def row_source(retriever):
     otherwise (wrappers such as the LRU cache must keep their own ``search``, so the method is looked up on
     the class, not forwarded)."""
     store = getattr(retriever, "store", None)
-    if callable(getattr(type(retriever), "search_rows", None)) and callable(getattr(store, "raw", None)):
+    if callable(getattr(type(retriever), "search_rows", None)) and callable(getattr(store, "raw_many", None)):
         return retriever.search_rows, store
     return None
 
