@@ -111,14 +111,15 @@ class DocStore:
 
     def hits(self, rows: np.ndarray, scores: np.ndarray) -> list[list[Hit]]:
         """Turn ``[Q, k]`` rows/scores arrays (row -1 = no hit) into hit lists."""
+        keep = rows >= 0
+        docs = iter([_loads(b) for b in self.raw_many(rows[keep])])  # one vectorised offset lookup
         out = []
-        for r_q, s_q in zip(rows.tolist(), scores.tolist()):
+        for k_q, s_q in zip(keep.tolist(), scores.tolist()):
             hits = []
-            for r, s in zip(r_q, s_q):
-                if r < 0:
-                    continue
-                d = self.get(r)
-                hits.append(Hit(id=d["id"], title=d["title"], contents=d["contents"], score=float(s)))
+            for k, s in zip(k_q, s_q):
+                if k:
+                    d = next(docs)
+                    hits.append(Hit(d["id"], d["title"], d["contents"], float(s)))
             out.append(hits)
         return out
 
