@@ -62,3 +62,46 @@ def test_latest_ignores_incomplete_directories(tmp_path):
     (root / "latest").unlink()  # pointer lost: the newest complete directory wins
     assert latest_checkpoint(tmp_path).name == "step_000001"
     assert latest_checkpoint(tmp_path / "nothing") is None
+
+
+def test_full_optimizer_state_and_per_rank_rng(tmp_path):
+    """The name-keyed optimizer state (optimizer.pt) restores AdamW exactly into a fresh optimizer; each rank
+    gets its own RNG states back, and another world size falls back to rank 0's (+ a per-rank seed)."""
+    from training.checkpoint import load_optimizer_state, rng_state
+    from training.distributed import full_optimizer_state, load_full_optimizer_state
+
+    lin = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    opt = torch.optim.AdamW(lin.parameters(), lr=0.1)
+    for _ in range(2):
+        lin(torch.randn(4, 2)).pow(2).sum().backward()
+        opt.step()
+    torch.manual_seed(1)
+    r0 = rng_state()
+    torch.manual_seed(2)
+    r1 = rng_state()
+    save_checkpoint(tmp_path, 2, Saveable("a"), Saveable("t", "tok.txt"), optimizer_state=full_optimizer_state(lin, opt),
+                    rng_states=[r0, r1])
+    ckpt = latest_checkpoint(tmp_path)
+    saved = load_optimizer_state(ckpt)
+    assert set(saved["state"]) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+
+    lin2 = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    opt2 = torch.optim.AdamW(lin2.parameters(), lr=0.1)
+    load_full_optimizer_state(lin2, opt2, saved)
+    for p, q in zip(lin.parameters(), lin2.parameters(), strict=True):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][key], opt2.state[q][key])
+
+    torch.manual_seed(2)
+    expect_rank1 = torch.rand(3)
+    state = load_trainer_state(ckpt, rank=1, world_size=2)
+    assert state["rng_exact"] and torch.equal(torch.rand(3), expect_rank1)
+    # another world size: deterministic per-rank streams derived from rank 0's
+    draws = []
+    for rank in (1, 1, 2):
+        state = load_trainer_state(ckpt, rank=rank, world_size=3)
+        draws.append(torch.rand(3))
+    assert not state["rng_exact"]
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+    assert not torch.equal(draws[0], expect_rank1)
+    assert load_optimizer_state(tmp_path / "nothing") is None

@@ -3,6 +3,20 @@
 A checkpoint is a directory ``<run>/checkpoints/step_<n>/`` written under a temporary name and renamed
 into place (atomic on POSIX), then ``<run>/checkpoints/latest`` is rewritten atomically to point at it.
 A run killed at any moment resumes from the last complete checkpoint.
+
+Contents of ``step_<n>/``:
+
+* the model and tokenizer (``save_pretrained``: any checkpoint is a Hugging Face model directory);
+* ``optimizer.pt``: the trainer's *full* optimizer state keyed by parameter name (as
+  :func:`training.distributed.full_optimizer_state` returns it), one format for one process and for
+  ``W`` FSDP2 ranks, so a run saved on ``W`` ranks resumes on ``W`` ranks exactly, and on another number
+  of ranks with the same weights and optimizer state (but another data split and RNG streams);
+* ``trainer.pt``: scheduler state, the RNG states of every rank (``rng_per_rank``; ``rng`` is rank 0's),
+  extra state dicts (critic, LoRA adapters) and, for generic callers, a plain ``optimizer.state_dict()``;
+* ``trainer_state.json``: step, data position, world size and trainer bookkeeping.
+
+Under torchrun only rank 0 writes (after the collectives that gather the state); the trainer puts a
+barrier after every save, so no rank reads a checkpoint before it is complete.
 """
 
 from __future__ import annotations
@@ -18,7 +32,8 @@ import numpy as np
 import torch
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
+    """This process's Python, NumPy, torch (and CUDA) RNG states."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -35,12 +50,17 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(run_dir: str | Path, step: int, model: Any, tokenizer: Any, optimizer: Any | None = None,
                     scheduler: Any | None = None, trainer_state: dict[str, Any] | None = None, keep: int = 2,
-                    extra: dict[str, Any] | None = None) -> Path:
+                    extra: dict[str, Any] | None = None, *, optimizer_state: dict[str, Any] | None = None,
+                    rng_states: list[dict[str, Any]] | None = None) -> Path:
     """Atomically save everything needed to resume after ``step`` optimizer steps; keep the newest ``keep``.
 
-    ``extra`` holds further state dicts (e.g. the PPO critic and its optimizer), restored by
-    :func:`load_trainer_state` into ``state["extra"]``. A checkpoint named ``best`` (see
-    :func:`save_best`) is never rotated away.
+    ``optimizer_state`` is a full, name-keyed optimizer state (:func:`training.distributed.full_optimizer_state`),
+    written to ``optimizer.pt`` and read back with :func:`load_optimizer_state`; ``optimizer`` (a plain
+    optimizer whose ``state_dict()`` goes into ``trainer.pt``, restored by :func:`load_trainer_state`) is for
+    callers without a module. ``rng_states`` are every rank's RNG states (:func:`rng_state` gathered over
+    ranks; default: this process's). ``extra`` holds further state dicts (e.g. the PPO critic and its
+    optimizer), restored by :func:`load_trainer_state` into ``state["extra"]``. A checkpoint named ``best``
+    (see :func:`save_best`) is never rotated away. Call it on one rank only.
 
     Returns the checkpoint directory. The model is saved with ``save_pretrained`` so any checkpoint is also
     a loadable Hugging Face model directory (``sleuth eval --model <ckpt>``).
@@ -52,9 +72,12 @@ def save_checkpoint(run_dir: str | Path, step: int, model: Any, tokenizer: Any, 
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    if optimizer_state is not None:
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+    rngs = rng_states or [rng_state()]
     torch.save({"optimizer": optimizer.state_dict() if optimizer else None,
                 "scheduler": scheduler.state_dict() if scheduler else None,
-                "rng": _rng_state(), "extra": extra or {}}, tmp / "trainer.pt")
+                "rng": rngs[0], "rng_per_rank": rngs, "extra": extra or {}}, tmp / "trainer.pt")
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(trainer_state or {})}, indent=1))
     if final.exists():
         shutil.rmtree(final)
@@ -79,18 +102,50 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load_trainer_state(ckpt: str | Path, optimizer: Any | None = None, scheduler: Any | None = None) -> dict[str, Any]:
-    """Restore optimizer, scheduler and RNG states from ``ckpt``; return its ``trainer_state.json``."""
+def load_trainer_state(ckpt: str | Path, optimizer: Any | None = None, scheduler: Any | None = None, *,
+                       rank: int = 0, world_size: int = 1) -> dict[str, Any]:
+    """Restore scheduler and RNG states (and a plain ``optimizer``'s, when ``trainer.pt`` has one) from
+    ``ckpt``; return its ``trainer_state.json`` plus ``extra`` and ``rng_exact``.
+
+    Rank ``rank`` of ``world_size`` gets its own saved RNG states when the checkpoint was written by as
+    many ranks (``rng_exact=True``); otherwise rank 0 gets rank 0's states and every other rank a seed
+    derived from them and its rank (deterministic, but not the stream an uninterrupted run would have
+    used). The name-keyed optimizer state of ``optimizer.pt`` is read by :func:`load_optimizer_state`."""
     ckpt = Path(ckpt)
     blob = torch.load(ckpt / "trainer.pt", weights_only=False)
     if optimizer is not None and blob.get("optimizer"):
         optimizer.load_state_dict(blob["optimizer"])
     if scheduler is not None and blob.get("scheduler"):
         scheduler.load_state_dict(blob["scheduler"])
-    _set_rng_state(blob["rng"])
+    rngs = blob.get("rng_per_rank") or [blob["rng"]]
+    exact = len(rngs) == world_size
+    if exact:
+        _set_rng_state(rngs[rank])
+    else:
+        _set_rng_state(rngs[0])
+        if rank > 0:
+            g = torch.Generator()
+            g.set_state(rngs[0]["torch"])
+            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=g)) + 1000003 * rank
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            torch.manual_seed(seed)
     state = json.loads((ckpt / "trainer_state.json").read_text())
     state["extra"] = blob.get("extra") or {}
+    state["rng_exact"] = exact
     return state
+
+
+def load_optimizer_state(ckpt: str | Path) -> dict[str, Any] | None:
+    """The full, name-keyed optimizer state saved in ``ckpt/optimizer.pt`` (load it with
+    :func:`training.distributed.load_full_optimizer_state`), or ``None`` when the checkpoint has none."""
+    path = Path(ckpt) / "optimizer.pt"
+    return torch.load(path, weights_only=False) if path.exists() else None
+
+
+def read_extra(ckpt: str | Path) -> dict[str, Any]:
+    """The ``extra`` state dicts of ``ckpt`` (critic, LoRA adapters), without touching any RNG."""
+    return torch.load(Path(ckpt) / "trainer.pt", weights_only=False).get("extra") or {}
 
 
 def save_best(run_dir: str | Path, ckpt: str | Path, metric: float) -> Path:
