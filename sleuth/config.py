@@ -191,6 +191,8 @@ class TrainConfig(Section):
     lora_targets: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     gradient_checkpointing: bool = False
     bf16: bool = Field(True, description="bf16 autocast for the update on GPU (ignored on CPU)")
+    dist_timeout_s: float = Field(
+        600.0, gt=0, description="torchrun: seconds a collective waits for the other ranks before the run fails")
     # bookkeeping and health
     save_every: int = Field(5, ge=1)
     keep_checkpoints: int = Field(2, ge=1)

@@ -1,5 +1,6 @@
 """FSDP2 on CPU: two gloo processes (torchrun) each updating on half the batch produce the same parameters
-after a step as one process on the whole batch.
+after a step as one process on the whole batch. The ranks split their halves by a token budget into
+different numbers of micro-batches (2 and 3), which :func:`training.distributed.pad_micro_batches` evens out.
 
 Run as a script by torchrun (the worker); as a test it computes the one-process reference in-process and
 compares. The worker ends with a barrier before ``destroy_process_group`` (a gloo teardown abort was seen
@@ -74,7 +75,8 @@ def worker(out: str) -> None:
     fwd = D.shard(D.LogprobModule(model))
     opt = torch.optim.SGD(fwd.parameters(), lr=train_cfg().lr)
     rows = torch.arange(len(batch))[rank::W]
-    update_policy(fwd, None, opt, batch.select(rows), train_cfg())
+    # rows 0,2,4 (lengths 20,12,9) -> 2 micro-batches of <= 30 padded tokens; rows 1,3,5 (17,20,15) -> 3
+    update_policy(fwd, None, opt, batch.select(rows), train_cfg().model_copy(update={"micro_batch_tokens": 30}))
     state = {k.removeprefix("model."): v for k, v in D.full_state_dict(fwd).items()}
     if rank == 0:
         torch.save(state, out + ".tmp")

@@ -39,12 +39,28 @@ from corpora.formats import QAExample
 from retrieval.base import Retriever
 from training import advantages as A
 from training.batch import Batch, _unwrap, collate, micro_batches
-from training.checkpoint import latest_checkpoint, load_trainer_state, save_best, save_checkpoint
+from training.checkpoint import (
+    latest_checkpoint,
+    load_optimizer_state,
+    load_trainer_state,
+    read_extra,
+    rng_state,
+    save_best,
+    save_checkpoint,
+)
 from training.distributed import (
     LogprobModule,
+    all_reduce_max,
+    all_reduce_min,
     all_reduce_sum,
+    barrier,
+    broadcast_object,
+    full_optimizer_state,
     full_state_dict,
+    gather_objects,
     init_from_env,
+    load_full_optimizer_state,
+    pad_micro_batches,
     shard,
     sync_rollout_weights,
     world,
@@ -208,6 +224,7 @@ def update_policy(
     _rank, W = world()
     N = len(batch)
     idx = micro_batches(batch, cfg.micro_batch, cfg.micro_batch_tokens, packed=cfg.packing)
+    idx, n_real = pad_micro_batches(idx)  # torchrun: as many FSDP forwards on every rank (padding weighs 0)
     micro = [batch.select(i, packed=cfg.packing) for i in idx]
     if batch.token_advantages is None:
         if batch.advantages is None:
@@ -239,6 +256,7 @@ def update_policy(
                 raise FloatingPointError(f"non-finite policy loss ({float(loss)})")
             # weight micro-batches (and ranks: FSDP averages gradients) so the step is one full-batch step
             share = float(mask.sum()) / max(total_tokens, 1.0) if cfg.loss_agg == "token-mean" else len(mb) / total_rows
+            share = share if j < n_real else 0.0
             (loss * share * W).backward()
             for k, v in stats.items():
                 stats_acc[k] = stats_acc.get(k, 0.0) + v * share
@@ -258,7 +276,7 @@ def update_policy(
             from training.critic import value_loss
 
             critic_optimizer.zero_grad(set_to_none=True)
-            for mb in micro:
+            for mb in micro[:n_real]:
                 v = critic(mb)
                 vl, vs = value_loss(v, mb.old_values.to(v.device), mb.returns.to(v.device),
                                     mb.loss_mask.to(v.device), cfg.vf_clip)
@@ -286,7 +304,14 @@ def rollout(questions: list[QAExample], llm: Any, retriever: Retriever, cfg: Any
     """Sample ``train.group_size`` episodes per question. With ``train.dynamic_sampling`` (DAPO), groups
     whose rewards are all equal (no learning signal) are dropped and up to ``dynamic_sampling_max_tries``
     extra rounds of fresh questions from ``data`` refill the batch to ``len(questions)`` groups.
-    Returns ``(trajectories, stats)``; group ids are renumbered 0..G-1."""
+    Returns ``(trajectories, stats)``; group ids are renumbered 0..G-1.
+
+    Under torchrun every rank calls it with its own questions and the same ``data`` (the same stream at the
+    same position on every rank): each refill round draws ``W x`` the largest shortfall over ranks from the
+    stream and rank ``r`` takes the ``r``-th of every ``W`` questions, so every rank's stream stays at the
+    same position (the checkpointed one) and the refill is deterministic. Ranks then keep as many groups as
+    the rank with the fewest (FSDP needs the same number of forward passes on every rank); the data a rank
+    drew but did not need is skipped. On one process this is the plain DAPO refill."""
     tc = cfg.train
     kw = {"n_samples": tc.group_size, "top_k": cfg.retrieval.top_k}
     if judge is not None:
@@ -300,9 +325,17 @@ def rollout(questions: list[QAExample], llm: Any, retriever: Retriever, cfg: Any
         dropped += len(flat)
         kept = [t for t in trajs if t.group not in flat]
         offset = len(questions)
-        while len({t.group for t in kept}) < want and rounds < tc.dynamic_sampling_max_tries:
+        rank, W = world()
+        while rounds < tc.dynamic_sampling_max_tries:
+            need = want - len({t.group for t in kept})
+            need_all = int(all_reduce_max(need))  # the same on every rank: the rounds stay in step
+            if need_all <= 0:
+                break
             rounds += 1
-            more = run_episodes(data.next(want - len({t.group for t in kept})), llm, retriever, cfg.agent, **kw)
+            fresh = data.next(need_all * W)[rank::W][:need]
+            if not fresh:
+                continue
+            more = run_episodes(fresh, llm, retriever, cfg.agent, **kw)
             for t in more:
                 t.group += offset
             offset += len(more) // tc.group_size
@@ -310,16 +343,46 @@ def rollout(questions: list[QAExample], llm: Any, retriever: Retriever, cfg: Any
             dropped += len(flat)
             kept += [t for t in more if t.group not in flat]
         groups = sorted({t.group for t in kept})[:want]
+        n_signal = len(groups)
+        if not groups:  # nothing to learn from: keep the original batch (its advantages are all 0)
+            kept, groups = trajs, sorted({t.group for t in trajs})
+        if W > 1:  # as many groups on every rank
+            groups = groups[: int(all_reduce_min(len(groups)))]
+            n_signal = min(n_signal, len(groups))
         keep_set = set(groups)
         kept = [t for t in kept if t.group in keep_set]
-        stats = {"ds_dropped_groups": float(dropped), "ds_rounds": float(rounds), "ds_kept_groups": float(len(groups))}
-        if not kept:  # nothing to learn from: keep the original batch (its advantages are all 0)
-            kept = trajs
+        stats = {"ds_dropped_groups": float(dropped), "ds_rounds": float(rounds), "ds_kept_groups": float(n_signal)}
         trajs = kept
     remap = {g: i for i, g in enumerate(sorted({t.group for t in trajs}))}
     for t in trajs:
         t.group = remap[t.group]
     return trajs, stats
+
+
+def merge_rank_records(records: list[tuple[dict[str, Any], int]], loss_keys: set[str]) -> dict[str, Any]:
+    """One step record from every rank's ``(record, number of trajectories)``.
+
+    Loss statistics of :func:`update_policy` (``loss_keys``) are each rank's share of the global mean, so
+    they are summed (``grad_norm`` and ``lr`` are already global: rank 0's); ``ds_dropped_groups`` and
+    ``ds_kept_groups`` are summed; timings and ``ds_rounds`` take the maximum; other numbers (rollout and
+    health statistics) are means weighted by each rank's trajectory count, over the ranks that have the key
+    (per-dataset splits are therefore approximate); anything else is rank 0's."""
+    summed = {k for k in loss_keys if k not in ("grad_norm", "lr", "skipped")} | {"ds_dropped_groups", "ds_kept_groups"}
+    maxed = {"rollout_s", "step_s", "ds_rounds"}
+    first = {"grad_norm", "lr", "skipped"}
+    out: dict[str, Any] = {}
+    for k in dict.fromkeys(k for rec, _ in records for k in rec):
+        vals = [(rec[k], n) for rec, n in records if k in rec]
+        if k in first or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v, _ in vals):
+            out[k] = vals[0][0]
+        elif k in summed:
+            out[k] = float(sum(v for v, _ in vals))
+        elif k in maxed:
+            out[k] = float(max(v for v, _ in vals))
+        else:
+            total = sum(n for _, n in vals)
+            out[k] = float(sum(v * n for v, n in vals) / total) if total else float(vals[0][0])
+    return out
 
 
 # -- LoRA ---------------------------------------------------------------------------------------------
@@ -384,13 +447,32 @@ def rl_train(
     ``eval_em`` checkpoint is kept in ``checkpoints/best``). A non-finite loss skips the step with a warning;
     after ``train.max_nonfinite_steps`` such steps the run stops (``RuntimeError``). Health alarms
     (``train.alarm_*``) warn or stop the run. Returns a summary dict.
+
+    Under ``torchrun`` (``WORLD_SIZE > 1``; the process group is created here with
+    ``train.dist_timeout_s`` unless the caller made it, and left for the caller to end with
+    :func:`training.distributed.shutdown`): every rank loads the same initial weights, rolls out
+    ``questions_per_step / W`` questions (which must divide) and updates an FSDP2 shard of the policy; a
+    full rollout copy per rank is refreshed after each update. Rank 0 alone writes metrics, trajectories
+    and checkpoints (the full weights, the full optimizer state, every rank's RNG states); the logged
+    record and the alarm decisions cover the whole batch. ``evaluate`` runs on rank 0. Resuming with the
+    same number of ranks continues exactly; with another number it continues from the same weights,
+    optimizer state and data position (with a warning). Not yet under torchrun: PPO's critic
+    (``ValueError``).
     """
     from agent.hf import TransformersLLM
 
     tc = cfg.train
     if tc.algorithm in A.NEEDS_CRITIC and tc.critic == "none":  # also enforced by the config schema
         raise ValueError(f"train.algorithm={tc.algorithm} needs train.critic (separate or shared)")
-    rank, W = init_from_env()  # torchrun: one process group over every rank (no-op on one process)
+    # torchrun: one process group over every rank (no-op on one process, or when the caller made it)
+    rank, W = init_from_env(timeout_s=tc.dist_timeout_s)
+    if W > 1:
+        if tc.algorithm in A.NEEDS_CRITIC:
+            raise ValueError(f"train.algorithm={tc.algorithm} (a value model) is not supported under torchrun "
+                             "(world size > 1) yet: the critic is not sharded and its gradients are not reduced")
+        if tc.questions_per_step % W:
+            raise ValueError(f"train.questions_per_step={tc.questions_per_step} must be a multiple of the "
+                             f"world size {W} (every rank rolls out as many questions)")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -407,7 +489,13 @@ def rl_train(
 
             ref_model.load_state_dict(load_file(str(ref_dir / "model.safetensors")), strict=False)
         elif rank == 0 and not (ref_dir / "config.json").exists():
-            ref_model.save_pretrained(ref_dir)
+            import shutil
+
+            tmp = run_dir / ".reference.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            ref_model.save_pretrained(tmp)
+            shutil.rmtree(ref_dir, ignore_errors=True)
+            tmp.rename(ref_dir)
         for p in ref_model.parameters():
             p.requires_grad_(False)
 
@@ -422,9 +510,14 @@ def rl_train(
             model.load_state_dict(load_file(str(ckpt / "base" / "model.safetensors")), strict=False)
         base_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         policy = apply_lora(model, tc)
+        if ckpt is not None and "lora" in (saved := read_extra(ckpt)):  # before sharding: plain tensors
+            from peft import set_peft_model_state_dict
 
-    # rollout side: the same object on one process; a full copy when the update side is sharded
-    rollout_model = copy.deepcopy(_unwrap(policy)) if W > 1 else None
+            set_peft_model_state_dict(policy, saved["lora"])
+
+    # rollout side: the same object on one process; a full copy (LoRA wrapper included) when the update side
+    # is sharded, refreshed from the gathered full weights after every update
+    rollout_model = copy.deepcopy(policy) if W > 1 else None
     fwd = LogprobModule(policy)
     if W > 1:
         shard(fwd, mixed_precision=tc.bf16 and torch.cuda.is_available())
@@ -441,13 +534,20 @@ def rl_train(
     data = DataStream(train_examples, cfg.seed)
     start, best = 0, None
     if ckpt is not None:
-        state = load_trainer_state(ckpt, optimizer, scheduler)
+        # the full, name-keyed optimizer state (rank 0 reads it and broadcasts; any world size), then the
+        # scheduler and this rank's RNG streams
+        if (ckpt / "optimizer.pt").exists():
+            load_full_optimizer_state(fwd, optimizer, load_optimizer_state(ckpt) if rank == 0 else {})
+        elif W > 1:
+            warnings.warn(f"{ckpt} has no optimizer.pt: the optimizer restarts from zero moments", stacklevel=1)
+        # (a checkpoint of the older one-process format keeps optimizer.state_dict() in trainer.pt)
+        state = load_trainer_state(ckpt, optimizer if W == 1 else None, scheduler, rank=rank, world_size=W)
         start, data.position, best = state["step"], state["data_position"], state.get("best")
         extra = state["extra"]
-        if tc.lora and "lora" in extra:
-            from peft import set_peft_model_state_dict
-
-            set_peft_model_state_dict(policy, extra["lora"])
+        if state.get("world_size", 1) != W:
+            warnings.warn(f"resuming a run saved on {state.get('world_size', 1)} ranks on {W}: same weights, "
+                          "optimizer and data position, but another split of the questions over ranks and other "
+                          "sampling streams, so not bit-identical to an uninterrupted run", stacklevel=1)
         if critic is not None and "critic" in extra:
             critic.load_state_dict(extra["critic"])
             critic_opt.load_state_dict(extra["critic_optimizer"])
@@ -461,35 +561,48 @@ def rl_train(
     stopped = None
 
     def save(step: int) -> Path | None:
-        if rank != 0:
-            return None
-        target = rollout_model if rollout_model is not None else (_MergedView(policy) if tc.lora else policy)
-        extra: dict[str, Any] = {}
-        if tc.lora:
-            extra["lora"] = _lora_state(policy)
-        if critic is not None:
-            extra["critic"], extra["critic_optimizer"] = critic.state_dict(), critic_opt.state_dict()
-        path = save_checkpoint(run_dir, step, target, tokenizer, optimizer if W == 1 else None, scheduler,
-                               trainer_state={"data_position": data.position, "best": best,
-                                              "algorithm": tc.algorithm, "world_size": W},
-                               keep=tc.keep_checkpoints, extra=extra)
-        if tc.lora:  # the frozen base weights, so resume can rebuild base + adapters exactly
-            (path / "base").mkdir(exist_ok=True)
-            from safetensors.torch import save_file
+        """Every rank calls it (the optimizer state and the RNG states are gathered); rank 0 writes, then
+        all ranks meet at a barrier, so nobody reads a checkpoint before it is complete. Returns the
+        checkpoint directory on rank 0, None elsewhere."""
+        # full optimizer state (rank 0 gets it); none before the first optimizer step (all steps skipped)
+        opt_state = full_optimizer_state(fwd, optimizer) if optimizer.state else None
+        rngs = gather_objects(rng_state())
+        path = None
+        if rank == 0:
+            src = rollout_model if rollout_model is not None else policy  # full weights (synced copy under FSDP)
+            target = _MergedView(src) if tc.lora else src
+            extra: dict[str, Any] = {}
+            if tc.lora:
+                extra["lora"] = _lora_state(src)
+            if critic is not None:
+                extra["critic"], extra["critic_optimizer"] = critic.state_dict(), critic_opt.state_dict()
+            path = save_checkpoint(run_dir, step, target, tokenizer, None, scheduler,
+                                   trainer_state={"data_position": data.position, "best": best,
+                                                  "algorithm": tc.algorithm, "world_size": W},
+                                   keep=tc.keep_checkpoints, extra=extra, optimizer_state=opt_state, rng_states=rngs)
+            if tc.lora:  # the frozen base weights, so resume can rebuild base + adapters exactly
+                (path / "base").mkdir(exist_ok=True)
+                from safetensors.torch import save_file
 
-            save_file({k: v.contiguous() for k, v in base_state.items()}, str(path / "base" / "model.safetensors"))
+                save_file({k: v.contiguous() for k, v in base_state.items()}, str(path / "base" / "model.safetensors"))
+        barrier()
         return path
+
+    if W > 1 and ckpt is None:  # independent sampling streams per rank (a resumed run restores them)
+        torch.manual_seed(cfg.seed + rank)
+        random.seed(cfg.seed + rank)
 
     for step in range(start, tc.steps):
         t0 = time.time()
         questions = data.next(tc.questions_per_step)
         per_rank = questions[rank::W] if W > 1 else questions
         policy.eval()
-        trajs, ds_stats = rollout(per_rank, llm, retriever, cfg, data if W == 1 else None, judge)
+        trajs, ds_stats = rollout(per_rank, llm, retriever, cfg, data, judge)
         t_roll = time.time() - t0
         batch = collate(trajs, tokenizer.pad_token_id, cfg.agent.max_total_tokens)
         with torch.no_grad():
             idx = micro_batches(batch, tc.micro_batch, tc.micro_batch_tokens, packed=tc.packing)
+            idx, _ = pad_micro_batches(idx)  # the same padding as update_policy's (old log-probs align)
             micro = [batch.select(i, packed=tc.packing) for i in idx]
             old = [fwd(mb, False)[0].detach() for mb in micro]
             kl_tokens = values = gold = None
@@ -531,8 +644,11 @@ def rl_train(
         record = {**rollout_stats(trajs), **ds_stats, **loss_stats, "adv_abs_mean":
                   float((batch.token_advantages.abs() * batch.loss_mask).sum() / batch.loss_mask.sum().clamp(min=1)),
                   "rollout_s": t_roll, "step_s": time.time() - t0}
+        if W > 1:  # one record for the whole batch, the same on every rank (so alarms decide alike)
+            record = merge_rank_records(gather_objects((record, len(trajs))), set(loss_stats))
         if evaluate is not None and tc.eval_every and ((step + 1) % tc.eval_every == 0 or step + 1 == tc.steps):
-            record.update({f"eval_{k}": v for k, v in evaluate(gen_model).items()})
+            scores = evaluate(gen_model) if rank == 0 else None  # rank 0 evaluates its full rollout copy
+            record.update({f"eval_{k}": v for k, v in broadcast_object(scores).items()})
         fired = alarms.check(step + 1, record)
         if fired:
             record["alarms"] = fired

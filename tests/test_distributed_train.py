@@ -1,0 +1,238 @@
+"""A full RL run under ``torchrun --nproc_per_node 2`` (FSDP2, gloo on CPU): 2 steps with checkpoints, then a
+resume for a third step, on the tiny policy and the BM25 fixture.
+
+Checked: both ranks hold identical full (rollout) parameters and the same merged step record after every
+step; only rank 0 writes checkpoints, once per step; the checkpoint holds the full optimizer state and a
+resumed run restores it exactly (AdamW moments of every parameter); 2 steps + resume + 1 step equals 3
+steps straight; the same checkpoint also resumes on one process (another world size); DAPO's dynamic
+sampling refills per rank from disjoint questions with the data stream in step on both ranks.
+
+As a script (run by torchrun): ``python tests/test_distributed_train.py PHASE POLICY_DIR INDEX_DIR OUT`` with
+PHASE ``train`` (the refill check, then a 3-step run, a 2-step run and a 2-step LoRA run) or ``resume``. Each rank writes a
+``done`` marker after :func:`training.distributed.shutdown` returns: a non-zero exit *after* every rank
+wrote it is the gloo teardown abort reported in issue 7 and only warns; a missing marker or any mismatch
+fails.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def state_hash(model) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def cfg_for(steps: int, *extra: str):
+    from tests.test_trainer import make_cfg
+
+    return make_cfg(f"train.steps={steps}", "train.warmup_steps=2", "train.dist_timeout_s=120",
+                    "train.micro_batch_tokens=250", *extra)
+
+
+# -- the worker (one per rank, under torchrun) --------------------------------------------------------
+def worker(phase: str, policy_dir: str, index_dir: str, out_dir: str) -> None:
+    import training.trainer as T
+    from retrieval.index import load_retriever
+    from tests.conftest import QUESTIONS
+    from tests.test_trainer import SeededLLM, load, varying_judge
+    from training import distributed as D
+
+    out = Path(out_dir)
+    rank, W = D.init_from_env("gloo", timeout_s=120)
+    assert W == 2
+    torch.set_num_threads(1)
+    retriever = load_retriever(index_dir, "bm25")
+
+    real_save, real_load = T.save_checkpoint, T.load_full_optimizer_state
+
+    def logged_save(run_dir, step, *a, **kw):  # who writes checkpoints, and how often
+        with open(out / f"saves.rank{rank}.txt", "a") as f:
+            f.write(f"{Path(run_dir).name} {step}\n")
+        return real_save(run_dir, step, *a, **kw)
+
+    def recorded_load(module, optimizer, state):  # the optimizer state right after the resume loaded it
+        real_load(module, optimizer, state)
+        full = D.full_optimizer_state(module, optimizer)
+        if rank == 0:
+            torch.save(full, out / "loaded_optimizer.pt")
+
+    T.save_checkpoint, T.load_full_optimizer_state = logged_save, recorded_load
+
+    def run(name: str, steps: int, resume: bool = False, *extra: str) -> None:
+        held = {}
+
+        def factory(model, tok):
+            held["model"] = model
+            return SeededLLM(model, tok)
+
+        def on_step(step, record):
+            with open(out / f"steps.{name}.rank{rank}.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "params": state_hash(held["model"]),
+                                    "record": json.dumps(record, sort_keys=True)}) + "\n")
+
+        model, tok = load(policy_dir)
+        if resume:
+            from agent.hf import load_model_and_tokenizer
+            from training.checkpoint import latest_checkpoint
+
+            model, tok = load_model_and_tokenizer(str(latest_checkpoint(out / name)), device="cpu")
+        T.rl_train(cfg_for(steps, "train.dynamic_sampling=true", *extra), model, tok, retriever, QUESTIONS, out / name,
+                   resume=resume, judge=varying_judge, llm_factory=factory, on_step=on_step)
+        if rank == 0:
+            torch.save({k: v.clone() for k, v in held["model"].state_dict().items()}, out / f"final.{name}.pt")
+
+    if phase == "train":
+        refill_check(rank, policy_dir, retriever, out)
+        run("straight", 3)
+        run("split", 2)
+        run("lora", 2, False, "train.lora=true", "train.lr=1e-2")
+    else:
+        run("split", 3, resume=True)
+    D.shutdown()
+    (out / f"done.{phase}.rank{rank}").touch()
+
+
+def refill_check(rank: int, policy_dir: str, retriever, out: Path) -> None:
+    """DAPO refill on 2 ranks: only the Germany questions ever get varying rewards."""
+    from agent.hf import TransformersLLM
+    from tests.conftest import QUESTIONS
+    from tests.test_trainer import load
+    from training.trainer import DataStream, rollout
+
+    def judge(traj):
+        r = float(len(traj.token_ids) % 2) if "Germany" in traj.question else 0.0
+        return r, {"em": r}
+
+    model, tok = load(policy_dir)
+    torch.manual_seed(rank)
+    data = DataStream(QUESTIONS, 0)
+    cfg = cfg_for(1, "train.dynamic_sampling=true", "train.dynamic_sampling_max_tries=3", "train.group_size=4")
+    first = data.next(2)
+    trajs, stats = rollout(first[rank::2], TransformersLLM(model, tok), retriever, cfg, data, judge)
+    (out / f"refill.rank{rank}.json").write_text(json.dumps({
+        "position": data.position, "stats": stats, "groups": sorted({t.group for t in trajs}),
+        "n": len(trajs), "questions": sorted({t.question for t in trajs}),
+        "varying": all(max(r) > min(r) for r in
+                       [[t.reward for t in trajs if t.group == g] for g in {t.group for t in trajs}])}))
+
+
+# -- the test -----------------------------------------------------------------------------------------
+def torchrun(phase: str, tiny_policy_dir, bm25_index, out: Path) -> None:
+    exe = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    with socket.socket() as sock:  # a free port (torchrun's --master_port 0 hangs with the static rendezvous)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.run([exe, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                           str(Path(__file__)), phase, str(tiny_policy_dir), str(bm25_index), str(out)],
+                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = [(out / f"done.{phase}.rank{r}").exists() for r in (0, 1)]
+    assert all(done), f"torchrun {phase}: ranks done {done}, exit {proc.returncode}:\n{proc.stderr[-4000:]}"
+    if proc.returncode != 0:  # every rank got past shutdown(): the gloo teardown abort, not a training failure
+        warnings.warn(f"torchrun {phase} exited {proc.returncode} after every rank finished", stacklevel=1)
+
+
+def read_steps(out: Path, name: str, rank: int) -> list[dict]:
+    return [json.loads(x) for x in (out / f"steps.{name}.rank{rank}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_torchrun_train_checkpoint_resume(tiny_policy_dir, bm25_index, retriever, tmp_path):
+    from agent.hf import load_model_and_tokenizer
+    from tests.conftest import QUESTIONS
+    from tests.test_trainer import SeededLLM, varying_judge
+    from training import trainer as T
+    from training.checkpoint import latest_checkpoint
+
+    out = tmp_path
+    torchrun("train", tiny_policy_dir, bm25_index, out)
+
+    # dynamic sampling per rank: disjoint refill questions, the stream in step, as many groups on each rank
+    r0, r1 = (json.loads((out / f"refill.rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["position"] == r1["position"] > 2 and r0["stats"]["ds_rounds"] == r1["stats"]["ds_rounds"] >= 1
+    assert r0["n"] == r1["n"] and r0["groups"] == r1["groups"] == list(range(len(r0["groups"])))
+    assert not set(r0["questions"]) & set(r1["questions"])
+    assert r0["varying"] or r0["stats"]["ds_kept_groups"] == 0
+
+    ckpt2 = out / "split" / "checkpoints" / "step_000002"
+    saved_opt = torch.load(ckpt2 / "optimizer.pt")
+    assert saved_opt["state"] and all("exp_avg" in s for s in saved_opt["state"].values())
+    assert json.loads((ckpt2 / "trainer_state.json").read_text())["world_size"] == 2
+    assert len(torch.load(ckpt2 / "trainer.pt", weights_only=False)["rng_per_rank"]) == 2
+    shutil.copytree(out / "split", out / "one_process")  # the step-2 run, resumed below on 1 process
+
+    torchrun("resume", tiny_policy_dir, bm25_index, out)
+
+    # only rank 0 wrote checkpoints, once per step
+    assert not (out / "saves.rank1.txt").exists()
+    assert (out / "saves.rank0.txt").read_text().split("\n")[:-1] == [
+        "straight 1", "straight 2", "straight 3", "split 1", "split 2", "lora 1", "lora 2", "split 3"]
+    # both ranks hold the same full parameters and the same merged record after every step
+    for name, steps in (("straight", [1, 2, 3]), ("split", [1, 2, 3]), ("lora", [1, 2])):
+        a, b = read_steps(out, name, 0), read_steps(out, name, 1)
+        assert [x["step"] for x in a] == [x["step"] for x in b] == steps
+        assert [x["params"] for x in a] == [x["params"] for x in b], f"{name}: ranks differ"
+        assert [x["record"] for x in a] == [x["record"] for x in b]
+        assert len({x["params"] for x in a}) == len(steps)  # and the parameters moved every step
+    lora = torch.load(out / "lora" / "checkpoints" / "step_000002" / "trainer.pt", weights_only=False)["extra"]["lora"]
+    assert lora and any(v.abs().sum() > 0 for k, v in lora.items() if "lora_B" in k)  # adapters trained, saved
+    # the resumed run restored the saved optimizer state exactly
+    loaded = torch.load(out / "loaded_optimizer.pt")
+    assert set(loaded["state"]) == set(saved_opt["state"])
+    for k, s in saved_opt["state"].items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(loaded["state"][k][key], s[key]), f"{k}.{key} not restored"
+    assert loaded["param_groups"][0]["lr"] == saved_opt["param_groups"][0]["lr"]
+    # 2 steps + resume + 1 step == 3 steps straight
+    straight, split = torch.load(out / "final.straight.pt"), torch.load(out / "final.split.pt")
+    for k, v in straight.items():
+        torch.testing.assert_close(split[k], v, rtol=0, atol=1e-6, msg=f"{k}: resumed run differs")
+    steps = [json.loads(x)["step"] for x in (out / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+    # the 2-rank checkpoint resumes on one process (another world size: same state, warned)
+    real_load = T.load_full_optimizer_state
+    seen = {}
+
+    def recorded_load(module, optimizer, state):
+        real_load(module, optimizer, state)
+        from training.distributed import full_optimizer_state
+
+        seen.update(copy.deepcopy(full_optimizer_state(module, optimizer)))  # one process: live tensors
+
+    T.load_full_optimizer_state = recorded_load
+    try:
+        model, tok = load_model_and_tokenizer(str(latest_checkpoint(out / "one_process")), device="cpu")
+        with pytest.warns(UserWarning, match="saved on 2 ranks on 1"):
+            res = T.rl_train(cfg_for(3, "train.dynamic_sampling=true"), model, tok, retriever, QUESTIONS,
+                             out / "one_process", resume=True, judge=varying_judge, llm_factory=SeededLLM)
+    finally:
+        T.load_full_optimizer_state = real_load
+    assert res["start_step"] == 2 and latest_checkpoint(out / "one_process").name == "step_000003"
+    for k, s in saved_opt["state"].items():
+        assert torch.equal(seen["state"][k]["exp_avg"], s["exp_avg"])
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    worker(*sys.argv[1:5])
