@@ -39,7 +39,7 @@ def open_retriever(cfg: Config, index_dir: str | None = None, method: str | None
                                s.noise_base, total_steps=max(cfg.train.steps, 1), seed=cfg.seed)
     from retrieval.index import load_retriever
 
-    return load_retriever(index_dir or cfg.retrieval.index_dir, method)
+    return load_retriever(index_dir or cfg.retrieval.index_dir, method, bm25_backend=cfg.retrieval.bm25_backend)
 
 
 def ensure_index(cfg: Config, log=print) -> None:
@@ -135,7 +135,10 @@ def save_run_config(cfg: Config) -> None:
 # -- training stages ----------------------------------------------------------------------------------
 def run_sft_stage(cfg: Config, log=print) -> Path:
     """SFT warm start on oracle trajectories of the training questions; returns the model directory
-    (``<out_dir>/sft``), reusing it when it already exists."""
+    (``<out_dir>/sft``, written under a temporary name and renamed), reusing it when it already exists.
+
+    One process: under torchrun run it on rank 0 only (``training.distributed.run_on_rank0``, as
+    ``sleuth train`` does); the other ranks then load the directory it returns."""
     import shutil
 
     from tqdm import tqdm
@@ -177,15 +180,21 @@ def run_sft_stage(cfg: Config, log=print) -> Path:
 def run_rl_stage(cfg: Config, init_path: str | Path, resume: bool = False, log=print) -> Path:
     """GRPO from ``init_path`` into ``<out_dir>/grpo``; returns the final checkpoint directory.
 
-    Raises ``ValueError`` if the run directory already has checkpoints and ``resume`` is False (so a new
-    run never overwrites an old one).
+    Under torchrun every rank calls it (after rank 0 has prepared ``init_path``; the run directory must be
+    on a file system all ranks see): each loads the same weights, :func:`training.trainer.rl_train` shards
+    them, and only rank 0 shows progress and logs. Raises ``ValueError`` if the run directory already has
+    checkpoints and ``resume`` is False (so a new run never overwrites an old one).
     """
     from tqdm import tqdm
 
     from agent.hf import TransformersLLM
     from training.checkpoint import latest_checkpoint
+    from training.distributed import world
     from training.trainer import rl_train
 
+    rank = world()[0]
+    if rank != 0:
+        log = lambda *a, **k: None  # rank 0 alone reports
     run_dir = Path(cfg.out_dir) / "grpo"
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None and not resume:
@@ -199,7 +208,7 @@ def run_rl_stage(cfg: Config, init_path: str | Path, resume: bool = False, log=p
     if ckpt is not None:
         done = json.loads((ckpt / "trainer_state.json").read_text())["step"]
         log(f"GRPO: resuming {run_dir} from {ckpt.name}")
-    bar = tqdm(total=cfg.train.steps, initial=done, desc="GRPO", unit="step")
+    bar = tqdm(total=cfg.train.steps, initial=done, desc="GRPO", unit="step", disable=rank != 0)
 
     def on_step(step: int, rec: dict[str, Any]) -> None:
         bar.update(1)

@@ -1,10 +1,17 @@
-"""``sleuth train``: SFT warm start (if enabled) then multi-turn GRPO with tool-token masking."""
+"""``sleuth train``: SFT warm start (if enabled) then multi-turn GRPO with tool-token masking.
+
+Under ``torchrun --nproc_per_node N -m sleuth.cli train ...`` rank 0 alone writes the run config, builds
+the index and the tiny policy and runs the SFT warm start while the other ranks wait (a failure there
+stops every rank); then all ranks train with FSDP2 (:func:`training.trainer.rl_train`), rank 0 alone logs
+and checkpoints, and the process group ends with a barrier. Collectives time out after
+``train.dist_timeout_s`` seconds, so a rank that died makes the others fail rather than hang.
+"""
 
 from __future__ import annotations
 
 from sleuth.commands._common import add_config_arguments, config_from_args
 
-HELP = "train the policy: SFT warm start, then multi-turn GRPO (metrics, checkpoints, --resume)"
+HELP = "train the policy: SFT warm start, then multi-turn GRPO (metrics, checkpoints, --resume; torchrun)"
 
 
 def add_arguments(p) -> None:
@@ -16,11 +23,22 @@ def run(args) -> int:
     from pathlib import Path
 
     from sleuth.pipeline import ensure_index, run_rl_stage, run_sft_stage, save_run_config, tiny_policy_path
+    from training.distributed import init_from_env, run_on_rank0, shutdown
 
     cfg = config_from_args(args)
-    save_run_config(cfg)
-    ensure_index(cfg)
-    init = run_sft_stage(cfg) if cfg.sft.enabled else (cfg.policy.model or tiny_policy_path(cfg))
-    final = run_rl_stage(cfg, init, resume=args.resume)
-    print(f"final checkpoint: {final}\nmetrics: {Path(cfg.out_dir) / 'grpo' / 'metrics.jsonl'}")
+    rank, _W = init_from_env(timeout_s=cfg.train.dist_timeout_s)  # torchrun: the process group; else a no-op
+    ok = False
+    try:
+        def setup() -> str:  # writes files: rank 0 only, the others wait for its result
+            save_run_config(cfg)
+            ensure_index(cfg)
+            return str(run_sft_stage(cfg) if cfg.sft.enabled else (cfg.policy.model or tiny_policy_path(cfg)))
+
+        init = run_on_rank0(setup)
+        final = run_rl_stage(cfg, init, resume=args.resume)
+        ok = True
+    finally:
+        shutdown(barrier=ok)  # no barrier on an error path: the other ranks may be gone
+    if rank == 0:
+        print(f"final checkpoint: {final}\nmetrics: {Path(cfg.out_dir) / 'grpo' / 'metrics.jsonl'}")
     return 0
