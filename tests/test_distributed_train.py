@@ -5,13 +5,15 @@ Checked: both ranks hold identical full (rollout) parameters and the same merged
 step; only rank 0 writes checkpoints, once per step; the checkpoint holds the full optimizer state and a
 resumed run restores it exactly (AdamW moments of every parameter); 2 steps + resume + 1 step equals 3
 steps straight; the same checkpoint also resumes on one process (another world size); DAPO's dynamic
-sampling refills per rank from disjoint questions with the data stream in step on both ranks.
+sampling refills per rank from disjoint questions with the data stream in step on both ranks; LoRA
+adapters train and are saved under FSDP2; a failed setup on rank 0 fails rank 1 too, and a rank that
+never arrives makes the others time out instead of hanging.
 
 As a script (run by torchrun): ``python tests/test_distributed_train.py PHASE POLICY_DIR INDEX_DIR OUT`` with
-PHASE ``train`` (the refill check, then a 3-step run, a 2-step run and a 2-step LoRA run) or ``resume``. Each rank writes a
-``done`` marker after :func:`training.distributed.shutdown` returns: a non-zero exit *after* every rank
-wrote it is the gloo teardown abort reported in issue 7 and only warns; a missing marker or any mismatch
-fails.
+PHASE ``train`` (the refill check, then a 3-step run, a 2-step run and a 2-step LoRA run), ``resume`` or
+``failure``. Each rank writes a ``done`` marker after :func:`training.distributed.shutdown` returns: a
+non-zero exit *after* every rank wrote it is the gloo teardown abort reported in issue 7 and only warns;
+a missing marker or any mismatch fails.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def worker(phase: str, policy_dir: str, index_dir: str, out_dir: str) -> None:
     from training import distributed as D
 
     out = Path(out_dir)
+    if phase == "failure":
+        return failure_worker(out)
     rank, W = D.init_from_env("gloo", timeout_s=120)
     assert W == 2
     torch.set_num_threads(1)
@@ -111,6 +115,31 @@ def worker(phase: str, policy_dir: str, index_dir: str, out_dir: str) -> None:
     (out / f"done.{phase}.rank{rank}").touch()
 
 
+def failure_worker(out: Path) -> None:
+    """A setup failure on rank 0 fails rank 1 too; then rank 1 never arrives and rank 0 times out."""
+    import time
+
+    from training import distributed as D
+
+    rank, _W = D.init_from_env("gloo", timeout_s=3)
+
+    def setup():
+        raise FileNotFoundError("no corpus here")
+
+    try:
+        D.run_on_rank0(setup)
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        (out / f"setup_error.rank{rank}").write_text(f"{type(e).__name__}: {e}")
+    if rank == 1:
+        time.sleep(60)  # hangs (killed by torchrun once rank 0 exits)
+    t0 = time.time()
+    try:
+        D.barrier()
+    except Exception as e:  # recorded, then the rank fails as a training run would
+        (out / "timeout.rank0").write_text(f"{time.time() - t0:.1f} {type(e).__name__}")
+        raise SystemExit(3) from e
+
+
 def refill_check(rank: int, policy_dir: str, retriever, out: Path) -> None:
     """DAPO refill on 2 ranks: only the Germany questions ever get varying rewards."""
     from agent.hf import TransformersLLM
@@ -136,7 +165,7 @@ def refill_check(rank: int, policy_dir: str, retriever, out: Path) -> None:
 
 
 # -- the test -----------------------------------------------------------------------------------------
-def torchrun(phase: str, tiny_policy_dir, bm25_index, out: Path) -> None:
+def torchrun(phase: str, tiny_policy_dir, bm25_index, out: Path) -> subprocess.CompletedProcess:
     exe = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     with socket.socket() as sock:  # a free port (torchrun's --master_port 0 hangs with the static rendezvous)
@@ -145,10 +174,13 @@ def torchrun(phase: str, tiny_policy_dir, bm25_index, out: Path) -> None:
     proc = subprocess.run([exe, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
                            str(Path(__file__)), phase, str(tiny_policy_dir), str(bm25_index), str(out)],
                           check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if phase == "failure":
+        return proc
     done = [(out / f"done.{phase}.rank{r}").exists() for r in (0, 1)]
     assert all(done), f"torchrun {phase}: ranks done {done}, exit {proc.returncode}:\n{proc.stderr[-4000:]}"
     if proc.returncode != 0:  # every rank got past shutdown(): the gloo teardown abort, not a training failure
         warnings.warn(f"torchrun {phase} exited {proc.returncode} after every rank finished", stacklevel=1)
+    return proc
 
 
 def read_steps(out: Path, name: str, rank: int) -> list[dict]:
@@ -231,6 +263,16 @@ def test_torchrun_train_checkpoint_resume(tiny_policy_dir, bm25_index, retriever
     for k, s in saved_opt["state"].items():
         assert torch.equal(seen["state"][k]["exp_avg"], s["exp_avg"])
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+
+
+@pytest.mark.slow
+def test_a_failing_or_missing_rank_does_not_hang_the_others(tmp_path):
+    proc = torchrun("failure", "-", "-", tmp_path)
+    assert proc.returncode != 0
+    assert (tmp_path / "setup_error.rank0").read_text() == "FileNotFoundError: no corpus here"
+    assert (tmp_path / "setup_error.rank1").read_text() == "RuntimeError: rank 0 failed: FileNotFoundError: no corpus here"
+    waited = float((tmp_path / "timeout.rank0").read_text().split()[0])
+    assert 2.0 < waited < 30.0  # the collective timed out (3 s) instead of waiting for the sleeping rank
 
 
 if __name__ == "__main__":
