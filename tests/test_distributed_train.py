@@ -6,8 +6,8 @@ step; only rank 0 writes checkpoints, once per step; the checkpoint holds the fu
 resumed run restores it exactly (AdamW moments of every parameter); 2 steps + resume + 1 step equals 3
 steps straight; the same checkpoint also resumes on one process (another world size); DAPO's dynamic
 sampling refills per rank from disjoint questions with the data stream in step on both ranks; LoRA
-adapters train and are saved under FSDP2; a failed setup on rank 0 fails rank 1 too, and a rank that
-never arrives makes the others time out instead of hanging.
+adapters train and are saved under FSDP2; a NaN loss on one rank skips the step on both; a failed setup
+on rank 0 fails rank 1 too, and a rank that never arrives makes the others time out instead of hanging.
 
 As a script (run by torchrun): ``python tests/test_distributed_train.py PHASE POLICY_DIR INDEX_DIR OUT`` with
 PHASE ``train`` (the refill check, then a 3-step run, a 2-step run and a 2-step LoRA run), ``resume`` or
@@ -111,6 +111,7 @@ def worker(phase: str, policy_dir: str, index_dir: str, out_dir: str) -> None:
         run("lora", 2, False, "train.lora=true", "train.lr=1e-2")
     else:
         run("split", 3, resume=True)
+        nan_on_one_rank(rank, policy_dir, out)
     D.shutdown()
     (out / f"done.{phase}.rank{rank}").touch()
 
@@ -138,6 +139,36 @@ def failure_worker(out: Path) -> None:
     except Exception as e:  # recorded, then the rank fails as a training run would
         (out / "timeout.rank0").write_text(f"{time.time() - t0:.1f} {type(e).__name__}")
         raise SystemExit(3) from e
+
+
+def nan_on_one_rank(rank: int, policy_dir: str, out: Path) -> None:
+    """A non-finite loss on rank 1 only: both ranks skip the step (FloatingPointError), none hangs."""
+    import training.kernels as K
+    from tests.test_fsdp import build, train_cfg
+    from training import distributed as D
+    from training.trainer import update_policy
+
+    model, batch = build()
+    fwd = D.shard(D.LogprobModule(model))
+    opt = torch.optim.AdamW(fwd.parameters(), lr=1e-2)
+    before = D.full_state_dict(fwd)
+    real = K.policy_loss
+
+    def loss_fn(*a, **kw):
+        loss, stats = real(*a, **kw)
+        return (loss * float("nan") if rank == 1 else loss), stats
+
+    K.policy_loss = loss_fn
+    try:
+        update_policy(fwd, None, opt, batch.select(torch.arange(len(batch))[rank::2]), train_cfg())
+        result = "no error"
+    except FloatingPointError as e:
+        result = f"FloatingPointError: {e}"
+    finally:
+        K.policy_loss = real
+    after = D.full_state_dict(fwd)
+    moved = any(not torch.equal(before[k], after[k]) for k in before)
+    (out / f"nan.rank{rank}.txt").write_text(f"{result}|moved={moved}")
 
 
 def refill_check(rank: int, policy_dir: str, retriever, out: Path) -> None:
@@ -227,6 +258,9 @@ def test_torchrun_train_checkpoint_resume(tiny_policy_dir, bm25_index, retriever
         assert len({x["params"] for x in a}) == len(steps)  # and the parameters moved every step
     lora = torch.load(out / "lora" / "checkpoints" / "step_000002" / "trainer.pt", weights_only=False)["extra"]["lora"]
     assert lora and any(v.abs().sum() > 0 for k, v in lora.items() if "lora_B" in k)  # adapters trained, saved
+    # a NaN loss on one rank: every rank skips the step, no parameter moves
+    for r in (0, 1):
+        assert (out / f"nan.rank{r}.txt").read_text() == "FloatingPointError: non-finite gradient norm|moved=False"
     # the resumed run restored the saved optimizer state exactly
     loaded = torch.load(out / "loaded_optimizer.pt")
     assert set(loaded["state"]) == set(saved_opt["state"])

@@ -251,8 +251,8 @@ def update_policy(
                 loss_agg=cfg.loss_agg, ref_logprobs=ref[j] if ref is not None else None, kl_coef=cfg.kl_coef,
                 kl_type=cfg.kl_type, entropy=ent, entropy_coef=cfg.entropy_coef,
             )
-            if not torch.isfinite(loss):
-                optimizer.zero_grad(set_to_none=True)
+            if not torch.isfinite(loss) and W == 1:  # under torchrun the NaN reaches every rank through the
+                optimizer.zero_grad(set_to_none=True)  # gradient reduction: all ranks skip at the norm check
                 raise FloatingPointError(f"non-finite policy loss ({float(loss)})")
             # weight micro-batches (and ranks: FSDP averages gradients) so the step is one full-batch step
             share = float(mask.sum()) / max(total_tokens, 1.0) if cfg.loss_agg == "token-mean" else len(mb) / total_rows
