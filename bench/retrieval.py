@@ -214,9 +214,11 @@ def speed(args, out: dict, lucene) -> None:
             del r
         if lucene is not None:
             lidx = WORK / f"lucene_synthetic_{n}"
+            reused = (lidx / "sleuth_source.json").exists()  # build_lucene_index skips an index of this corpus
             t = time.perf_counter()
             lucene.build_lucene_index(corpus, lidx, threads=2)
-            row["pyserini_build_s"] = round(time.perf_counter() - t, 1)
+            row["pyserini_build_s"] = None if reused else round(time.perf_counter() - t, 1)
+            row["pyserini_index_reused"] = reused
             ls = lucene.LuceneBM25Retriever(lidx, k1=0.9, b=0.4, threads=2)
             for b, nb in ((1, args.n_single), (256, args.n_batches)):
                 row[f"pyserini_inproc_b{b}"] = time_search(ls.search, queries, b, 10, nb)
@@ -285,7 +287,38 @@ def table(out: dict) -> str:
             cells = [f"{r['passages']:,}: {100 * r[key]:+.1f}%" for r in out["speed"] if key in r]
             if cells:
                 lines.append(f"- bm25s-{be}: " + ", ".join(cells))
+    lines += targets(out)
     return "\n".join(lines)
+
+
+def targets(out: dict) -> list[str]:
+    """The issue's targets checked against this run's numbers (markdown bullets)."""
+    res = []
+    q = out.get("quality") or {}
+    if "bm25_top10_overlap_with_pyserini" in q:
+        v = q["bm25_top10_overlap_with_pyserini"]
+        res.append(f"- top-10 overlap with pyserini >= 0.9: {v} ({'met' if v >= 0.9 else 'NOT met'})")
+    if all(m in q for m in ("bm25", "dense", "hybrid")):
+        best = max(q["bm25"]["recall@10"], q["dense"]["recall@10"])
+        v = q["hybrid"]["recall@10"]
+        res.append(f"- hybrid recall@10 >= the better part ({best}): {v} ({'met' if v >= best else 'NOT met'})")
+    for r in out.get("speed", []):
+        if "pyserini_inproc_b256" in r:
+            ref = r["pyserini_inproc_b256"]["qps"]
+            cells = []
+            for be in ("numpy", "numba"):
+                if f"bm25s-{be}_inproc_b256" in r:
+                    v = r[f"bm25s-{be}_inproc_b256"]["qps"]
+                    cells.append(f"bm25s-{be} {v / ref:.2f}x ({'met' if v >= ref else 'NOT met'})")
+            res.append(f"- {r['passages']:,} passages, batch-256 q/s vs pyserini: " + ", ".join(cells))
+        cells = []
+        for be in ("numpy", "numba"):
+            key = f"bm25s-{be}_server_overhead_b256_p50"
+            if key in r:
+                cells.append(f"bm25s-{be} {100 * r[key]:+.1f}% ({'met' if r[key] <= 0.10 else 'NOT met'})")
+        if cells:
+            res.append(f"- {r['passages']:,} passages, server adds <= 10% at batch 256: " + ", ".join(cells))
+    return ["", "Targets:", "", *res] if res else []
 
 
 def write_markdown(out: dict, text: str) -> None:
