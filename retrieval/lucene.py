@@ -65,14 +65,48 @@ def pyserini_version() -> str:
     return version("pyserini")
 
 
+def index_collection(
+    input_dir: str | Path,
+    out_dir: str | Path,
+    threads: int = 2,
+    store_raw: bool = True,
+    optimize: bool = False,
+    quiet: bool = False,
+) -> Path:
+    """Run Anserini's ``IndexCollection`` (JsonCollection, ``DefaultLuceneDocumentGenerator``, default
+    analyzer) over a folder of JSONL files, one ``{"id", "contents"}`` object a line; Anserini indexes one
+    file per thread, so split a large corpus into about ``threads`` files. ``store_raw`` keeps each source
+    object (what :meth:`LuceneBM25Retriever.search` reads back); ``optimize`` merges the index into one
+    segment (slower build, faster search). Writes ``out_dir`` (replacing an index there) and returns it."""
+    setup_jvm()
+    from jnius import autoclass
+
+    args = ["-collection", "JsonCollection", "-input", str(input_dir), "-index", str(out_dir),
+            "-generator", "DefaultLuceneDocumentGenerator", "-threads", str(max(1, int(threads)))]
+    args += ["-storeRaw"] * store_raw + ["-optimize"] * optimize + ["-quiet"] * quiet
+    autoclass("io.anserini.index.IndexCollection").main(args)
+    return Path(out_dir)
+
+
+def num_docs(index_dir: str | Path) -> int:
+    """Number of documents in a Lucene index (0 for an empty or unreadable one)."""
+    setup_jvm()
+    from jnius import autoclass
+
+    paths, fsdir = autoclass("java.nio.file.Paths"), autoclass("org.apache.lucene.store.FSDirectory")
+    reader = autoclass("org.apache.lucene.index.DirectoryReader").open(fsdir.open(paths.get(str(index_dir))))
+    try:
+        return int(reader.numDocs())
+    finally:
+        reader.close()
+
+
 def build_lucene_index(
     corpus: str | Path, out_dir: str | Path, threads: int = 2, force: bool = False
 ) -> Path:
     """Index a corpus JSONL ``{id, contents}`` with Anserini's ``IndexCollection`` (JsonCollection, raw
     documents stored). Skips the build when ``out_dir`` already holds an index of the same corpus file."""
     setup_jvm()
-    from jnius import autoclass
-
     corpus, out_dir = Path(corpus).resolve(), Path(out_dir)
     stamp = out_dir / "sleuth_source.json"
     st = corpus.stat()
@@ -81,20 +115,7 @@ def build_lucene_index(
         return out_dir
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "corpus.jsonl").symlink_to(corpus)
-        args = [
-            "-collection",
-            "JsonCollection",
-            "-input",
-            tmp,
-            "-index",
-            str(out_dir),
-            "-generator",
-            "DefaultLuceneDocumentGenerator",
-            "-threads",
-            str(threads),
-            "-storeRaw",
-        ]
-        autoclass("io.anserini.index.IndexCollection").main(args)
+        index_collection(tmp, out_dir, threads, store_raw=True)
     stamp.write_text(json.dumps(key))
     return out_dir
 
@@ -123,17 +144,27 @@ class LuceneBM25Retriever:
         title = d.get("title") or contents.partition("\n")[0]
         return Hit(id=str(h.docid), title=str(title), contents=contents, score=float(h.score))
 
-    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
+    def _search(self, queries: list[str], k: int) -> list[list]:
+        """pyserini's hits (``JScoredDoc``: ``docid``, ``score``, ``lucene_document``) of each query, best
+        first; blank queries get none."""
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be an integer >= 1, got {k!r}")
-        out: list[list[Hit]] = [[] for _ in queries]
+        out: list[list] = [[] for _ in queries]
         keep = [i for i, q in enumerate(queries) if q.strip()]
         if len(keep) == 1:
-            out[keep[0]] = [self._hit(h) for h in self.searcher.search(queries[keep[0]], k)]
+            out[keep[0]] = list(self.searcher.search(queries[keep[0]], k))
         elif keep:
             res = self.searcher.batch_search(
                 [queries[i] for i in keep], [str(i) for i in keep], k, self.threads
             )
             for i in keep:
-                out[i] = [self._hit(h) for h in res.get(str(i), [])]
+                out[i] = list(res.get(str(i), []))
         return out
+
+    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
+        return [[self._hit(h) for h in hits] for hits in self._search(queries, k)]
+
+    def search_docids(self, queries: list[str], k: int) -> list[list[tuple[str, float]]]:
+        """``(docid, BM25 score)`` of the top-``k`` documents of each query, best first, without reading
+        the stored documents."""
+        return [[(str(h.docid), float(h.score)) for h in hits] for hits in self._search(queries, k)]
