@@ -55,7 +55,8 @@ def ensure_index(cfg: Config, log=print) -> None:
 
     log(f"building the index of {data_paths(cfg)['corpus']} in {cfg.retrieval.index_dir}")
     build_index(data_paths(cfg)["corpus"], cfg.retrieval.index_dir, dense_model=cfg.retrieval.dense_model,
-                build_dense=cfg.retrieval.build_dense or cfg.retrieval.method != "bm25",
+                build_dense=cfg.retrieval.build_dense or cfg.retrieval.method in ("dense", "hybrid"),
+                build_lucene=cfg.retrieval.build_lucene or cfg.retrieval.method == "lucene",
                 batch_size=cfg.retrieval.dense_batch_size)
 
 

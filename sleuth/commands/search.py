@@ -11,7 +11,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("query", nargs="+", help="the query (several arguments are joined by spaces)")
     p.add_argument("-k", type=int, default=5, help="number of hits (default 5)")
     p.add_argument("--index", default="runs/index", help="index directory (default: runs/index)")
-    p.add_argument("--method", default="bm25", choices=["bm25", "dense", "hybrid"], help="retriever")
+    p.add_argument("--method", default="bm25", choices=["bm25", "dense", "hybrid", "lucene"],
+                   help="retriever (lucene: the part built by `sleuth index --lucene`)")
     p.add_argument("--url", default=None, help="query a running `sleuth serve-retrieval` instead of an index")
     p.add_argument("--chars", type=int, default=160, help="characters of each passage to show")
     p.add_argument("--json", action="store_true", help="print hits as JSON lines")

@@ -9,7 +9,8 @@ HELP = "Serve an index over HTTP, Search-R1 compatible: POST /retrieve {queries,
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index", default="runs/index", help="index directory (default: runs/index)")
-    p.add_argument("--method", default="bm25", choices=["bm25", "dense", "hybrid"], help="retriever")
+    p.add_argument("--method", default="bm25", choices=["bm25", "dense", "hybrid", "lucene"],
+                   help="retriever (lucene: the part built by `sleuth index --lucene`)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 exposes it)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--topk", type=int, default=3, help="topk when a request gives none (Search-R1: 3)")
