@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -48,6 +49,11 @@ def setup_jvm() -> None:
 
         add_options._sleuth = True
         jnius_config.add_options = add_options
+    if "jnius" in sys.modules and "pyserini.search.lucene" not in sys.modules:
+        raise RuntimeError(
+            "jnius was imported before pyserini set its Java classpath (importing jnius starts the JVM): "
+            "call retrieval.lucene.setup_jvm() before importing jnius"
+        )
     placeholder = "OPENAI_API_KEY" not in os.environ
     if placeholder:
         os.environ["OPENAI_API_KEY"] = "unused-placeholder"
