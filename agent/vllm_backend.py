@@ -17,6 +17,8 @@ vLLM starts its engine core in a spawned process: scripts that construct a :clas
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 from collections.abc import Iterable
 from typing import Any
 
@@ -134,14 +136,10 @@ class VLLMBackend:
 
     def close(self) -> None:
         """Remove the shared-memory weights directory (the engine shuts down with the object)."""
-        import shutil
-
         if self._weights_dir is not None:
             shutil.rmtree(self._weights_dir, ignore_errors=True)
             self._weights_dir = None
 
-    def __del__(self) -> None:
-        import contextlib
-
+    def __del__(self) -> None:  # no imports here: at interpreter shutdown they fail
         with contextlib.suppress(Exception):
             self.close()
