@@ -211,7 +211,10 @@ class Batcher:
             kmax = max(k for _, k, _ in items)
             search = self._search_rows if self.rows else self.retriever.search
             try:
-                res = await loop.run_in_executor(None, search, all_q, kmax) if all_q else []
+                if all_q:
+                    res = await loop.run_in_executor(None, search, all_q, kmax)
+                else:  # only requests with no queries: nothing to search (the row path still needs arrays)
+                    res = (np.full((0, kmax), -1, np.int64), np.zeros((0, kmax), np.float32)) if self.rows else []
             except Exception as e:  # noqa: BLE001 (the server keeps serving; each waiting request gets the error)
                 for _, _, fut in items:
                     if not fut.done():

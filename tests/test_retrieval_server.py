@@ -221,3 +221,12 @@ def test_row_path_reply_equals_hit_path_reply(tmp_path):
 
 def test_server_uses_row_path_for_index_retrievers(server):
     assert httpx2.get(server.url + "/health").json()["reply_path"] == "rows"
+
+
+def test_empty_query_list_on_the_row_path_keeps_the_server_serving(server):
+    """``{"queries": []}`` gets an empty result, and the batcher survives it (it used to crash the batching
+    loop on the row path, after which every request hung)."""
+    r = httpx2.post(server.url + "/retrieve", json={"queries": [], "topk": 2, "return_scores": True}, timeout=5)
+    assert r.status_code == 200 and r.json() == {"result": []}
+    r = httpx2.post(server.url + "/retrieve", json={"queries": ["Everest"], "topk": 1}, timeout=5)
+    assert r.status_code == 200 and r.json()["result"][0][0]["id"] == "d2"
