@@ -117,6 +117,8 @@ def _hit(item: dict) -> Hit:
         contents = str(contents)
     title = doc.get("title") or contents.partition("\n")[0].strip('"')
     score = item.get("score", 0.0)
+    if score is None:  # the server writes a non-finite score as JSON null
+        score = float("nan")
     return Hit(str(doc.get("id", "")), title if type(title) is str else str(title), contents,
                score if type(score) is float else float(score))
 

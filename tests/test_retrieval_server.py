@@ -230,3 +230,19 @@ def test_empty_query_list_on_the_row_path_keeps_the_server_serving(server):
     assert r.status_code == 200 and r.json() == {"result": []}
     r = httpx2.post(server.url + "/retrieve", json={"queries": ["Everest"], "topk": 1}, timeout=5)
     assert r.status_code == 200 and r.json()["result"][0][0]["id"] == "d2"
+
+
+def test_non_finite_scores_reach_the_client_as_nan():
+    """The server writes a non-finite score as JSON null (orjson); the client reads it back as NaN instead of
+    rejecting the reply as malformed."""
+    import math
+
+    class NaNScores:
+        def search(self, queries, k):
+            return [[Hit("d9", "T", "T\nbody", float("nan"))] for _ in queries]
+
+    with _Server(create_app(NaNScores())) as s:
+        r = httpx2.post(s.url + "/retrieve", json={"queries": ["a"], "topk": 1, "return_scores": True})
+        assert r.json()["result"][0][0]["score"] is None
+        (hit,), = RemoteRetriever(s.url).search(["a"], 1)
+    assert hit.id == "d9" and math.isnan(hit.score)
