@@ -282,6 +282,7 @@ REASON_IN_DOCUMENTS = (
 )
 NO_INFO = "No helpful information found."
 RID_STOP = ("\n\n", "</information>")
+_ACTION_OR_INFO = re.compile(r"</?(search|answer|information)>")  # <think> may run on over several steps
 
 
 def _user_ids(llm: LLM, text: str, cfg: AgentConfig) -> list[int]:
@@ -357,7 +358,8 @@ def search_o1(
     reasoning, the query and the ``top_k`` documents (:func:`reason_in_documents_prompt`) and writes the
     helpful information (or :data:`NO_INFO`); that text, not the documents, is appended to the chain as
     ``<information> ... </information>``. A turn cut by the token budget (``finish_reason == "length"``)
-    with no tag continues at the next step; any other turn without a valid action ends the reasoning.
+    with no ``<search>``/``<answer>``/``<information>`` tag (``<think>`` may be open) continues at the next
+    step; any other turn without a valid action ends the reasoning.
     Finally, unanswered questions get a forced ``<answer>`` (closing an open ``<think>``).
 
     Differences from the original: the Search-R1 tags (``<search>``, ``<information>``, ``<answer>``)
@@ -399,8 +401,7 @@ def search_o1(
 
     active = list(range(n))
     for _step in range(max_steps):
-        active = [i for i in active if len(ctx[i]) + cfg.max_new_tokens + force_room + cfg.max_new_tokens
-                  <= cfg.max_total_tokens]
+        active = [i for i in active if len(ctx[i]) + reserve <= cfg.max_total_tokens]
         if not active:
             break
         gens = llm.generate([ctx[i] for i in active], _params(cfg, temperature, seed, protocol.STOP_STRINGS))
@@ -418,8 +419,8 @@ def search_o1(
                 answer[i] = act.content
             elif act.kind == "search":
                 queries.append((i, act.content))
-            elif g.finish_reason == "length" and not _TAGS.search(g.text):
-                going.append(i)  # reasoning cut by the turn budget: continue it next step
+            elif g.finish_reason == "length" and not _ACTION_OR_INFO.search(g.text):
+                going.append(i)  # reasoning (in or out of <think>) cut by the turn budget: continue it next step
         if queries:
             hits = retriever.search([q for _, q in queries], top_k)
             prompts = []

@@ -181,3 +181,28 @@ def test_registered_and_runs_through_the_runner(tmp_path):
     m = s["benchmarks"]["sample"]
     assert m["n"] == 4 and m["search_calls"] == 1.0 and m["turns"] == 3.0 and s["run_dir"].endswith(s["fingerprint"])
     assert search_o1([], SearchO1LLM(), KeywordRetriever(PASSAGES)) == []
+
+
+def test_thinking_cut_by_the_turn_budget_continues():
+    """A turn cut by the token budget inside ``<think>`` (a long reasoning step, the usual case for a
+    reasoning model) continues at the next step; only an action tag in a cut turn ends the reasoning."""
+
+    class LongThinker(SearchO1LLM):
+        def _respond(self, ctx):
+            kind, text = super()._respond(ctx)
+            return (kind, "<think>" + text) if kind == "reason" and text.startswith("ramble") else (kind, text)
+
+    llm = LongThinker(hops=1, ramble=1)
+    cfg = AgentConfig(max_new_tokens=64, max_total_tokens=2000)
+    (rec,) = search_o1(examples(1), llm, KeywordRetriever(PASSAGES), cfg, top_k=1, max_steps=4)
+    assert len(llm.reason_prompts) == 3 and "<think>ramble" in llm.reason_prompts[1] and not llm.forced_prompts
+    assert rec["search_calls"] == 1 and rec["prediction"] == "Berlin"
+
+    class CutSearch(SearchO1LLM):  # a cut turn with an unclosed action is not continued
+        def _respond(self, ctx):
+            kind, text = super()._respond(ctx)
+            return (kind, "<search> " + "long " * 100) if kind == "reason" else (kind, text)
+
+    llm = CutSearch(hops=1)
+    (rec,) = search_o1(examples(1), llm, KeywordRetriever(PASSAGES), cfg, top_k=1, max_steps=4)
+    assert len(llm.reason_prompts) == 1 and len(llm.forced_prompts) == 1 and rec["search_calls"] == 0
