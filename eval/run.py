@@ -233,6 +233,11 @@ def run_benchmarks(
         jopts = {**JUDGE_DEFAULTS, **(judge_options or {})}
         if jopts["unparseable"] not in ("zero", "rule"):
             raise ValueError(f"judge unparseable policy must be 'zero' or 'rule', got {jopts['unparseable']!r}")
+        if jopts["fallback_metric"] not in ("em", "f1", "cover_em"):
+            raise ValueError(f"judge fallback_metric must be 'em', 'f1' or 'cover_em', got {jopts['fallback_metric']!r}")
+        if isinstance(jopts["max_new_tokens"], bool) or not isinstance(jopts["max_new_tokens"], int) \
+                or jopts["max_new_tokens"] < 1:
+            raise ValueError(f"judge max_new_tokens must be a positive integer, got {jopts['max_new_tokens']!r}")
         judge_man = judge_manifest(judge_llm, jopts, judge_model_dir)
 
         def judge(recs: list[dict[str, Any]]) -> None:

@@ -143,6 +143,12 @@ def test_unparseable_policy_in_a_run(tmp_path):
         _run(tmp_path, JudgeLLM(), {"unparseable": "maybe"})
     with pytest.raises(ValueError, match="unknown judge option"):
         _run(tmp_path, JudgeLLM(), {"temperature": 1.0})
+    # a bad fallback metric or verdict length fails before any prediction is computed (not after a batch)
+    for bad in ({"fallback_metric": "bleu"}, {"max_new_tokens": 0}):
+        llm = ScriptedLLM()
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            _run(tmp_path, JudgeLLM(), bad, llm=llm)
+        assert llm.calls == 0
     with pytest.raises(ValueError, match="without a judge_llm"):
         _run(tmp_path, None, {"unparseable": "rule"})
 
