@@ -94,7 +94,8 @@ class _Server:
             f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
             "from retrieval.index import load_retriever\n"
             "from retrieval.server import ServerLimits, create_app, serve\n"
-            f"serve(create_app(load_retriever({str(index_dir)!r}, {method!r}, bm25_backend={bm25_backend!r}), "
+            f"serve(create_app(load_retriever({str(index_dir)!r}, {method!r}, "
+            f"**({{'bm25_backend': {bm25_backend!r}}} if {method!r} == 'bm25' else {{'n_threads': 2}})), "
             "ServerLimits(max_topk=1000)), "
             f"port={self.port})\n"
         )
@@ -191,26 +192,31 @@ def speed(args, out: dict, lucene) -> None:
     from retrieval.bm25 import numba_available
     from retrieval.client import RemoteRetriever
 
-    backends = ["numpy"] + (["numba"] if numba_available() else [])
-    if "numba" not in backends:
+    backends = [b for b in args.backends if b != "numba" or numba_available()]
+    if "numba" in args.backends and "numba" not in backends:
         out["notes"].append("bm25s numba backend not measured: numba is not installed (pip install '.[fast]')")
+    if lucene is None and "lucene" in backends:
+        backends.remove("lucene")
     rows = []
     for n in args.sizes:
         corpus = WORK / f"synthetic_{n}.jsonl"
         queries = synthetic_corpus(corpus, n)
         idx = WORK / f"index_synthetic_{n}"
-        man = build_index(corpus, idx, build_dense=False, show_progress=False)
+        man = build_index(corpus, idx, build_dense=False, show_progress=False, build_lucene="lucene" in backends)
         # an index kept from an earlier run is reused; its manifest keeps the original build time
         row = {"passages": n, "bm25s_build_s": round(man["build_seconds"], 1), "bm25s_index_reused": man["reused"]}
         for be in backends:
-            r = load_retriever(idx, "bm25", bm25_backend=be)
-            with _Server(idx, bm25_backend=be) as url, RemoteRetriever(url, timeout=600) as client:
+            # bm25s-<backend> or sleuth-lucene (retrieval.method: lucene, Lucene behind Sleuth's interface)
+            name = "sleuth-lucene" if be == "lucene" else f"bm25s-{be}"
+            method = "lucene" if be == "lucene" else "bm25"
+            r = load_retriever(idx, method, bm25_backend=be) if method == "bm25" else load_retriever(idx, method, n_threads=2)
+            with _Server(idx, method, bm25_backend=be) as url, RemoteRetriever(url, timeout=600) as client:
                 for path, fn in (("inproc", r.search), ("server", client.search)):
-                    row[f"bm25s-{be}_{path}_b1"] = time_search(fn, queries, 1, 10, args.n_single)
+                    row[f"{name}_{path}_b1"] = time_search(fn, queries, 1, 10, args.n_single)
                 # batch 256: in-process and server calls alternate on the same batches (paired)
                 a, b = time_paired([r.search, client.search], queries, 256, 10, args.n_batches)
-                row[f"bm25s-{be}_inproc_b256"], row[f"bm25s-{be}_server_b256"] = a, b
-                row[f"bm25s-{be}_server_overhead_b256_p50"] = round(b["p50_ms"] / a["p50_ms"] - 1, 3)
+                row[f"{name}_inproc_b256"], row[f"{name}_server_b256"] = a, b
+                row[f"{name}_server_overhead_b256_p50"] = round(b["p50_ms"] / a["p50_ms"] - 1, 3)
             del r
         if lucene is not None:
             lidx = WORK / f"lucene_synthetic_{n}"
@@ -266,14 +272,17 @@ def table(out: dict) -> str:
         lines += [
             "",
             "Speed: BM25 top-10 on synthetic corpora; q/s (p50 / p99 ms per call). bm25s-numpy is the default",
-            "backend, bm25s-numba the `fast` extra's (`retrieval.bm25_backend=numba`); pyserini searches with 2 threads.",
+            "backend, bm25s-numba the `fast` extra's (`retrieval.bm25_backend=numba`), sleuth-lucene is",
+            "`retrieval.method: lucene` (Lucene behind Sleuth's interface and server); pyserini is pyserini's own",
+            "searcher as users run it. Lucene searches with 2 threads, bm25s with 1.",
             "",
             "| passages | backend | path | batch 1 | batch 256 |",
             "|---|---|---|---|---|",
         ]
         for row in out["speed"]:
             for be, path in (("bm25s-numpy", "inproc"), ("bm25s-numpy", "server"), ("bm25s-numba", "inproc"),
-                             ("bm25s-numba", "server"), ("pyserini", "inproc")):
+                             ("bm25s-numba", "server"), ("sleuth-lucene", "inproc"), ("sleuth-lucene", "server"),
+                             ("pyserini", "inproc")):
                 if f"{be}_{path}_b1" not in row:
                     continue
                 cells = []
@@ -282,11 +291,11 @@ def table(out: dict) -> str:
                     cells.append(f"{s['qps']} ({s['p50_ms']} / {s['p99_ms']})")
                 lines.append(f"| {row['passages']:,} | {be} | {path} | {cells[0]} | {cells[1]} |")
         lines += ["", "Server overhead at batch 256 (p50, paired calls), by corpus size:", ""]
-        for be in ("numpy", "numba"):
-            key = f"bm25s-{be}_server_overhead_b256_p50"
+        for be in ("bm25s-numpy", "bm25s-numba", "sleuth-lucene"):
+            key = f"{be}_server_overhead_b256_p50"
             cells = [f"{r['passages']:,}: {100 * r[key]:+.1f}%" for r in out["speed"] if key in r]
             if cells:
-                lines.append(f"- bm25s-{be}: " + ", ".join(cells))
+                lines.append(f"- {be}: " + ", ".join(cells))
     lines += targets(out)
     return "\n".join(lines)
 
@@ -306,16 +315,16 @@ def targets(out: dict) -> list[str]:
         if "pyserini_inproc_b256" in r:
             ref = r["pyserini_inproc_b256"]["qps"]
             cells = []
-            for be in ("numpy", "numba"):
-                if f"bm25s-{be}_inproc_b256" in r:
-                    v = r[f"bm25s-{be}_inproc_b256"]["qps"]
-                    cells.append(f"bm25s-{be} {v / ref:.2f}x ({'met' if v >= ref else 'NOT met'})")
+            for be in ("bm25s-numpy", "bm25s-numba", "sleuth-lucene"):
+                if f"{be}_inproc_b256" in r:
+                    v = r[f"{be}_inproc_b256"]["qps"]
+                    cells.append(f"{be} {v / ref:.2f}x ({'met' if v >= ref else 'NOT met'})")
             res.append(f"- {r['passages']:,} passages, batch-256 q/s vs pyserini: " + ", ".join(cells))
         cells = []
-        for be in ("numpy", "numba"):
-            key = f"bm25s-{be}_server_overhead_b256_p50"
+        for be in ("bm25s-numpy", "bm25s-numba", "sleuth-lucene"):
+            key = f"{be}_server_overhead_b256_p50"
             if key in r:
-                cells.append(f"bm25s-{be} {100 * r[key]:+.1f}% ({'met' if r[key] <= 0.10 else 'NOT met'})")
+                cells.append(f"{be} {100 * r[key]:+.1f}% ({'met' if r[key] <= 0.10 else 'NOT met'})")
         if cells:
             res.append(f"- {r['passages']:,} passages, server adds <= 10% at batch 256: " + ", ".join(cells))
     return ["", "Targets:", "", *res] if res else []
@@ -343,6 +352,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-dense", action="store_true")
     p.add_argument("--no-lucene", action="store_true")
     p.add_argument("--no-quality", action="store_true")
+    p.add_argument("--backends", nargs="*", default=["numpy", "numba", "lucene"],
+                   help="speed sweep: bm25s backends (numpy, numba) and Sleuth's lucene method")
     p.add_argument("--n-single", type=int, default=200, help="batch-1 calls timed")
     p.add_argument("--n-batches", type=int, default=8, help="batch-256 calls timed")
     p.add_argument("--markdown", action="store_true", help="update the Retrieval section of bench/RESULTS.md")
