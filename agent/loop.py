@@ -99,6 +99,13 @@ def prompt_ids(tokenizer: Any, question: str, agent_cfg: Any) -> list[int]:
         return function_call.prompt_ids(tokenizer, question)
     text = protocol.build_prompt(question, short=agent_cfg.short_prompt,
                                  self_judge=getattr(agent_cfg, "self_judge", False))
+    return user_message_ids(tokenizer, text, agent_cfg)
+
+
+def user_message_ids(tokenizer: Any, text: str, agent_cfg: Any) -> list[int]:
+    """Token ids of a one-message user prompt ``text``, ready for generation: through the model's chat
+    template (with the generation prompt) when ``agent_cfg.chat_template`` is ``on``, or ``auto`` and the
+    tokenizer has one; else BOS (when the tokenizer has one) and the plain text."""
     use_chat = agent_cfg.chat_template == "on" or (
         agent_cfg.chat_template == "auto" and getattr(tokenizer, "chat_template", None)
     )

@@ -287,13 +287,10 @@ _ACTION_OR_INFO = re.compile(r"</?(search|answer|information)>")  # <think> may 
 
 def _user_ids(llm: LLM, text: str, cfg: AgentConfig) -> list[int]:
     """Token ids of a one-message user prompt, through the chat template exactly when the agent prompt
-    uses one (:func:`agent.loop.prompt_ids`)."""
-    tok = llm.tokenizer
-    if cfg.chat_template == "on" or (cfg.chat_template == "auto" and getattr(tok, "chat_template", None)):
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    bos = [tok.bos_token_id] if getattr(tok, "bos_token_id", None) is not None else []
-    return bos + encode(tok, text)
+    uses one (:func:`agent.loop.user_message_ids`, as :func:`agent.loop.prompt_ids`)."""
+    from agent.loop import user_message_ids
+
+    return user_message_ids(llm.tokenizer, text, cfg)
 
 
 def reason_in_documents_prompt(llm: LLM, reasoning: str, query: str, docs: list[Hit], cfg: AgentConfig,
