@@ -198,3 +198,22 @@ def test_cli_judge_model(tmp_path, monkeypatch, capsys):
     assert s["benchmarks"]["sample"]["n_judged"] == 2
     man = json.loads((summary_path.parent / "fingerprint.json").read_text())["manifest"]
     assert man["judge"]["options"]["unparseable"] == "rule" and man["judge"]["model"]["files"] == {"name": "my-judge"}
+
+
+def test_cli_judge_model_on_the_agent_path(tmp_path, monkeypatch, capsys):
+    """``sleuth eval --judge-model`` without ``--benchmarks``: the agent's trajectories are judged and the
+    summary JSON carries ``judge_acc``, ``n_judged``, ``judge_unparseable`` and the judge model."""
+    from sleuth import pipeline
+    from sleuth.commands import evaluate
+
+    judge = JudgeLLM("cli-judge")
+    monkeypatch.setattr(pipeline, "load_llm", lambda cfg, model_path=None: judge if model_path == "my-judge" else ScriptedLLM())
+    monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: KeywordRetriever(PASSAGES))
+    p = argparse.ArgumentParser()
+    evaluate.add_arguments(p)
+    args = p.parse_args(["--limit", "3", "--judge-model", "my-judge", "--out", str(tmp_path / "ev"), f"out_dir={tmp_path}"])
+    assert evaluate.run(args) == 0
+    (path,) = [q for q in (tmp_path / "ev").glob("*.json")]
+    s = json.loads(path.read_text())
+    assert s["n_judged"] == 3 and s["judge_model"] == "my-judge" and 0.0 <= s["judge_acc"] <= 1.0
+    assert 1 <= len(judge.prompts) <= 3 and "LLM-judge accuracy (my-judge)" in capsys.readouterr().out
