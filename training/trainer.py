@@ -215,7 +215,10 @@ def update_policy(
     the update is the on-policy policy gradient. Micro-batches follow ``cfg.micro_batch`` rows and
     ``cfg.micro_batch_tokens``; each is weighted so that the step equals one full-batch step, also across
     ranks (global token and sequence counts). A non-finite loss raises ``FloatingPointError`` before any
-    parameter moves.
+    parameter moves: at once on one process; under torchrun after the backward (so no rank is left waiting
+    in the gradient reduction), when the NaN it spread makes every rank's gradient norm non-finite. With
+    ``cfg.packing`` the micro-batches are packed (:meth:`training.batch.Batch.select`); under torchrun they are
+    padded to the same count on every rank (:func:`training.distributed.pad_micro_batches`, zero weight).
     """
     from training.kernels import policy_loss
 
