@@ -8,21 +8,21 @@ appended to the cache as soon as it is done), shows a progress bar with the live
 With a judge LLM (``judge_llm``), every computed batch is also scored by LLM-as-judge
 (:func:`judge_records`, through :func:`agent.llm_judge.judge_answers`) before it is cached, and the judge
 model and its options are part of the fingerprint: judged and unjudged records, or records of two judges,
-never share a cache.
+never share a cache; judging a config that already has unjudged predictions reuses them (judged, not recomputed).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from corpora.formats import QAExample
-from eval.cache import PredictionCache, describe_llm, describe_retriever, path_manifest
+from eval.cache import PredictionCache, describe_llm, describe_retriever, fingerprint, path_manifest
 from eval.datasets import REGISTRY, benchmark_path, expand_benchmarks, load_benchmark
 from eval.methods import Method, get_method, make_method
 from eval.metrics import aggregate, exact_match, f1_score, judge_score
@@ -117,14 +117,17 @@ def evaluate_benchmark(
     batch_size: int = 32,
     progress: bool = True,
     judge: Judge | None = None,
+    reuse: Mapping[str, dict[str, Any]] | None = None,
 ) -> tuple[list[dict[str, Any]], int]:
     """Predictions for ``examples`` in order, computing only those missing from ``cache``.
 
     ``method_fn`` maps a batch of examples to records (see :mod:`eval.methods`); each batch is appended to
     the cache before the next starts. Records get the example's ``question``, ``supporting_ids``, ``hops``
     and ``dataset``; then ``judge`` (if given, e.g. :func:`judge_records` bound to a judge LLM) scores the
-    batch in place, so the cached records carry the verdicts. Returns ``(records, n_computed)``. Raises ``RuntimeError`` if the method returns
-    records that do not match its batch.
+    batch in place, so the cached records carry the verdicts. ``reuse`` (question id -> record, e.g. the
+    unjudged predictions of the same config) supplies predictions without calling the method; they are judged
+    and cached like computed ones. Returns ``(records, n_computed)`` (questions the method computed).
+    Raises ``RuntimeError`` if the method returns records that do not match its batch.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -136,11 +139,18 @@ def evaluate_benchmark(
     if done:
         bar.set_postfix(_live_postfix(done))
     try:
+        n_computed = 0
         for start in range(0, len(missing), batch_size):
             batch = missing[start : start + batch_size]
-            recs = method_fn(list(batch))
-            if [str(r.get("id")) for r in recs] != [e.id for e in batch]:
-                raise RuntimeError(f"method {cache.method!r} returned records that do not match its batch of {len(batch)}")
+            todo = [e for e in batch if not reuse or e.id not in reuse]
+            computed = method_fn(todo) if todo else []
+            if [str(r.get("id")) for r in computed] != [e.id for e in todo]:
+                raise RuntimeError(f"method {cache.method!r} returned records that do not match its batch of {len(todo)}")
+            got = {e.id: r for e, r in zip(todo, computed, strict=True)}
+            n_computed += len(todo)
+            strip = ("method", "fingerprint", "benchmark")  # the reused record's cache stamp
+            recs = [got[e.id] if e.id in got else {k: v for k, v in reuse[e.id].items() if k not in strip}
+                    for e in batch]
             for r, e in zip(recs, batch, strict=True):
                 r.setdefault("question", e.question)
                 r["supporting_ids"] = e.metadata.get("supporting_ids")
@@ -156,7 +166,7 @@ def evaluate_benchmark(
             bar.set_postfix(_live_postfix(done))
     finally:
         bar.close()
-    return [cached[e.id] for e in examples], len(missing)
+    return [cached[e.id] for e in examples], n_computed
 
 
 def run_benchmarks(
@@ -247,6 +257,11 @@ def run_benchmarks(
     manifest = method_manifest(method, llm, retriever, agent_cfg, options, index_dir, model_dir, fingerprint_extra,
                                judge_man)
     cache = PredictionCache(out_dir, method, manifest)
+    unjudged: PredictionCache | None = None
+    if judge is not None:  # predictions of the same config without a judge are judged, not recomputed
+        base = method_manifest(method, llm, retriever, agent_cfg, options, index_dir, model_dir, fingerprint_extra)
+        if (Path(out_dir) / f"{method}-{fingerprint(base)}").is_dir():
+            unjudged = PredictionCache(out_dir, method, base)
     if method_fn is None:
         kw = dict(options)
         kw.pop("sampling_seed", None)
@@ -260,7 +275,8 @@ def run_benchmarks(
     datasets = {n: load_benchmark(n, data_dir, limit, seed) for n in names}  # load all first: fail early
     for name, examples in datasets.items():
         t0 = time.perf_counter()
-        records, computed = evaluate_benchmark(name, examples, method_fn, cache, batch_size, progress, judge)
+        reuse = unjudged.load(name) if unjudged is not None else None
+        records, computed = evaluate_benchmark(name, examples, method_fn, cache, batch_size, progress, judge, reuse)
         metrics = aggregate(records, recall_k=RECALL_K)
         spec = REGISTRY.get(name)
         metrics.update({

@@ -129,6 +129,24 @@ def test_judged_records_are_cached_and_resume_without_judging(tmp_path):
     assert s2["benchmarks"]["sample"]["n_judged"] == 6
 
 
+def test_judging_an_unjudged_run_reuses_its_predictions(tmp_path):
+    plain = _run(tmp_path, limit=4)
+    llm, judge = ScriptedLLM(), JudgeLLM()
+    judged = _run(tmp_path, judge, llm=llm, limit=6)  # 4 predictions reused, 2 computed, all 6 judged
+    assert len(llm.prompts) == 2 and len(judge.prompts) == 6  # rag: one prompt per computed question
+    m = judged["benchmarks"]["sample"]
+    assert m["computed"] == 2 and m["n_judged"] == 6 and judged["fingerprint"] != plain["fingerprint"]
+
+    def read(summary):
+        path = tmp_path / "run" / f"rag-{summary['fingerprint']}" / "predictions" / "sample.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()]
+
+    old, new = {r["id"]: r for r in read(plain)}, {r["id"]: r for r in read(judged)}
+    assert all(new[i]["prediction"] == old[i]["prediction"] and new[i]["fingerprint"] == judged["fingerprint"]
+               for i in old)
+    assert all("llm_verdict" in r for r in new.values()) and not any("llm_verdict" in r for r in old.values())
+
+
 def test_unparseable_policy_in_a_run(tmp_path):
     def weird(examples):
         return [{"id": e.id, "prediction": "weird" if i % 2 else e.golden_answers[0], "golden_answers": e.golden_answers,
