@@ -15,7 +15,7 @@ native function calling through the chat template (:mod:`agent.function_call`); 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypedDict
 
@@ -313,18 +313,54 @@ def build_graph():
 GRAPH = build_graph()
 
 
-async def run_episode(ctx: AgentContext, example: QAExample, group: int = 0) -> Trajectory:
+EventSink = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+def step_event(node: str, update: dict[str, Any] | None, traj: Trajectory) -> dict[str, Any] | None:
+    """The progress event of one graph step (``node`` returned ``update``), read from what the node
+    recorded in ``traj``; ``None`` for steps without one (the judge, a policy step that found the token
+    budget spent, an invalid action's error observation).
+
+    * after a policy turn: ``{"type": "turn", "turn": i, "text": <the turn's generated text>,
+      "action": "search" | "answer" | "invalid" | ...}`` (``Turn.text``/``Turn.action``);
+    * after a search: ``{"type": "search", "turn": i, "query": str, "doc_ids": [str]}`` (``Turn.query``,
+      ``Turn.hit_ids``, in retrieval order)."""
+    update = update or {}
+    if node == "policy" and "action" in update and traj.turns:
+        t = traj.turns[-1]
+        return {"type": "turn", "turn": t.index, "text": t.text, "action": t.action}
+    if node == "tool" and "hits" in update and traj.turns:
+        t = traj.turns[-1]
+        return {"type": "search", "turn": t.index, "query": t.query, "doc_ids": list(t.hit_ids)}
+    return None
+
+
+async def run_episode(ctx: AgentContext, example: QAExample, group: int = 0,
+                      on_event: EventSink | None = None) -> Trajectory:
     """Run one episode to its end. A backend failure ends the episode with ``stop_reason="error"`` and the
-    reason in ``metadata["error"]``; it never raises."""
+    reason in ``metadata["error"]``; it never raises (cancelling the task still cancels it).
+
+    With ``on_event`` (an async callable taking one dict), the graph runs through LangGraph's
+    ``astream(stream_mode="updates")`` instead of ``ainvoke`` and ``await on_event(event)`` is called
+    after each policy turn and each search, with the events of :func:`step_event`, while the episode
+    runs. The trajectory is the same either way; an exception raised by ``on_event`` fails the episode
+    like a backend error."""
     traj = Trajectory(question_id=example.id, question=example.question,
                       golden_answers=list(example.golden_answers), group=group,
                       metadata={k: v for k, v in example.metadata.items() if k in ("hops", "dataset", "supporting_ids")})
     traj.append(prompt_ids(ctx.tokenizer, example.question, ctx.agent_cfg), Role.PROMPT, 0)
     state: EpisodeState = {"traj": traj, "turn": 1, "finish": ""}
-    recursion = 2 * ctx.agent_cfg.max_turns + 8
+    config: RunnableConfig = {"configurable": {"ctx": ctx}, "recursion_limit": 2 * ctx.agent_cfg.max_turns + 8}
     async with ctx.scheduler.episode():
         try:
-            await GRAPH.ainvoke(state, config={"configurable": {"ctx": ctx}, "recursion_limit": recursion})
+            if on_event is None:
+                await GRAPH.ainvoke(state, config=config)
+            else:
+                async for step in GRAPH.astream(state, config=config, stream_mode="updates"):
+                    for node, update in step.items():
+                        event = step_event(node, update, traj)
+                        if event is not None:
+                            await on_event(event)
         except Exception as e:  # noqa: BLE001 - an episode fails cleanly with its reason
             traj.stop_reason = "error"
             traj.metadata["error"] = f"{type(e).__name__}: {e}"

@@ -156,3 +156,51 @@ def test_serve_command_binds_loopback_by_default():
 
 def test_threads_are_not_leaked():
     assert threading.active_count() < 50
+
+
+# -- turn-by-turn streaming ---------------------------------------------------------------------------
+def _sse(lines) -> list:
+    """The ``data:`` payloads of a server-sent event stream, JSON-decoded (``[DONE]`` kept as a string)."""
+    import json
+
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_run_episode_events_leave_the_trajectory_unchanged(policy, tiny_llm, retriever, agent_cfg):
+    """``on_event`` streams the graph (astream) instead of ainvoke: the same trajectory, token for token,
+    with the scripted policy (search, then answer) and with the tiny model (greedy; mostly invalid
+    actions); the events mirror the recorded turns and arrive while the episode runs."""
+    from agent.loop import make_context, run_episode
+    from tests.conftest import QUESTIONS
+
+    for llm in (policy, tiny_llm):
+        for ex in QUESTIONS[:2]:
+            events: list[tuple[dict, int]] = []
+
+            async def sink(e, llm=llm, events=events):
+                events.append((e, len(getattr(llm, "batches", []))))
+
+            async def both(ex=ex, llm=llm):
+                plain = await run_episode(make_context(llm, retriever, agent_cfg, temperature=0.0), ex)
+                streamed = await run_episode(make_context(llm, retriever, agent_cfg, temperature=0.0), ex,
+                                             on_event=sink)
+                return plain, streamed
+
+            plain, streamed = asyncio.run(both())
+            assert streamed.stop_reason != "error", streamed.metadata
+            assert streamed.to_json() == plain.to_json()
+            turns = [e for e, _ in events if e["type"] == "turn"]
+            searches = [e for e, _ in events if e["type"] == "search"]
+            assert [(e["turn"], e["text"], e["action"]) for e in turns] == [(t.index, t.text, t.action) for t in plain.turns]
+            assert [(e["turn"], e["query"], e["doc_ids"]) for e in searches] == [
+                (t.index, t.query, t.hit_ids) for t in plain.turns if t.action == "search"]
+            if llm is policy:  # search then answer; the first turn's events come before the second generation
+                assert [e["type"] for e, _ in events] == ["turn", "search", "turn"]
+                assert searches[0]["query"] and searches[0]["doc_ids"]
+                n_before = len(policy.batches) - 2  # the streamed episode's two generate calls are the last two
+                assert [n - n_before for _, n in events] == [1, 1, 2]
