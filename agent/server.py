@@ -2,10 +2,17 @@
 
 * ``POST /ask`` ``{"question": str, "golden_answers"?: [str], "top_k"?: int}`` -> the answer, the evidence
   documents (ids, titles, contents, scores, in retrieval order) and the whole trajectory.
-* ``POST /v1/chat/completions`` (OpenAI-compatible; ``stream: true`` sends server-sent events): the last
-  user message is the question; the reply's content is the agent's answer, and a ``sleuth`` field carries
-  the evidence and stop reason. Existing clients (the ``openai`` package, LangChain's ``ChatOpenAI``) can
-  use the agent as a model.
+* ``POST /v1/chat/completions`` (OpenAI-compatible): the last user message is the question; the reply's
+  content is the agent's answer, and a ``sleuth`` field carries the evidence and stop reason. Existing
+  clients (the ``openai`` package, LangChain's ``ChatOpenAI``) can use the agent as a model. With
+  ``stream: true`` the server-sent events follow the episode turn by turn: a role chunk; each policy
+  turn's generated text as ``delta: {"reasoning_content": text}`` (the field vLLM's and DeepSeek's
+  reasoning models use; turns after the first start with a blank line) with
+  ``sleuth: {"event": "turn", "turn", "action"}``; each search as an empty delta with
+  ``sleuth: {"event": "search", "turn", "query", "doc_ids"}``; then the answer as
+  ``delta: {"content": answer}``, the finish chunk with the ``sleuth`` evidence, and ``data: [DONE]``. A
+  failure (504, 502, 503) arrives as one ``data: {"error": {...}}`` event; a client that disconnects
+  cancels its episode.
 * ``GET /health``.
 
 All requests share one :class:`agent.scheduler.Scheduler` living in the server's event loop, so concurrent
@@ -32,7 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from agent.llm import LLM
-from agent.loop import make_context, run_episode
+from agent.loop import EventSink, make_context, run_episode
 from agent.trajectory import Trajectory
 from corpora.formats import QAExample
 from retrieval.base import Hit, Retriever
@@ -125,7 +132,7 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
             raise HTTPError(422, f"the question has {len(q)} characters; the limit is {limits.max_question_chars}")
         return q
 
-    async def episode(question: str, golds: list[str], k: int | None) -> Trajectory:
+    async def episode(question: str, golds: list[str], k: int | None, on_event: EventSink | None = None) -> Trajectory:
         if app.state.inflight >= limits.max_inflight:
             raise HTTPError(503, f"server busy: {limits.max_inflight} episodes in flight", "server_error")
         app.state.inflight += 1
@@ -133,7 +140,7 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
         run_ctx = ctx if k is None or k == ctx.top_k else make_context(
             llm, evidence, agent_cfg, temperature=temperature, top_k=k, scheduler=ctx.scheduler)
         try:
-            traj = await asyncio.wait_for(run_episode(run_ctx, ex), limits.request_timeout_s)
+            traj = await asyncio.wait_for(run_episode(run_ctx, ex, on_event=on_event), limits.request_timeout_s)
         except TimeoutError:
             raise HTTPError(504, f"the episode took longer than {limits.request_timeout_s} s", "timeout") from None
         finally:
@@ -223,18 +230,40 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
                  "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **more}
             return f"data: {json.dumps(c, ensure_ascii=False)}\n\n"
 
+        def progress(event: dict[str, Any], first_turn: bool) -> str:
+            if event["type"] == "turn":
+                text = event["text"] if first_turn else "\n\n" + event["text"]
+                return chunk({"reasoning_content": text},
+                             sleuth={"event": "turn", "turn": event["turn"], "action": event["action"]})
+            return chunk({}, sleuth={"event": "search", "turn": event["turn"], "query": event["query"],
+                                     "doc_ids": event["doc_ids"]})
+
         async def events():
-            yield chunk({"role": "assistant", "content": ""})
+            # the episode runs as its own task and hands its progress events over a queue; None = it ended
+            queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+            task = asyncio.create_task(episode(q, [], None, on_event=queue.put))
+            task.add_done_callback(lambda _: queue.put_nowait(None))
             try:
-                traj = await episode(q, [], None)
-            except HTTPError as e:
-                yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind, 'code': e.status}})}\n\n"
-                return
-            text, finish, extra = reply(traj)
-            if text:
-                yield chunk({"content": text})
-            yield chunk({}, finish, sleuth=extra)
-            yield "data: [DONE]\n\n"
+                yield chunk({"role": "assistant", "content": ""})
+                first_turn = True
+                while (event := await queue.get()) is not None:
+                    yield progress(event, first_turn)
+                    first_turn = first_turn and event["type"] != "turn"
+                try:
+                    traj = task.result()
+                except HTTPError as e:
+                    yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind, 'code': e.status}})}\n\n"
+                    return
+                text, finish, extra = reply(traj)
+                if text:
+                    yield chunk({"content": text})
+                yield chunk({}, finish, sleuth=extra)
+                yield "data: [DONE]\n\n"
+            finally:  # the client went away (or the stream ended): never leave the episode running
+                if not task.done():
+                    task.cancel()
+                elif not task.cancelled():
+                    task.exception()  # retrieved: no "exception was never retrieved" after a disconnect
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

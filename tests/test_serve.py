@@ -204,3 +204,106 @@ def test_run_episode_events_leave_the_trajectory_unchanged(policy, tiny_llm, ret
                 assert searches[0]["query"] and searches[0]["doc_ids"]
                 n_before = len(policy.batches) - 2  # the streamed episode's two generate calls are the last two
                 assert [n - n_before for _, n in events] == [1, 1, 2]
+
+
+class GatedLLM(ScriptLLM):
+    """A scripted policy whose second and later generate calls wait for ``gate`` (at most 10 s); ``waited``
+    records whether each wait was released (True) or timed out (False)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.gate, self.waited = threading.Event(), []
+
+    def generate(self, prompts, params):
+        if self.batches:
+            self.waited.append(self.gate.wait(10))
+        return super().generate(prompts, params)
+
+
+def test_stream_sends_turns_and_searches_while_the_episode_runs(tiny_llm, retriever, agent_cfg):
+    """The first turn's reasoning and its search reach the client before the second turn is generated
+    (the backend waits until the client has them); then the content equals the non-streamed answer."""
+    llm = GatedLLM(tiny_llm.tokenizer, SCRIPTS)
+    app = create_app(llm, retriever, agent_cfg, top_k=2, limits=ServeLimits(request_timeout_s=20))
+    q = {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    with ServerThread(app) as srv:
+        with httpx2.stream("POST", srv.url + "/v1/chat/completions", json=q | {"stream": True}, timeout=30) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            got, lines = [], r.iter_lines()
+            for line in lines:
+                got += _sse([line])
+                if got and isinstance(got[-1], dict) and got[-1].get("sleuth", {}).get("event") == "search":
+                    llm.gate.set()  # only now may the second turn be generated
+                    break
+            got += _sse(lines)
+        llm.gate.set()
+        plain = httpx2.post(srv.url + "/v1/chat/completions", json=q, timeout=30).json()
+    assert llm.waited[0] is True  # released by the client, not by the backstop
+    assert got[-1] == "[DONE]" and all("error" not in c for c in got[:-1])
+    deltas = [c["choices"][0]["delta"] for c in got[:-1]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    reasoning = [i for i, d in enumerate(deltas) if d.get("reasoning_content")]
+    content = [i for i, d in enumerate(deltas) if d.get("content")]
+    assert len(reasoning) == 2 and len(content) == 1 and max(reasoning) < content[0]
+    assert deltas[reasoning[0]]["reasoning_content"] == SCRIPTS["capital of France"][0]
+    assert deltas[reasoning[1]]["reasoning_content"] == "\n\n" + SCRIPTS["capital of France"][1]
+    assert [got[i]["sleuth"]["action"] for i in reasoning] == ["search", "answer"]
+    search = [c["sleuth"] for c in got[:-1] if c.get("sleuth", {}).get("event") == "search"]
+    assert len(search) == 1 and search[0]["query"] == "capital of France" and search[0]["doc_ids"][0] == "p0"
+    assert reasoning[0] < got.index(next(c for c in got if c.get("sleuth", {}).get("event") == "search")) < reasoning[1]
+    text = "".join(d.get("content") or "" for d in deltas)
+    assert text == plain["choices"][0]["message"]["content"] == "Paris"
+    assert got[-2]["choices"][0]["finish_reason"] == "stop" and got[-2]["sleuth"]["evidence"][0]["id"] == "p0"
+
+
+def test_openai_client_reads_streamed_reasoning_and_search_events(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="secret", max_retries=0)
+    chunks = list(client.chat.completions.create(
+        model="sleuth-agent", stream=True,
+        messages=[{"role": "user", "content": "Where was the designer of the Eiffel Tower born?"}]))
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
+    assert reasoning == "\n\n".join(SCRIPTS["Eiffel"])
+    events = [c.model_extra["sleuth"] for c in chunks if (c.model_extra or {}).get("sleuth", {}).get("event")]
+    assert [e["event"] for e in events] == ["turn", "search", "turn"]
+    assert events[1]["query"] == "Gustave Eiffel" and events[1]["doc_ids"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Dijon"
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].model_extra["sleuth"]["searches"] == 1
+
+
+def test_stream_errors_arrive_as_an_error_event(tiny_llm, retriever, agent_cfg):
+    class Broken:
+        tokenizer = tiny_llm.tokenizer
+
+        def generate(self, prompts, params):
+            raise ValueError("backend returned garbage")
+
+    app = create_app(Broken(), retriever, agent_cfg)
+    body = {"stream": True, "messages": [{"role": "user", "content": "anything?"}]}
+    with ServerThread(app) as srv, httpx2.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        got = _sse(r.iter_lines())
+    assert got[-1]["error"]["code"] == 502 and "garbage" in got[-1]["error"]["message"]
+    assert "[DONE]" not in got
+
+
+def test_client_disconnect_cancels_the_streamed_episode(tiny_llm, retriever, agent_cfg):
+    llm = GatedLLM(tiny_llm.tokenizer, SCRIPTS)
+    app = create_app(llm, retriever, agent_cfg, top_k=2, limits=ServeLimits(request_timeout_s=20))
+    body = {"stream": True, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    with ServerThread(app) as srv:
+        with httpx2.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if '"event": "search"' in line:
+                    break  # the episode now waits for the gated backend; hang up
+        assert httpx2.get(srv.url + "/health").json()["inflight"] in (0, 1)
+        deadline = time.time() + 5
+        while httpx2.get(srv.url + "/health").json()["inflight"] and time.time() < deadline:
+            time.sleep(0.05)
+        inflight = httpx2.get(srv.url + "/health").json()["inflight"]
+        llm.gate.set()  # let the backend thread finish
+    assert inflight == 0  # cancelled well before the backend (gated for 10 s) or the 20 s timeout
+
+
+def test_threads_are_not_leaked_after_streaming():
+    assert threading.active_count() < 50
