@@ -10,7 +10,7 @@ from typing import Any
 def make_llm(backend_cfg: Any, model_path: str, dtype: str = "float32", device: str = "auto", seed: int = 0):
     """The policy backend for ``model_path`` (a local directory or cached hub id).
 
-    ``backend_cfg`` is a :class:`sleuth.config.BackendConfig`. For ``openai`` the tokenizer is loaded from
+    ``backend_cfg`` is a :class:`agent.config.BackendConfig`. For ``openai`` the tokenizer is loaded from
     ``model_path`` (prompts are token ids) and the served model name is ``backend_cfg.model`` or
     ``model_path``; the API key comes from ``$<api_key_env>``. Raises ``ImportError`` (vLLM missing) or
     ``FileNotFoundError`` (model not found) with a hint.

