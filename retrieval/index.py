@@ -341,15 +341,24 @@ class _RowRetriever:
     def search_rows(self, queries: list[str], k: int) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError
 
-    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
+    def rows(self, queries: list[str], k: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`search_rows` over any list of queries: ``[Q, k']`` int64 rows (-1 = no hit) and float32
+        scores, ``k' = min(k, N)``; blank queries get no hits and are not searched. Raises ``TypeError`` /
+        ``ValueError`` for malformed queries or ``k < 1``. The retrieval server's row path calls this."""
         _check_queries(queries, k)
         keep = [i for i, q in enumerate(queries) if q.strip()]
-        out: list[list[Hit]] = [[] for _ in queries]
+        if keep and len(keep) == len(queries):
+            return self.search_rows(queries, k)
+        width = min(k, len(self.store))
+        rows = np.full((len(queries), width), -1, dtype=np.int64)
+        scores = np.zeros((len(queries), width), dtype=np.float32)
         if keep:
-            rows, scores = self.search_rows([queries[i] for i in keep], k)
-            for i, hits in zip(keep, self.store.hits(rows, scores)):
-                out[i] = hits
-        return out
+            r, sc = self.search_rows([queries[i] for i in keep], k)
+            rows[keep, : r.shape[1]], scores[keep, : r.shape[1]] = r, sc
+        return rows, scores
+
+    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
+        return self.store.hits(*self.rows(queries, k))
 
 
 class BM25Retriever(_RowRetriever):

@@ -6,7 +6,7 @@ best first); with ``return_scores`` false each item is the document itself, as i
 carries the title on its first line, which Search-R1's client (``search_r1/llm_agent/generation.py``)
 renders as ``Doc i(Title: <first line>) <rest>``. ``GET /health`` reports the index and batching counters.
 
-Reply path: for retrievers over an index directory (BM25, dense: they expose ``search_rows`` and a passage
+Reply path: for retrievers over an index directory (BM25, dense, Lucene: they expose ``rows`` and a passage
 store), the worker searches for row ids only and the reply is spliced from the store's stored JSON bytes
 (:meth:`retrieval.index.DocStore.raw_many`), so no passage is parsed or re-serialised on the server; other
 retrievers (hybrid, cached, remote) go through :class:`~retrieval.base.Hit` objects and orjson.
@@ -144,13 +144,13 @@ def rows_to_reply(rows: np.ndarray, scores: np.ndarray, store, return_scores: bo
 
 
 def row_source(retriever):
-    """``(search_rows, store)`` when ``retriever`` searches an index directory by row ids and its store can
-    hand out raw passage JSON (:class:`retrieval.index.BM25Retriever`, ``DenseRetriever``); ``None``
-    otherwise (wrappers such as the LRU cache must keep their own ``search``, so the method is looked up on
-    the class, not forwarded)."""
+    """``(rows, store)`` when ``retriever`` searches an index directory by row ids
+    (:meth:`retrieval.index._RowRetriever.rows`: BM25, dense, Lucene) and its store can hand out raw passage
+    JSON; ``None`` otherwise (wrappers such as the LRU cache must keep their own ``search``, so the method is
+    looked up on the class, not forwarded)."""
     store = getattr(retriever, "store", None)
-    if callable(getattr(type(retriever), "search_rows", None)) and callable(getattr(store, "raw_many", None)):
-        return retriever.search_rows, store
+    if callable(getattr(type(retriever), "rows", None)) and callable(getattr(store, "raw_many", None)):
+        return retriever.rows, store
     return None
 
 
@@ -162,7 +162,7 @@ class Batcher:
 
     def __init__(self, retriever: Retriever, max_batch_queries: int = 8192, max_wait_ms: float = 0.0):
         self.retriever = retriever
-        self.rows = row_source(retriever)  # (search_rows, store) for the raw-bytes reply path, or None
+        self.rows = row_source(retriever)  # (rows, store) for the raw-bytes reply path, or None
         self.max_batch_queries = max_batch_queries
         self.max_wait = max_wait_ms / 1000
         self.batches = self.queries = 0
@@ -184,19 +184,6 @@ class Batcher:
         await self._queue.put((queries, k, fut))
         return await fut
 
-    def _search_rows(self, queries: list[str], k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Row-path search; empty queries get no hits (row -1), as in ``retriever.search``."""
-        search_rows, _ = self.rows
-        keep = [i for i, q in enumerate(queries) if q.strip()]
-        if len(keep) == len(queries):
-            return search_rows(queries, k)
-        rows = np.full((len(queries), k), -1, dtype=np.int64)
-        scores = np.zeros((len(queries), k), dtype=np.float32)
-        if keep:
-            r, sc = search_rows([queries[i] for i in keep], k)
-            rows[keep, : r.shape[1]], scores[keep, : r.shape[1]] = r, sc
-        return rows, scores
-
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -209,12 +196,9 @@ class Batcher:
                 n += len(items[-1][0])
             all_q = [q for qs, _, _ in items for q in qs]
             kmax = max(k for _, k, _ in items)
-            search = self._search_rows if self.rows else self.retriever.search
-            try:
-                if all_q:
-                    res = await loop.run_in_executor(None, search, all_q, kmax)
-                else:  # only requests with no queries: nothing to search (the row path still needs arrays)
-                    res = (np.full((0, kmax), -1, np.int64), np.zeros((0, kmax), np.float32)) if self.rows else []
+            search = self.rows[0] if self.rows else self.retriever.search
+            try:  # requests with no queries: nothing to search (the row path still answers with empty arrays)
+                res = await loop.run_in_executor(None, search, all_q, kmax) if all_q or self.rows else []
             except Exception as e:  # noqa: BLE001 (the server keeps serving; each waiting request gets the error)
                 for _, _, fut in items:
                     if not fut.done():

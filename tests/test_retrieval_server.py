@@ -213,8 +213,8 @@ def test_row_path_reply_equals_hit_path_reply(tmp_path):
             assert fast == {"result": json.loads(json.dumps(slow))}
     assert json.loads(rows_to_reply(rw, sc, r.store, True))["result"][2] == []
     # empty queries on the row path: no hits, others unchanged
-    b = Batcher(r)
-    er, es = b._search_rows(["", "Everest", " "], 3)
+    search_rows, _ = Batcher(r).rows
+    er, es = search_rows(["", "Everest", " "], 3)
     assert (er[0] == -1).all() and (er[2] == -1).all() and er[1][0] == r.search_rows(["Everest"], 3)[0][0][0]
     assert np.isfinite(es).all()
 
