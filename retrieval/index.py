@@ -91,16 +91,11 @@ class DocStore:
         a, b = int(self.offsets[row]), int(self.offsets[row + 1])
         return _loads(self._mm[a:b])
 
-    def raw(self, row: int) -> bytes:
-        """The stored JSON object of passage ``row`` as UTF-8 bytes (``{"id", "title", "contents"}``, no
-        newline): the retrieval server splices these into its reply without parsing them."""
-        if not 0 <= row < len(self):
-            raise IndexError(f"passage row {row} outside [0, {len(self)})")
-        return self._mm[int(self.offsets[row]) : int(self.offsets[row + 1])].rstrip(b"\n")
-
     def raw_many(self, rows: np.ndarray) -> list[bytes]:
-        """:meth:`raw` for many rows at once (one vectorised offset lookup): ``rows`` is an int array of any
-        shape with values in ``[0, len)``; returns the stored JSON bytes in ``rows.ravel()`` order."""
+        """The stored JSON objects (``{"id", "title", "contents"}``, UTF-8 bytes, no newline) of many rows with
+        one vectorised offset lookup: ``rows`` is an int array of any shape with values in ``[0, len)``;
+        returns them in ``rows.ravel()`` order (the retrieval server splices them into its reply unparsed).
+        Raises ``IndexError`` for a row outside the store."""
         rows = np.asarray(rows, dtype=np.int64).ravel()
         if rows.size and (rows.min() < 0 or rows.max() >= len(self)):
             raise IndexError(f"passage rows outside [0, {len(self)})")
