@@ -55,6 +55,16 @@ def parse_verdict(text: str) -> bool | None:
     return None
 
 
+def check_judge_options(unparseable: str, fallback_metric: str, max_new_tokens: int) -> None:
+    """Validate the judge's options (see :func:`judge_answers`); raises ``ValueError`` naming the bad one."""
+    if unparseable not in ("zero", "rule"):
+        raise ValueError(f"unparseable policy must be 'zero' or 'rule', got {unparseable!r}")
+    if fallback_metric not in ("em", "f1", "cover_em"):
+        raise ValueError(f"fallback_metric must be 'em', 'f1' or 'cover_em', got {fallback_metric!r}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+
+
 def judge_answers(llm: LLM, questions: list[str], golden_answers: list[list[str]], predictions: list[str | None],
                   unparseable: str = "zero", fallback_metric: str = "em", max_new_tokens: int = 16) -> list[dict[str, Any]]:
     """Judge many answers with one batched, greedy backend call (the record-level judge used by
@@ -72,12 +82,9 @@ def judge_answers(llm: LLM, questions: list[str], golden_answers: list[list[str]
     ``"incorrect"``, ``"unparseable"``, ``"error"`` or ``"no_answer"``) and ``llm_raw`` (the judge's reply,
     the backend error for ``"error"``, ``None`` when not judged). A backend exception marks every judged
     answer ``"error"`` and applies the unparseable policy to it. Raises ``ValueError`` for an unknown policy
-    or fallback metric, or lists of different lengths.
+    or fallback metric, a non-positive ``max_new_tokens``, or lists of different lengths.
     """
-    if unparseable not in ("zero", "rule"):
-        raise ValueError(f"unparseable policy must be 'zero' or 'rule', got {unparseable!r}")
-    if fallback_metric not in ("em", "f1", "cover_em"):
-        raise ValueError(f"fallback_metric must be 'em', 'f1' or 'cover_em', got {fallback_metric!r}")
+    check_judge_options(unparseable, fallback_metric, max_new_tokens)
     if not len(questions) == len(golden_answers) == len(predictions):
         raise ValueError(f"judge_answers needs parallel lists, got {len(questions)} questions, "
                          f"{len(golden_answers)} golden-answer lists and {len(predictions)} predictions")

@@ -21,6 +21,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from agent.llm_judge import check_judge_options, judge_answers
 from corpora.formats import QAExample
 from eval.cache import PredictionCache, describe_llm, describe_retriever, fingerprint, path_manifest
 from eval.datasets import REGISTRY, benchmark_path, expand_benchmarks, load_benchmark
@@ -31,6 +32,7 @@ SUMMARY = "summary.json"
 RECALL_K = (1, 3, 5, 10)
 JUDGE_DEFAULTS: dict[str, Any] = {"unparseable": "zero", "fallback_metric": "em", "max_new_tokens": 16}
 Judge = Callable[[list[dict[str, Any]]], None]
+CACHE_STAMP = ("method", "fingerprint", "benchmark")  # fields PredictionCache.append adds to every record
 
 
 def judge_records(records: list[dict[str, Any]], judge_llm: Any, unparseable: str = "zero",
@@ -39,8 +41,6 @@ def judge_records(records: list[dict[str, Any]], judge_llm: Any, unparseable: st
     (:func:`agent.llm_judge.judge_answers`): adds ``llm_correct``, ``llm_verdict`` and ``llm_raw`` to each
     record, in place, and returns ``records``. A record needs ``question`` (else ``KeyError`` naming it),
     ``golden_answers`` and ``prediction``."""
-    from agent.llm_judge import judge_answers
-
     for r in records:
         if not r.get("question"):
             raise KeyError(f"prediction record {r.get('id')!r} has no 'question' for the LLM judge")
@@ -148,8 +148,7 @@ def evaluate_benchmark(
                 raise RuntimeError(f"method {cache.method!r} returned records that do not match its batch of {len(todo)}")
             got = {e.id: r for e, r in zip(todo, computed, strict=True)}
             n_computed += len(todo)
-            strip = ("method", "fingerprint", "benchmark")  # the reused record's cache stamp
-            recs = [got[e.id] if e.id in got else {k: v for k, v in reuse[e.id].items() if k not in strip}
+            recs = [got[e.id] if e.id in got else {k: v for k, v in reuse[e.id].items() if k not in CACHE_STAMP}
                     for e in batch]
             for r, e in zip(recs, batch, strict=True):
                 r.setdefault("question", e.question)
@@ -241,13 +240,7 @@ def run_benchmarks(
         if unknown:
             raise ValueError(f"unknown judge option(s) {sorted(unknown)}; known: {', '.join(JUDGE_DEFAULTS)}")
         jopts = {**JUDGE_DEFAULTS, **(judge_options or {})}
-        if jopts["unparseable"] not in ("zero", "rule"):
-            raise ValueError(f"judge unparseable policy must be 'zero' or 'rule', got {jopts['unparseable']!r}")
-        if jopts["fallback_metric"] not in ("em", "f1", "cover_em"):
-            raise ValueError(f"judge fallback_metric must be 'em', 'f1' or 'cover_em', got {jopts['fallback_metric']!r}")
-        if isinstance(jopts["max_new_tokens"], bool) or not isinstance(jopts["max_new_tokens"], int) \
-                or jopts["max_new_tokens"] < 1:
-            raise ValueError(f"judge max_new_tokens must be a positive integer, got {jopts['max_new_tokens']!r}")
+        check_judge_options(**jopts)  # before any prediction is computed
         judge_man = judge_manifest(judge_llm, jopts, judge_model_dir)
 
         def judge(recs: list[dict[str, Any]]) -> None:
