@@ -194,6 +194,17 @@ def _autocast(device: torch.device, enabled: bool):
     return torch.autocast("cpu", enabled=False)
 
 
+def split_micro_batches(batch: Batch, cfg: Any) -> tuple[list[torch.Tensor], list[Batch], int]:
+    """The micro-batches :func:`update_policy` runs, in its order: ``(row-index tensors, micro-batches,
+    number of real ones)``. Rows are split by ``cfg.micro_batch`` rows and ``cfg.micro_batch_tokens`` tokens
+    (a packed budget with ``cfg.packing``, :func:`training.batch.micro_batches`); under torchrun the list is
+    padded to the same count on every rank (:func:`training.distributed.pad_micro_batches`; the padding
+    repeats the last one and must get zero weight). ``cfg`` is a :class:`sleuth.config.TrainConfig`."""
+    idx = micro_batches(batch, cfg.micro_batch, cfg.micro_batch_tokens, packed=cfg.packing)
+    idx, n_real = pad_micro_batches(idx)
+    return idx, [batch.select(i, packed=cfg.packing) for i in idx], n_real
+
+
 def update_policy(
     module: Any,
     ref_model: Any | None,
@@ -226,14 +237,11 @@ def update_policy(
     device = next(fwd.parameters()).device
     _rank, W = world()
     N = len(batch)
-    idx = micro_batches(batch, cfg.micro_batch, cfg.micro_batch_tokens, packed=cfg.packing)
-    idx, n_real = pad_micro_batches(idx)  # torchrun: as many FSDP forwards on every rank (padding weighs 0)
-    micro = [batch.select(i, packed=cfg.packing) for i in idx]
     if batch.token_advantages is None:
         if batch.advantages is None:
             raise ValueError("update_policy needs batch.token_advantages or batch.advantages")
         batch.token_advantages = A.to_token_advantages(batch.advantages, batch.loss_mask)
-        micro = [batch.select(i, packed=cfg.packing) for i in idx]
+    _, micro, n_real = split_micro_batches(batch, cfg)
     with torch.no_grad(), _autocast(device, cfg.bf16):
         old = old_logprobs if old_logprobs is not None else [fwd(mb, False)[0].detach() for mb in micro]
         use_ref = ref_model is not None and cfg.kl_coef > 0 and cfg.kl_mode == "loss"
@@ -604,9 +612,7 @@ def rl_train(
         t_roll = time.time() - t0
         batch = collate(trajs, tokenizer.pad_token_id, cfg.agent.max_total_tokens)
         with torch.no_grad():
-            idx = micro_batches(batch, tc.micro_batch, tc.micro_batch_tokens, packed=tc.packing)
-            idx, _ = pad_micro_batches(idx)  # the same padding as update_policy's (old log-probs align)
-            micro = [batch.select(i, packed=tc.packing) for i in idx]
+            idx, micro, _ = split_micro_batches(batch, tc)  # update_policy's split: old log-probs align
             old = [fwd(mb, False)[0].detach() for mb in micro]
             kl_tokens = values = gold = None
             if ref_model is not None and tc.kl_mode == "reward":
