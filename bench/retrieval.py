@@ -86,7 +86,7 @@ def time_paired(searches: list, queries: list[str], batch: int, k: int, n_batche
 class _Server:
     """``create_app`` + uvicorn in a separate process (as deployed) on a free 127.0.0.1 port."""
 
-    def __init__(self, index_dir: Path, method: str = "bm25", bm25_backend: str = "numpy"):
+    def __init__(self, index_dir: Path, method: str = "bm25", bm25_backend: str = "maxscore"):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -139,11 +139,15 @@ def synthetic_corpus(path: Path, n: int, seed: int = 0, vocab: int = 50_000, wor
                 queries.append(" ".join(lex[j] for j in rng.choice(ids, size=5)))
             yield {"id": f"s{i}", "title": f"Doc {i}", "contents": f"Doc {i}\n{text}"}
 
+    qfile = path.with_suffix(".queries.json")
+    if path.exists() and qfile.exists():
+        return json.loads(qfile.read_text())
     if not path.exists():
         write_jsonl(path, gen())
     else:  # regenerate queries deterministically without rewriting the corpus
         for _ in gen():
             pass
+    qfile.write_text(json.dumps(queries))
     return queries
 
 
@@ -188,13 +192,15 @@ def quality(args, out: dict, lucene) -> None:
     out["quality"] = res
 
 
+# --backends choice -> the name in tables: Sleuth's BM25 (MaxScore top-k, the default), bm25s's exhaustive
+# retrieval (numpy, numba), and Lucene behind Sleuth's interface (retrieval.method: lucene)
+NAMES = {"maxscore": "sleuth-maxscore", "numpy": "bm25s-numpy", "numba": "bm25s-numba", "lucene": "sleuth-lucene"}
+
+
 def speed(args, out: dict, lucene) -> None:
-    from retrieval.bm25 import numba_available
     from retrieval.client import RemoteRetriever
 
-    backends = [b for b in args.backends if b != "numba" or numba_available()]
-    if "numba" in args.backends and "numba" not in backends:
-        out["notes"].append("bm25s numba backend not measured: numba is not installed (pip install '.[fast]')")
+    backends = list(args.backends)
     if lucene is None and "lucene" in backends:
         backends.remove("lucene")
     rows = []
@@ -206,8 +212,7 @@ def speed(args, out: dict, lucene) -> None:
         # an index kept from an earlier run is reused; its manifest keeps the original build time
         row = {"passages": n, "bm25s_build_s": round(man["build_seconds"], 1), "bm25s_index_reused": man["reused"]}
         for be in backends:
-            # bm25s-<backend> or sleuth-lucene (retrieval.method: lucene, Lucene behind Sleuth's interface)
-            name = "sleuth-lucene" if be == "lucene" else f"bm25s-{be}"
+            name = NAMES[be]
             method = "lucene" if be == "lucene" else "bm25"
             r = load_retriever(idx, method, bm25_backend=be) if method == "bm25" else load_retriever(idx, method, n_threads=2)
             with _Server(idx, method, bm25_backend=be) as url, RemoteRetriever(url, timeout=600) as client:
@@ -271,18 +276,17 @@ def table(out: dict) -> str:
     if out.get("speed"):
         lines += [
             "",
-            "Speed: BM25 top-10 on synthetic corpora; q/s (p50 / p99 ms per call). bm25s-numpy is the default",
-            "backend, bm25s-numba the `fast` extra's (`retrieval.bm25_backend=numba`), sleuth-lucene is",
+            "Speed: BM25 top-10 on synthetic corpora; q/s (p50 / p99 ms per call). sleuth-maxscore is the default",
+            "(`retrieval.bm25_backend: maxscore`, exact top-k with MaxScore pruning over bm25s's index);",
+            "bm25s-numpy/-numba are bm25s's exhaustive retrieval (`bm25_backend: numpy|numba`); sleuth-lucene is",
             "`retrieval.method: lucene` (Lucene behind Sleuth's interface and server); pyserini is pyserini's own",
-            "searcher as users run it. Lucene searches with 2 threads, bm25s with 1.",
+            "searcher as users run it. sleuth-maxscore and Lucene search with 2 threads, bm25s with 1.",
             "",
             "| passages | backend | path | batch 1 | batch 256 |",
             "|---|---|---|---|---|",
         ]
         for row in out["speed"]:
-            for be, path in (("bm25s-numpy", "inproc"), ("bm25s-numpy", "server"), ("bm25s-numba", "inproc"),
-                             ("bm25s-numba", "server"), ("sleuth-lucene", "inproc"), ("sleuth-lucene", "server"),
-                             ("pyserini", "inproc")):
+            for be, path in [(b, p) for b in NAMES.values() for p in ("inproc", "server")] + [("pyserini", "inproc")]:
                 if f"{be}_{path}_b1" not in row:
                     continue
                 cells = []
@@ -291,7 +295,7 @@ def table(out: dict) -> str:
                     cells.append(f"{s['qps']} ({s['p50_ms']} / {s['p99_ms']})")
                 lines.append(f"| {row['passages']:,} | {be} | {path} | {cells[0]} | {cells[1]} |")
         lines += ["", "Server overhead at batch 256 (p50, paired calls), by corpus size:", ""]
-        for be in ("bm25s-numpy", "bm25s-numba", "sleuth-lucene"):
+        for be in NAMES.values():
             key = f"{be}_server_overhead_b256_p50"
             cells = [f"{r['passages']:,}: {100 * r[key]:+.1f}%" for r in out["speed"] if key in r]
             if cells:
@@ -315,13 +319,13 @@ def targets(out: dict) -> list[str]:
         if "pyserini_inproc_b256" in r:
             ref = r["pyserini_inproc_b256"]["qps"]
             cells = []
-            for be in ("bm25s-numpy", "bm25s-numba", "sleuth-lucene"):
+            for be in NAMES.values():
                 if f"{be}_inproc_b256" in r:
                     v = r[f"{be}_inproc_b256"]["qps"]
                     cells.append(f"{be} {v / ref:.2f}x ({'met' if v >= ref else 'NOT met'})")
             res.append(f"- {r['passages']:,} passages, batch-256 q/s vs pyserini: " + ", ".join(cells))
         cells = []
-        for be in ("bm25s-numpy", "bm25s-numba", "sleuth-lucene"):
+        for be in NAMES.values():
             key = f"{be}_server_overhead_b256_p50"
             if key in r:
                 cells.append(f"{be} {100 * r[key]:+.1f}% ({'met' if r[key] <= 0.10 else 'NOT met'})")
@@ -352,8 +356,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-dense", action="store_true")
     p.add_argument("--no-lucene", action="store_true")
     p.add_argument("--no-quality", action="store_true")
-    p.add_argument("--backends", nargs="*", default=["numpy", "numba", "lucene"],
-                   help="speed sweep: bm25s backends (numpy, numba) and Sleuth's lucene method")
+    p.add_argument("--backends", nargs="*", default=["maxscore", "numpy", "lucene"], choices=list(NAMES),
+                   help="speed sweep: Sleuth's BM25 (maxscore), bm25s's exhaustive retrieval (numpy, numba) "
+                   "and Sleuth's lucene method")
     p.add_argument("--n-single", type=int, default=200, help="batch-1 calls timed")
     p.add_argument("--n-batches", type=int, default=8, help="batch-256 calls timed")
     p.add_argument("--markdown", action="store_true", help="update the Retrieval section of bench/RESULTS.md")

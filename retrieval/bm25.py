@@ -5,6 +5,9 @@ ranks agree with pyserini). Tokenisation: lower-case, ``\\w\\w+`` tokens, Englis
 Snowball stemming through PyStemmer. The stemmer language and stopwords are saved beside the index so that
 queries are tokenised exactly as the passages were.
 
+Retrieval runs Sleuth's exact MaxScore top-k (:mod:`retrieval.maxscore`) over bm25s's score matrix by default;
+bm25s's own exhaustive retrieval (``numpy`` or ``numba`` backend) stays selectable as the reference.
+
 This module scores and ranks document *rows* (0-based positions in the corpus); :mod:`retrieval.index`
 turns rows into :class:`~retrieval.base.Hit` objects.
 """
@@ -37,14 +40,7 @@ class BM25Params:
     stopwords: str | None = "en"
 
 
-BACKENDS = ("auto", "numpy", "numba")
-
-
-def numba_available() -> bool:
-    """Whether numba (bm25s's fast retrieval backend) can be imported."""
-    import importlib.util
-
-    return importlib.util.find_spec("numba") is not None
+BACKENDS = ("maxscore", "numpy", "numba")
 
 
 def _tokenizer(params: BM25Params):
@@ -66,17 +62,29 @@ class BM25Index:
     returns nothing for them.
     """
 
-    def __init__(self, model, tokenizer, params: BM25Params, n_threads: int = 0):
+    def __init__(self, model, tokenizer, params: BM25Params, n_threads: int = 0, backend: str = "maxscore"):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown BM25 backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.model = model
         self.tokenizer = tokenizer
         self.params = params
         self.n_threads = n_threads
+        self._backend = backend
         self._tok_lock = threading.Lock()  # the tokenizer caches new words in dicts
+        self._maxs = None
+        self._pool = None
+        if backend == "maxscore":
+            if getattr(model, "nonoccurrence_array", None) is not None:
+                raise ValueError(f"the maxscore backend needs a BM25 variant without non-occurrence scores, not "
+                                 f"method={params.method!r}; load with backend='numpy'")
+            from retrieval import maxscore
+
+            self._maxs = maxscore.max_impacts(model.scores["data"], model.scores["indptr"])
 
     @property
     def backend(self) -> str:
-        """The bm25s retrieval backend in use (``"numpy"`` or ``"numba"``)."""
-        return str(self.model.backend)
+        """The retrieval backend in use: ``"maxscore"``, or bm25s's ``"numpy"`` or ``"numba"``."""
+        return self._backend
 
     @property
     def num_docs(self) -> int:
@@ -116,34 +124,32 @@ class BM25Index:
         return cls(model, tok, params)
 
     @classmethod
-    def load(cls, index_dir: str | Path, mmap: bool = True, n_threads: int = 0, backend: str = "numpy") -> BM25Index:
+    def load(
+        cls, index_dir: str | Path, mmap: bool = True, n_threads: int = 0, backend: str = "maxscore"
+    ) -> BM25Index:
         """Load an index saved by :meth:`build`. ``mmap`` memory-maps the score matrix.
 
-        ``backend`` is bm25s's retrieval backend: ``"numpy"``, ``"numba"`` (JIT-compiled top-k, several times
-        faster at batch 256; needs the ``fast`` extra and JIT-compiles for a few seconds on the first search
-        of a process, hence not the default) or ``"auto"`` (numba when installed). Scores are identical; equal
-        scores may be ordered differently. Raises ``FileNotFoundError`` if a part is missing and ``ValueError`` for an unknown
-        backend (``ImportError`` for ``"numba"`` without numba).
+        ``backend``: ``"maxscore"`` (default; Sleuth's exact top-k with MaxScore pruning, numba-compiled once
+        per install, searching ``n_threads`` threads, 0 = all cores), or bm25s's exhaustive retrieval:
+        ``"numpy"`` or ``"numba"`` (bm25s's ``n_threads``: 0 = one thread). All three give the same scores
+        (up to float32 summation order); equal scores may be ordered differently. Raises
+        ``FileNotFoundError`` if a part is missing and ``ValueError`` for an unknown backend.
         """
         import bm25s
 
         if backend not in BACKENDS:
-            raise ValueError(f"unknown bm25s backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-        if backend == "auto":
-            backend = "numba" if numba_available() else "numpy"
-        elif backend == "numba" and not numba_available():
-            raise ImportError("bm25 backend 'numba' needs numba: pip install 'sleuth[fast]' (or numba)")
-
+            raise ValueError(f"unknown BM25 backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         index_dir = Path(index_dir)
         pfile = index_dir / PARAMS_FILE
         if not pfile.exists():
             raise FileNotFoundError(f"BM25 index incomplete: {pfile} is missing")
         params = BM25Params(**json.loads(pfile.read_text()))
-        model = bm25s.BM25.load(str(index_dir), mmap=mmap, show_progress=False, backend=backend)
+        model = bm25s.BM25.load(str(index_dir), mmap=mmap, show_progress=False,
+                                backend="numba" if backend == "numba" else "numpy")
         tok = _tokenizer(params)
         tok.load_vocab(str(index_dir))
         tok.load_stopwords(str(index_dir))
-        return cls(model, tok, params, n_threads=n_threads)
+        return cls(model, tok, params, n_threads=n_threads, backend=backend)
 
     def tokenize(self, queries: list[str]) -> list[list[int]]:
         """Token ids of each query (unknown words dropped; an all-unknown query becomes the empty token)."""
@@ -158,6 +164,18 @@ class BM25Index:
         if not queries:
             return np.zeros((0, k), np.int64), np.zeros((0, k), np.float32)
         ids = self.tokenize(queries)
+        if self._backend == "maxscore":
+            from retrieval import maxscore
+
+            known = self.model.unique_token_ids_set
+            ids = [[t for t in q if t in known] for q in ids]
+            threads = self.n_threads or maxscore.default_threads()
+            if threads > 1 and self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(threads, thread_name_prefix="bm25")
+            s = self.model.scores
+            return maxscore.search(s["data"], s["indices"], s["indptr"], self._maxs, ids, k, threads, self._pool)
         res = self.model.retrieve(ids, k=k, show_progress=False, n_threads=self.n_threads)
         rows = np.asarray(res.documents, dtype=np.int64).reshape(len(queries), k)
         scores = np.asarray(res.scores, dtype=np.float32).reshape(len(queries), k)

@@ -401,8 +401,8 @@ def load_retriever(index_dir: str | Path, method: str = "bm25", **kw):
 
     Keyword options: ``mmap`` (bool, memory-map BM25 scores and FAISS shards), ``device`` (encoder),
     ``use_gpu`` (FAISS on GPU), ``rrf_k`` and ``depth`` (hybrid), ``cache_size`` (wrap in an LRU
-    :class:`~retrieval.cache.CachedRetriever`), ``n_threads`` and ``bm25_backend`` (bm25s: ``auto``, ``numpy``,
-    ``numba``; see :meth:`retrieval.bm25.BM25Index.load`). ``lucene`` (built with ``sleuth index --lucene``)
+    :class:`~retrieval.cache.CachedRetriever`), ``n_threads`` and ``bm25_backend`` (``maxscore``, or bm25s's
+    ``numpy`` or ``numba``; see :meth:`retrieval.bm25.BM25Index.load`). ``lucene`` (built with ``sleuth index --lucene``)
     searches with ``n_threads`` Java threads (default: all cores) and the manifest's k1/b. Raises
     :class:`IndexNotFoundError` saying which command builds the missing part, ``ImportError`` naming the
     install command when ``lucene`` lacks its extra, and ``ValueError`` for an unknown method.
@@ -423,7 +423,7 @@ def load_retriever(index_dir: str | Path, method: str = "bm25", **kw):
         try:
             b = BM25Index.load(
                 index_dir / "bm25", mmap=kw.get("mmap", False), n_threads=kw.get("n_threads", 0),
-                backend=kw.get("bm25_backend", "numpy"),
+                backend=kw.get("bm25_backend", "maxscore"),
             )
         except FileNotFoundError as e:
             raise IndexNotFoundError(

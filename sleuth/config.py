@@ -41,7 +41,8 @@ class RetrievalConfig(Section):
     dense_batch_size: int = Field(64, ge=1)
     build_dense: bool = True
     build_lucene: bool = False  # also build the index's Lucene part (on by itself when method is lucene)
-    bm25_backend: Literal["auto", "numpy", "numba"] = "numpy"  # numba: faster top-k, JIT start-up (fast extra)
+    # maxscore: Sleuth's exact pruned top-k (retrieval/maxscore.py); numpy/numba: bm25s's exhaustive retrieval
+    bm25_backend: Literal["maxscore", "numpy", "numba"] = "maxscore"
 
 
 class TinyPolicyConfig(Section):

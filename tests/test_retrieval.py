@@ -59,23 +59,81 @@ def test_bm25_round_trip(index_dir):
 
 def test_bm25_backend_choice(index_dir):
     r = load_retriever(index_dir, "bm25")
-    assert r.bm25.backend == "numpy"  # the default: no JIT compilation at start-up
-    with pytest.raises(ValueError, match="unknown bm25s backend"):
+    assert r.bm25.backend == "maxscore"  # the default: Sleuth's exact pruned top-k
+    with pytest.raises(ValueError, match="unknown BM25 backend"):
         load_retriever(index_dir, "bm25", bm25_backend="fortran")
 
 
-@pytest.mark.slow  # numba JIT-compiles bm25s's top-k on first use (several seconds)
-def test_bm25_numba_backend_scores_equal_numpy(index_dir):
-    pytest.importorskip("numba", reason="numba comes with the dev and fast extras")
-    qs = ["highest mountain Himalayas", "who directed Big Stone Gap", "plant glucose", "run", "zzzqqq", "the film"]
+QUERIES = ["highest mountain Himalayas", "who directed Big Stone Gap", "plant glucose", "run", "zzzqqq", "the film",
+           "film film Trigiani", ""]
+
+
+@pytest.mark.parametrize("backend", ["numba", "maxscore"])
+def test_bm25_backends_score_as_bm25s_numpy(index_dir, backend):
     a = load_retriever(index_dir, "bm25", bm25_backend="numpy")
-    b = load_retriever(index_dir, "bm25", bm25_backend="numba")
-    assert b.bm25.backend == "numba"
-    ra, sa = a.search_rows(qs, 3)
-    rb, sb = b.search_rows(qs, 3)
+    b = load_retriever(index_dir, "bm25", bm25_backend=backend)
+    assert b.bm25.backend == backend
+    ra, sa = a.search_rows(QUERIES, 3)
+    rb, sb = b.search_rows(QUERIES, 3)
     np.testing.assert_allclose(sb, sa, rtol=1e-6)  # same scores, best first
     assert (ra[:, 0] == rb[:, 0]).all() and ((ra < 0) == (rb < 0)).all()
-    assert [[h.id for h in x] for x in b.search(qs[:3], 1)] == [["d3"], ["d0"], ["d2"]]
+    assert [[h.id for h in x] for x in b.search(QUERIES[:3], 1)] == [["d3"], ["d0"], ["d2"]]
+
+
+def _exhaustive(data, indices, indptr, n_docs, query):
+    dense = np.zeros(n_docs, np.float64)
+    for t in query:
+        dense[indices[indptr[t]:indptr[t + 1]]] += data[indptr[t]:indptr[t + 1]]
+    return dense
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_maxscore_equals_exhaustive_top_k(seed):
+    """MaxScore pruning returns the exhaustive top-k on a random impact matrix with Zipf-like document
+    frequencies (common terms with low impacts, rare ones with high), repeated query terms, and k from 1 to more
+    than the matching documents."""
+    from retrieval import maxscore
+
+    rng = np.random.default_rng(seed)
+    n_docs, vocab = 3000, 300
+    cols = []
+    for t in range(vocab):
+        df = max(1, int(n_docs * 0.6 / (t + 1) ** 0.9))
+        docs = np.sort(rng.choice(n_docs, size=df, replace=False)).astype(np.int32)
+        idf = np.log1p((n_docs - df + 0.5) / (df + 0.5))
+        cols.append((docs, (idf * rng.uniform(0.3, 1.0, size=df)).astype(np.float32)))
+    indptr = np.zeros(vocab + 1, np.int64)
+    indptr[1:] = np.cumsum([len(d) for d, _ in cols])
+    indices = np.concatenate([d for d, _ in cols])
+    data = np.concatenate([x for _, x in cols])
+    maxs = maxscore.max_impacts(data, indptr)
+    assert np.allclose(maxs, [x.max() for _, x in cols])
+    queries = [rng.choice(vocab, size=rng.integers(1, 8), p=None).tolist() for _ in range(60)]
+    queries += [[0, 0, 1], [vocab - 1], [vocab - 1, vocab - 2, 0], []]
+    for k in (1, 10, 100, 5000):
+        kk = min(k, n_docs)
+        rows, scores = maxscore.search(data, indices, indptr, maxs, queries, kk, n_threads=1)
+        rows2, scores2 = maxscore.search(data, indices, indptr, maxs, queries, kk, n_threads=3)
+        assert (rows == rows2).all() and (scores == scores2).all()  # threads split the batch, nothing else
+        for q, r, s in zip(queries, rows, scores):
+            dense = _exhaustive(data, indices, indptr, n_docs, q)
+            n_match = int((dense > 0).sum())
+            want = np.sort(dense)[::-1][:kk]
+            np.testing.assert_allclose(s, np.where(want > 0, want, 0), rtol=1e-5, atol=1e-6)
+            assert (r[:min(kk, n_match)] >= 0).all() and (r[n_match:] == -1).all()
+            got = r[r >= 0]
+            np.testing.assert_allclose(dense[got], s[:len(got)], rtol=1e-5)  # each row has the score given
+            assert len(set(got.tolist())) == len(got)
+
+
+def test_bm25_threads_and_unknown_words(index_dir):
+    one = load_retriever(index_dir, "bm25", n_threads=1)
+    two = load_retriever(index_dir, "bm25", n_threads=2)
+    r1, s1 = one.search_rows(QUERIES * 40, 5)
+    r2, s2 = two.search_rows(QUERIES * 40, 5)
+    assert (r1 == r2).all() and (s1 == s2).all()
+    assert (r1[QUERIES.index("zzzqqq")] == -1).all() and (r1[QUERIES.index("")] == -1).all()
+    assert (s1[QUERIES.index("zzzqqq")] == 0).all()
 
 
 def test_dense_round_trip(index_dir):

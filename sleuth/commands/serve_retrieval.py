@@ -25,8 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-size", type=int, default=0, help="LRU query cache entries (0 = off)")
     p.add_argument("--max-wait-ms", type=float, default=0.0, help="extra wait to gather a batch")
     p.add_argument("--mmap", action="store_true", help="memory-map the index instead of loading it")
-    p.add_argument("--bm25-backend", default="auto", choices=["auto", "numpy", "numba"],
-                   help="bm25s top-k backend (auto: numba when installed, e.g. with the 'fast' extra)")
+    p.add_argument("--bm25-backend", default="maxscore", choices=["maxscore", "numpy", "numba"],
+                   help="BM25 top-k: maxscore (exact, pruned; default) or bm25s's exhaustive numpy/numba")
 
 
 def run(args: argparse.Namespace) -> int:
