@@ -77,9 +77,14 @@ class BM25Index:
             if getattr(model, "nonoccurrence_array", None) is not None:
                 raise ValueError(f"the maxscore backend needs a BM25 variant without non-occurrence scores, not "
                                  f"method={params.method!r}; load with backend='numpy'")
+            from concurrent.futures import ThreadPoolExecutor
+
             from retrieval import maxscore
 
             self._maxs = maxscore.max_impacts(model.scores["data"], model.scores["indptr"])
+            self._threads = n_threads or maxscore.default_threads()
+            if self._threads > 1:  # threads start on first use
+                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="bm25")
 
     @property
     def backend(self) -> str:
@@ -169,13 +174,8 @@ class BM25Index:
 
             known = self.model.unique_token_ids_set
             ids = [[t for t in q if t in known] for q in ids]
-            threads = self.n_threads or maxscore.default_threads()
-            if threads > 1 and self._pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._pool = ThreadPoolExecutor(threads, thread_name_prefix="bm25")
             s = self.model.scores
-            return maxscore.search(s["data"], s["indices"], s["indptr"], self._maxs, ids, k, threads, self._pool)
+            return maxscore.search(s["data"], s["indices"], s["indptr"], self._maxs, ids, k, self._threads, self._pool)
         res = self.model.retrieve(ids, k=k, show_progress=False, n_threads=self.n_threads)
         rows = np.asarray(res.documents, dtype=np.int64).reshape(len(queries), k)
         scores = np.asarray(res.scores, dtype=np.float32).reshape(len(queries), k)

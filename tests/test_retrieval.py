@@ -134,6 +134,9 @@ def test_bm25_threads_and_unknown_words(index_dir):
     assert (r1 == r2).all() and (s1 == s2).all()
     assert (r1[QUERIES.index("zzzqqq")] == -1).all() and (r1[QUERIES.index("")] == -1).all()
     assert (s1[QUERIES.index("zzzqqq")] == 0).all()
+    mapped = load_retriever(index_dir, "bm25", mmap=True)  # read-only score arrays: the kernel's other signature
+    r3, s3 = mapped.search_rows(QUERIES * 40, 5)
+    assert (r3 == r1).all() and (s3 == s1).all()
 
 
 def test_dense_round_trip(index_dir):
