@@ -142,8 +142,6 @@ class BM25Index:
         """
         import bm25s
 
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown BM25 backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         index_dir = Path(index_dir)
         pfile = index_dir / PARAMS_FILE
         if not pfile.exists():

@@ -17,17 +17,8 @@ from __future__ import annotations
 import time
 
 import urllib3
-
-try:  # optional: faster parsing of large replies
-    from orjson import dumps as _dumps
-    from orjson import loads as _loads
-except ImportError:
-    import json
-
-    _loads = json.loads
-
-    def _dumps(obj) -> bytes:
-        return json.dumps(obj).encode("utf-8")
+from orjson import dumps as _dumps
+from orjson import loads as _loads
 
 from retrieval.base import Hit
 

@@ -28,12 +28,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+from orjson import loads as _loads
 from tqdm.auto import tqdm
-
-try:  # optional: 3-5x faster passage decoding
-    from orjson import loads as _loads
-except ImportError:
-    _loads = json.loads
 
 from corpora.formats import iter_corpus
 from retrieval.base import Hit, IndexNotFoundError

@@ -169,10 +169,9 @@ def search(
     lengths = np.fromiter((len(q) for q in queries), np.int64, n)
     flat = np.fromiter((t for q in queries for t in q), np.int64, int(lengths.sum()))
     # one (term, weight) per distinct term of each query, terms without postings dropped
-    qid = np.repeat(np.arange(n), lengths)
-    key, counts = np.unique(qid * len(maxs) + flat, return_counts=True) if len(flat) else (flat, flat)
-    q_terms = key % len(maxs) if len(key) else key
-    keep = maxs[q_terms] > 0 if len(key) else np.zeros(0, bool)
+    key, counts = np.unique(np.repeat(np.arange(n), lengths) * len(maxs) + flat, return_counts=True)
+    q_terms = key % len(maxs)
+    keep = maxs[q_terms] > 0
     q_terms, q_w, owner = q_terms[keep], counts[keep].astype(np.float32), (key // len(maxs))[keep]
     q_ptr = np.zeros(n + 1, np.int64)
     np.cumsum(np.bincount(owner, minlength=n), out=q_ptr[1:])

@@ -32,14 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-
-try:  # optional: several times faster serialisation of large replies
-    from orjson import dumps as _dumps
-except ImportError:
-
-    def _dumps(obj) -> bytes:
-        return json.dumps(obj, ensure_ascii=False).encode("utf-8")
-
+from orjson import dumps as _dumps
 
 from retrieval.base import Hit, Retriever
 

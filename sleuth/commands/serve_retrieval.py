@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from retrieval.bm25 import BACKENDS
+
 HELP = "Serve an index over HTTP, Search-R1 compatible: POST /retrieve {queries, topk, return_scores}; GET /health."
 
 
@@ -25,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-size", type=int, default=0, help="LRU query cache entries (0 = off)")
     p.add_argument("--max-wait-ms", type=float, default=0.0, help="extra wait to gather a batch")
     p.add_argument("--mmap", action="store_true", help="memory-map the index instead of loading it")
-    p.add_argument("--bm25-backend", default="maxscore", choices=["maxscore", "numpy", "numba"],
+    p.add_argument("--bm25-backend", default="maxscore", choices=BACKENDS,
                    help="BM25 top-k: maxscore (exact, pruned; default) or bm25s's exhaustive numpy/numba")
 
 
