@@ -159,7 +159,8 @@ def search(
     ``[V+1]``: bm25s's score matrix; ``maxs`` float32 ``[V]`` from :func:`max_impacts`; ``queries``: term
     ids per query (a repeated term counts once per occurrence; ids must be ``< V``). Returns ``(rows int64
     [Q, k], scores float32 [Q, k])``, best first; slots without a matching document are row -1, score 0.
-    With ``n_threads > 1`` the batch is split over ``pool`` (made for the call if ``None``).
+    With ``n_threads > 1`` the batch is split over ``pool`` (made for the call if ``None``). Raises
+    ``IndexError`` for a term id outside ``[0, V)`` (checked before the compiled kernel runs).
     """
     n = len(queries)
     rows = np.empty((n, k), np.int64)
@@ -168,6 +169,8 @@ def search(
         return rows, scores
     lengths = np.fromiter((len(q) for q in queries), np.int64, n)
     flat = np.fromiter((t for q in queries for t in q), np.int64, int(lengths.sum()))
+    if len(flat) and (flat.min() < 0 or flat.max() >= len(maxs)):
+        raise IndexError(f"term ids must be in [0, {len(maxs)}), got {flat.min()}..{flat.max()}")
     # one (term, weight) per distinct term of each query, terms without postings dropped
     key, counts = np.unique(np.repeat(np.arange(n), lengths) * len(maxs) + flat, return_counts=True)
     q_terms = key % len(maxs)

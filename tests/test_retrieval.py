@@ -124,6 +124,9 @@ def test_maxscore_equals_exhaustive_top_k(seed):
             got = r[r >= 0]
             np.testing.assert_allclose(dense[got], s[:len(got)], rtol=1e-5)  # each row has the score given
             assert len(set(got.tolist())) == len(got)
+    for bad in ([vocab], [-1]):
+        with pytest.raises(IndexError, match="term ids"):
+            maxscore.search(data, indices, indptr, maxs, [[0], bad], 10)
 
 
 def test_bm25_threads_and_unknown_words(index_dir):
