@@ -89,92 +89,123 @@ std::vector<at::Tensor> span_mask(const at::Tensor& token_ids, const at::Tensor&
 }
 
 // ---- fused masked log-prob -----------------------------------------------------------------------------
-void check_lm_inputs(const at::Tensor& h, const at::Tensor& w, const at::Tensor& tgt, int64_t chunk) {
-  check_cuda_tensor(h, "hidden");
+// Work is tiled as row blocks (of the compacted policy rows) x vocabulary chunks, so the working set is one
+// [row_block, chunk] logits buffer plus [row_block, H] rows, whatever the number of tokens: the memory
+// above the outputs no longer grows with N (as in Liger-Kernel's fused linear cross-entropy, which blocks
+// rows too). Each row block gathers its rows of `hidden` by index (no compacted [n, H] copy).
+void check_lm_inputs(const at::Tensor& hidden, const at::Tensor& idx, const at::Tensor& w, const at::Tensor& tgt,
+                     int64_t chunk, int64_t row_block) {
+  check_cuda_tensor(hidden, "hidden");
+  check_cuda_tensor(idx, "index");
   check_cuda_tensor(w, "weight");
   check_cuda_tensor(tgt, "targets");
-  TORCH_CHECK(h.dim() == 2 && w.dim() == 2 && h.size(1) == w.size(1), "hidden [n, H] and weight [V, H] expected");
-  TORCH_CHECK(h.scalar_type() == w.scalar_type(), "hidden and weight must have the same dtype");
-  TORCH_CHECK(tgt.scalar_type() == at::kLong && tgt.numel() == h.size(0), "targets must be int64 [n]");
+  TORCH_CHECK(hidden.dim() == 2 && w.dim() == 2 && hidden.size(1) == w.size(1),
+              "hidden [N, H] and weight [V, H] expected");
+  TORCH_CHECK(hidden.scalar_type() == w.scalar_type(), "hidden and weight must have the same dtype");
+  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.dim() == 1, "index must be int64 [n]");
+  TORCH_CHECK(tgt.scalar_type() == at::kLong && tgt.numel() == idx.numel(), "targets must be int64 [n]");
   TORCH_CHECK(chunk > 0 && chunk < (1LL << 31), "chunk_size must be positive");
-  dtype_code(h.scalar_type());
+  TORCH_CHECK(row_block > 0 && row_block < (1LL << 31), "row_block must be positive");
+  dtype_code(hidden.scalar_type());
 }
 
-// h: [n, H] compacted policy rows; w: [V, H]; tgt: [n]. Returns (logprob [n], entropy [n], lse [n]) fp32.
-std::vector<at::Tensor> masked_logprobs_fwd(const at::Tensor& h, const at::Tensor& w, const at::Tensor& tgt,
-                                            int64_t chunk, int64_t stream) {
-  check_lm_inputs(h, w, tgt, chunk);
-  const int64_t n = h.size(0), V = w.size(0);
-  auto f32 = h.options().dtype(at::kFloat);
+// hidden: [N, H]; idx: [n] rows of hidden at policy positions; w: [V, H]; tgt: [n] targets of those rows.
+// Returns (logprob [n], entropy [n], lse [n]) fp32.
+std::vector<at::Tensor> masked_logprobs_fwd(const at::Tensor& hidden, const at::Tensor& idx, const at::Tensor& w,
+                                            const at::Tensor& tgt, int64_t chunk, int64_t row_block,
+                                            int64_t stream) {
+  check_lm_inputs(hidden, idx, w, tgt, chunk, row_block);
+  const int64_t n = idx.numel(), V = w.size(0);
+  auto f32 = hidden.options().dtype(at::kFloat);
   auto lp = at::empty({n}, f32), ent = at::empty({n}, f32), lse = at::empty({n}, f32);
   if (n == 0) return {lp, ent, lse};
   auto m = at::full({n}, -std::numeric_limits<float>::infinity(), f32);
   auto s = at::zeros({n}, f32), sz = at::zeros({n}, f32), tl = at::zeros({n}, f32);
-  const int64_t cmax = std::min(chunk, V);
-  auto buf = at::empty({n * cmax}, h.options());
-  const int code = dtype_code(h.scalar_type());
-  for (int64_t start = 0; start < V; start += cmax) {
-    const int64_t c = std::min(cmax, V - start);
-    auto z = buf.narrow(0, 0, n * c).view({n, c});
-    at::mm_out(z, h, w.narrow(0, start, c).t());
-    check_cuda(sleuth_lse_chunk(z.data_ptr(), c, n, (int)c, start, code,
-                                reinterpret_cast<const long long*>(tgt.data_ptr<int64_t>()), m.data_ptr<float>(),
-                                s.data_ptr<float>(), sz.data_ptr<float>(), tl.data_ptr<float>(), start + c >= V,
-                                lp.data_ptr<float>(), ent.data_ptr<float>(), lse.data_ptr<float>(),
-                                as_stream(stream)),
-               "lse_chunk");
+  const int64_t cmax = std::min(chunk, V), rmax = std::min(row_block, n);
+  auto buf = at::empty({rmax * cmax}, hidden.options());
+  const int code = dtype_code(hidden.scalar_type());
+  const auto* tp = reinterpret_cast<const long long*>(tgt.data_ptr<int64_t>());
+  for (int64_t r0 = 0; r0 < n; r0 += rmax) {
+    const int64_t r = std::min(rmax, n - r0);
+    auto h = hidden.index_select(0, idx.narrow(0, r0, r));
+    for (int64_t start = 0; start < V; start += cmax) {
+      const int64_t c = std::min(cmax, V - start);
+      auto z = buf.narrow(0, 0, r * c).view({r, c});
+      at::mm_out(z, h, w.narrow(0, start, c).t());
+      check_cuda(sleuth_lse_chunk(z.data_ptr(), c, r, (int)c, start, code, tp + r0, m.data_ptr<float>() + r0,
+                                  s.data_ptr<float>() + r0, sz.data_ptr<float>() + r0, tl.data_ptr<float>() + r0,
+                                  start + c >= V, lp.data_ptr<float>() + r0, ent.data_ptr<float>() + r0,
+                                  lse.data_ptr<float>() + r0, as_stream(stream)),
+                 "lse_chunk");
+    }
   }
   return {lp, ent, lse};
 }
 
-// dh += g @ w_c in fp32: for bf16/fp16 the chunk product comes out of cuBLAS in fp32 (mm.dtype, torch >= 2.8)
+// dh += g @ w_c in fp32: for bf16/fp16 inputs cuBLAS accumulates into the fp32 dh in place (addmm.dtype_out,
+// torch >= 2.8), so no [rows, H] fp32 temporary is written and read back per chunk
 void accumulate_dh(at::Tensor& dh, const at::Tensor& g, const at::Tensor& wc) {
   if (g.scalar_type() == at::kFloat) {
     dh.addmm_(g, wc);
     return;
   }
   try {
-    dh.add_(at::mm(g, wc, at::kFloat));
+    at::addmm_out(dh, dh, g, wc, at::kFloat);  // in place: cuBLAS beta = 1 with an fp32 output (addmm.dtype_out)
   } catch (const c10::Error&) {
     dh.add_(at::mm(g, wc));  // fallback: the chunk product rounded to the input dtype, summed in fp32
   }
 }
 
-// Returns (dh [n, H] fp32 or undefined, dw [V, H] in w's dtype or undefined).
-std::vector<at::Tensor> masked_logprobs_bwd(const at::Tensor& h, const at::Tensor& w, const at::Tensor& tgt,
-                                            const at::Tensor& lse, const at::Tensor& ent,
+// Returns (dhidden [N, H] in hidden's dtype, zero outside idx, or undefined; dw [V, H] in w's dtype or
+// undefined). dh of a row block is accumulated over the vocabulary chunks in fp32 and rounded once; dw is
+// accumulated over row blocks in w's dtype (cuBLAS beta = 1: fp32 arithmetic, one rounding per row block, as
+// Liger-Kernel's default).
+std::vector<at::Tensor> masked_logprobs_bwd(const at::Tensor& hidden, const at::Tensor& idx, const at::Tensor& w,
+                                            const at::Tensor& tgt, const at::Tensor& lse, const at::Tensor& ent,
                                             const std::optional<at::Tensor>& g_lp,
-                                            const std::optional<at::Tensor>& g_ent, int64_t chunk, bool need_dh,
-                                            bool need_dw, int64_t stream) {
-  check_lm_inputs(h, w, tgt, chunk);
+                                            const std::optional<at::Tensor>& g_ent, int64_t chunk,
+                                            int64_t row_block, bool need_dh, bool need_dw, int64_t stream) {
+  check_lm_inputs(hidden, idx, w, tgt, chunk, row_block);
   check_cuda_tensor(lse, "lse");
   check_cuda_tensor(ent, "entropy");
-  const int64_t n = h.size(0), V = w.size(0), H = h.size(1);
+  const int64_t n = idx.numel(), V = w.size(0), H = hidden.size(1);
   const float* glp = opt_ptr(g_lp, "grad_logprobs");
   const float* gent = opt_ptr(g_ent, "grad_entropy");
-  at::Tensor dh, dw;
-  if (need_dh) dh = at::zeros({n, H}, h.options().dtype(at::kFloat));
+  at::Tensor dhid, dw;
+  if (need_dh) dhid = at::zeros_like(hidden);
   if (need_dw) dw = at::zeros({V, H}, w.options());
-  if (n == 0 || (glp == nullptr && gent == nullptr) || (!need_dh && !need_dw)) return {dh, dw};
-  const int64_t cmax = std::min(chunk, V);
-  auto buf = at::empty({n * cmax}, h.options());
-  const int code = dtype_code(h.scalar_type());
-  for (int64_t start = 0; start < V; start += cmax) {
-    const int64_t c = std::min(cmax, V - start);
-    auto wc = w.narrow(0, start, c);
-    auto z = buf.narrow(0, 0, n * c).view({n, c});
-    at::mm_out(z, h, wc.t());
-    check_cuda(sleuth_logit_grad(z.data_ptr(), c, n, (int)c, start, code,
-                                 reinterpret_cast<const long long*>(tgt.data_ptr<int64_t>()), lse.data_ptr<float>(),
-                                 ent.data_ptr<float>(), glp, gent, as_stream(stream)),
-               "logit_grad");
-    if (need_dh) accumulate_dh(dh, z, wc);
-    if (need_dw) {
-      auto dwc = dw.narrow(0, start, c);
-      at::mm_out(dwc, z.t(), h);
+  if (n == 0 || (glp == nullptr && gent == nullptr) || (!need_dh && !need_dw)) return {dhid, dw};
+  const int64_t cmax = std::min(chunk, V), rmax = std::min(row_block, n);
+  auto buf = at::empty({rmax * cmax}, hidden.options());
+  at::Tensor dh_buf;
+  if (need_dh) dh_buf = at::empty({rmax, H}, hidden.options().dtype(at::kFloat));
+  const int code = dtype_code(hidden.scalar_type());
+  const auto* tp = reinterpret_cast<const long long*>(tgt.data_ptr<int64_t>());
+  for (int64_t r0 = 0; r0 < n; r0 += rmax) {
+    const int64_t r = std::min(rmax, n - r0);
+    auto rows = idx.narrow(0, r0, r);
+    auto h = hidden.index_select(0, rows);
+    at::Tensor dh;
+    if (need_dh) dh = dh_buf.narrow(0, 0, r).zero_();
+    for (int64_t start = 0; start < V; start += cmax) {
+      const int64_t c = std::min(cmax, V - start);
+      auto wc = w.narrow(0, start, c);
+      auto z = buf.narrow(0, 0, r * c).view({r, c});
+      at::mm_out(z, h, wc.t());
+      check_cuda(sleuth_logit_grad(z.data_ptr(), c, r, (int)c, start, code, tp + r0, lse.data_ptr<float>() + r0,
+                                   ent.data_ptr<float>() + r0, glp ? glp + r0 : nullptr,
+                                   gent ? gent + r0 : nullptr, as_stream(stream)),
+                 "logit_grad");
+      if (need_dh) accumulate_dh(dh, z, wc);
+      if (need_dw) {
+        auto dwc = dw.narrow(0, start, c);
+        if (r0 == 0) at::mm_out(dwc, z.t(), h);
+        else dwc.addmm_(z.t(), h);
+      }
     }
+    if (need_dh) dhid.index_copy_(0, rows, dh.to(hidden.scalar_type()));
   }
-  return {dh, dw};
+  return {dhid, dw};
 }
 
 // ---- masked PPO-clip loss ------------------------------------------------------------------------------
