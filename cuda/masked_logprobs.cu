@@ -36,32 +36,80 @@ __device__ __forceinline__ Stats shfl_stats(Stats v, int o) {
           __shfl_xor_sync(0xffffffffu, v.sz, o)};
 }
 
-// one block per compacted row: chunk statistics, merged into the running per-row state
+// the online update of one thread's state by one logit (-inf contributes nothing: -inf - -inf would be NaN)
+__device__ __forceinline__ void push(Stats& st, float v) {
+  if (v == -INFINITY) return;
+  if (v > st.m) {  // rescale the running sums to the new max
+    const float r = expf(st.m - v);
+    st.s = st.s * r + 1.f;
+    st.sz = st.sz * r + v;
+    st.m = v;
+  } else {
+    const float e = expf(v - st.m);
+    st.s += e;
+    st.sz += e * v;
+  }
+}
+
+// 16-byte vectors of T (8 bf16/fp16 or 4 fp32): one load or store instruction per vector
+template <typename T>
+struct Vec {
+  static constexpr int N = 16 / sizeof(T);
+  union {
+    uint4 raw;
+    T v[N];
+  };
+};
+
+// z rows can be read as 16-byte vectors: aligned base and a row stride that keeps every row aligned
+template <typename T>
+bool vectorizable(const void* z, long long ldz) {
+  return reinterpret_cast<uintptr_t>(z) % 16 == 0 && ldz % Vec<T>::N == 0;
+}
+
+// one block per compacted row: chunk statistics, merged into the running per-row state. With vec, the row
+// is read in 16-byte vectors, each folded into the state with one rescale (its own max first); the
+// remaining c % N columns are read one by one.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) lse_chunk_kernel(const T* __restrict__ z, long long ldz, int c,
                                                               long long start, const long long* __restrict__ targets,
                                                               float* __restrict__ run_m, float* __restrict__ run_s,
                                                               float* __restrict__ run_sz, float* __restrict__ run_tgt,
                                                               int finalize, float* __restrict__ out_lp,
-                                                              float* __restrict__ out_ent, float* __restrict__ out_lse) {
+                                                              float* __restrict__ out_ent, float* __restrict__ out_lse,
+                                                              int vec) {
+  constexpr int N = Vec<T>::N;
   __shared__ Stats sm[kThreads / 32];
   const long long row = blockIdx.x;
   const T* zr = z + row * ldz;
   Stats st{-INFINITY, 0.f, 0.f};
-  for (int j = threadIdx.x; j < c; j += kThreads) {
-    const float v = to_f32(zr[j]);
-    if (v == -INFINITY) continue;  // contributes nothing (and -inf - -inf would be NaN)
-    if (v > st.m) {  // rescale the running sums to the new max
-      const float r = expf(st.m - v);
-      st.s = st.s * r + 1.f;
-      st.sz = st.sz * r + v;
-      st.m = v;
-    } else {
-      const float e = expf(v - st.m);
+  const int nvec = vec ? c / N : 0;
+  for (int i = threadIdx.x; i < nvec; i += kThreads) {
+    Vec<T> x;
+    x.raw = reinterpret_cast<const uint4*>(zr)[i];
+    float f[N];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      f[k] = to_f32(x.v[k]);
+      mx = fmaxf(mx, f[k]);
+    }
+    if (mx == -INFINITY) continue;
+    if (mx > st.m) {
+      const float r = expf(st.m - mx);  // 0 while the state is empty
+      st.s *= r;
+      st.sz *= r;
+      st.m = mx;
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const bool fin = f[k] != -INFINITY;
+      const float e = fin ? expf(f[k] - st.m) : 0.f;
       st.s += e;
-      st.sz += e * v;
+      st.sz += fin ? e * f[k] : 0.f;
     }
   }
+  for (int j = nvec * N + threadIdx.x; j < c; j += kThreads) push(st, to_f32(zr[j]));
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) st = merge(st, shfl_stats(st, o));
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -87,14 +135,22 @@ __global__ void __launch_bounds__(kThreads) lse_chunk_kernel(const T* __restrict
   }
 }
 
-// grid: (row blocks over columns, rows); in place on the chunk buffer
+__device__ __forceinline__ float logit_grad(float v, bool is_target, float l, float ez, float gl, float ge) {
+  const float p = expf(v - l);
+  float g = -gl * p - ge * p * (v - ez);
+  if (is_target) g += gl;
+  return g;
+}
+
+// one block per row; in place on the chunk buffer (16-byte vectors when vec, then the c % N tail)
 template <typename T>
 __global__ void __launch_bounds__(kThreads) logit_grad_kernel(T* __restrict__ z, long long ldz, int c, long long start,
                                                                const long long* __restrict__ targets,
                                                                const float* __restrict__ lse,
                                                                const float* __restrict__ ent,
                                                                const float* __restrict__ g_lp,
-                                                               const float* __restrict__ g_ent) {
+                                                               const float* __restrict__ g_ent, int vec) {
+  constexpr int N = Vec<T>::N;
   const long long row = blockIdx.x;
   T* zr = z + row * ldz;
   const float l = lse[row];
@@ -102,13 +158,15 @@ __global__ void __launch_bounds__(kThreads) logit_grad_kernel(T* __restrict__ z,
   const float gl = g_lp ? g_lp[row] : 0.f;
   const float ge = g_ent ? g_ent[row] : 0.f;
   const long long t = targets[row] - start;
-  for (int j = threadIdx.x; j < c; j += kThreads) {
-    const float v = to_f32(zr[j]);
-    const float p = expf(v - l);
-    float g = -gl * p - ge * p * (v - ez);
-    if (j == t) g += gl;
-    zr[j] = from_f32<T>(g);
+  const int nvec = vec ? c / N : 0;
+  for (int i = threadIdx.x; i < nvec; i += kThreads) {
+    Vec<T> x;
+    x.raw = reinterpret_cast<const uint4*>(zr)[i];
+#pragma unroll
+    for (int k = 0; k < N; ++k) x.v[k] = from_f32<T>(logit_grad(to_f32(x.v[k]), i * N + k == t, l, ez, gl, ge));
+    reinterpret_cast<uint4*>(zr)[i] = x.raw;
   }
+  for (int j = nvec * N + threadIdx.x; j < c; j += kThreads) zr[j] = from_f32<T>(logit_grad(to_f32(zr[j]), j == t, l, ez, gl, ge));
 }
 
 template <typename T>
@@ -116,14 +174,15 @@ int launch_lse(const void* z, long long ldz, long long n, int c, long long start
                float* m, float* s, float* sz, float* tgt, int finalize, float* lp, float* ent, float* lse,
                cudaStream_t stream) {
   lse_chunk_kernel<T><<<(unsigned)n, kThreads, 0, stream>>>((const T*)z, ldz, c, start, targets, m, s, sz, tgt,
-                                                             finalize, lp, ent, lse);
+                                                             finalize, lp, ent, lse, vectorizable<T>(z, ldz) ? 1 : 0);
   return (int)cudaGetLastError();
 }
 
 template <typename T>
 int launch_grad(void* z, long long ldz, long long n, int c, long long start, const long long* targets,
                 const float* lse, const float* ent, const float* g_lp, const float* g_ent, cudaStream_t stream) {
-  logit_grad_kernel<T><<<(unsigned)n, kThreads, 0, stream>>>((T*)z, ldz, c, start, targets, lse, ent, g_lp, g_ent);
+  logit_grad_kernel<T><<<(unsigned)n, kThreads, 0, stream>>>((T*)z, ldz, c, start, targets, lse, ent, g_lp, g_ent,
+                                                              vectorizable<T>(z, ldz) ? 1 : 0);
   return (int)cudaGetLastError();
 }
 
