@@ -45,6 +45,7 @@ CUDA_ARCH_FLAGS = (
     "-gencode=arch=compute_90,code=compute_90",
 )
 MAX_MARKERS = 16  # per kind, see cuda/span_mask.cu
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _ROOT = Path(__file__).resolve().parent.parent
 CUDA_DIR = _ROOT / "cuda"
@@ -187,21 +188,24 @@ def span_mask(
 
 
 class _MaskedLogprobs(torch.autograd.Function):
-    """Compaction + chunked LM head / online log-sum-exp (forward) and recompute-per-chunk backward."""
+    """Chunked LM head / online log-sum-exp over policy rows (forward) and recompute-per-chunk backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, mask, chunk_size):
+    def forward(ctx, hidden, weight, targets, mask, chunk_size, row_block):
         ctx.set_materialize_grads(False)
         N = hidden.shape[0]
-        idx = mask.nonzero().squeeze(-1)
-        h = hidden.index_select(0, idx).contiguous()
+        hidden = hidden.contiguous()
+        weight = weight.contiguous()
+        idx = mask.nonzero().squeeze(-1)  # the policy rows: only these reach the vocabulary work
         tgt = targets.index_select(0, idx).contiguous()
         ext = load_extension()
-        lp_c, ent_c, lse_c = ext.masked_logprobs_fwd(h, weight.contiguous(), tgt, chunk_size, _stream(hidden))
+        lp_c, ent_c, lse_c = ext.masked_logprobs_fwd(
+            hidden, idx, weight, tgt, chunk_size, row_block, _stream(hidden)
+        )
         lp = hidden.new_zeros(N, dtype=torch.float32).index_copy_(0, idx, lp_c)
         ent = hidden.new_zeros(N, dtype=torch.float32).index_copy_(0, idx, ent_c)
         ctx.save_for_backward(hidden, weight, tgt, idx, lse_c, ent_c)
-        ctx.chunk_size = chunk_size
+        ctx.blocks = (chunk_size, row_block)
         return lp, ent
 
     @staticmethod
@@ -209,28 +213,26 @@ class _MaskedLogprobs(torch.autograd.Function):
         hidden, weight, tgt, idx, lse_c, ent_c = ctx.saved_tensors
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_dh or need_dw):
-            return None, None, None, None, None
-        h = hidden.index_select(0, idx).contiguous()
+            return None, None, None, None, None, None
         glp = None if g_lp is None else g_lp.float().index_select(0, idx).contiguous()
         gent = None if g_ent is None else g_ent.float().index_select(0, idx).contiguous()
-        ext = load_extension()
-        dh_c, dw = ext.masked_logprobs_bwd(
-            h,
-            weight.contiguous(),
+        chunk_size, row_block = ctx.blocks
+        dh, dw = load_extension().masked_logprobs_bwd(
+            hidden,
+            idx,
+            weight,
             tgt,
             lse_c,
             ent_c,
             glp,
             gent,
-            ctx.chunk_size,
+            chunk_size,
+            row_block,
             need_dh,
             need_dw,
             _stream(hidden),
         )
-        dh = None
-        if need_dh:
-            dh = torch.zeros_like(hidden).index_copy_(0, idx, dh_c.to(hidden.dtype))
-        return dh, (dw if need_dw else None), None, None, None
+        return (dh if need_dh else None), (dw if need_dw else None), None, None, None, None
 
 
 def masked_logprobs(
@@ -240,6 +242,7 @@ def masked_logprobs(
     mask: torch.Tensor,
     chunk_size: int = 8192,
     *,
+    row_block: int = 4096,
     with_entropy: bool = True,
     impl: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,11 +250,16 @@ def masked_logprobs(
 
     Args:
         hidden: ``[N, H]`` (or ``[..., H]``) final hidden states, float32/bfloat16/float16.
-        weight: ``[V, H]`` LM-head weight (no bias), same dtype as ``hidden``.
+        weight: ``[V, H]`` LM-head weight (no bias). When its dtype differs from ``hidden``'s (bf16
+            activations under autocast with an fp32 head), the kernel computes in the lower precision of
+            the two, as autocast computes the reference's matmul; gradients flow back through the cast.
         targets: ``[N]`` (or ``[...]``) int64 next-token ids in ``[0, V)``.
         mask: ``[N]`` (or ``[...]``) bool or 0/1; only nonzero rows are computed (compacted first).
-        chunk_size: vocabulary columns per chunk; the kernel holds one ``[N_policy, chunk_size]`` logits
+        chunk_size: vocabulary columns per chunk. The kernel holds one ``[row_block, chunk_size]`` logits
             buffer in the input dtype (the chunk logits are rounded to the input dtype, as a bf16 LM head's).
+        row_block: policy rows per block on the kernel path (the reference ignores it). The working memory
+            above the outputs is about ``row_block * (chunk_size + 5 H)`` elements whatever ``N`` is;
+            ``dW`` is accumulated over row blocks in the weight's dtype (as Liger-Kernel's default).
         with_entropy: ``False`` returns an all-zero entropy on both paths (constant, no gradient). The
             reference then skips the entropy work; the CUDA kernel computes it in the same pass anyway (one
             extra fused multiply-add per logit, nearly free) and it is discarded.
@@ -259,8 +267,9 @@ def masked_logprobs(
     Returns ``(logprobs, entropy)``, float32, shaped like ``targets``, zero at masked positions. On the CUDA
     path a ``torch.autograd.Function`` gives gradients for ``hidden`` and ``weight`` (the backward recomputes
     each chunk's logits: 4 LM-head matmuls over policy rows in all). Follows the spec
-    :func:`training.losses.masked_lm_head_logprobs`. Raises ``ValueError`` on shape/dtype mismatch or a
-    target out of range.
+    :func:`training.losses.masked_lm_head_logprobs`. Dtypes the kernel does not take (float64) use the
+    reference under ``auto``. Raises ``ValueError`` on a shape mismatch, a target out of range, or a dtype
+    the kernel does not take under ``impl="cuda"``.
     """
     if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
@@ -271,8 +280,8 @@ def masked_logprobs(
         raise ValueError(
             f"hidden {tuple(hidden.shape)}, targets {tuple(lead)} and mask {tuple(mask.shape)} disagree"
         )
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if chunk_size <= 0 or row_block <= 0:
+        raise ValueError(f"chunk_size and row_block must be positive, got {chunk_size}, {row_block}")
     h2 = hidden.reshape(-1, hidden.shape[-1])
     tgt = targets.reshape(-1).long()
     keep = mask.reshape(-1).bool()
@@ -283,14 +292,20 @@ def masked_logprobs(
             raise ValueError(
                 f"targets at policy positions must lie in [0, {weight.shape[0]}), got [{lo}, {hi}]"
             )
-    if not _use_cuda(impl, hidden, weight, targets, mask):
+    # one compute dtype for the kernel: mixed inputs (bf16 activations under autocast with an fp32 LM head)
+    # run in the lower precision, as autocast runs the reference's matmul; the cast is differentiable
+    low = hidden.dtype if hidden.element_size() <= weight.element_size() else weight.dtype
+    if low not in KERNEL_DTYPES:
+        if _impl(impl) == "cuda":
+            raise ValueError(f"the kernel takes {KERNEL_DTYPES}, got {hidden.dtype} and {weight.dtype}")
+        use_kernel = False  # e.g. float64: the reference
+    else:
+        use_kernel = _use_cuda(impl, hidden, weight, targets, mask)
+    if not use_kernel:
         lp, ent = masked_lm_head_logprobs(h2, weight, tgt, keep, chunk_size, with_entropy=with_entropy)
         return lp.reshape(lead), ent.reshape(lead)
-    if hidden.dtype != weight.dtype or hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(
-            f"kernel needs hidden and weight of one dtype in fp32/bf16/fp16, got {hidden.dtype}, {weight.dtype}"
-        )
-    lp, ent = _MaskedLogprobs.apply(h2, weight, tgt, keep, int(chunk_size))
+    h2, weight = h2.to(low), weight.to(low)
+    lp, ent = _MaskedLogprobs.apply(h2, weight, tgt, keep, int(chunk_size), int(row_block))
     if not with_entropy:  # computed by the kernel in the same pass; dropped so both paths agree
         ent = torch.zeros_like(lp)
     return lp.reshape(lead), ent.reshape(lead)
