@@ -42,7 +42,7 @@ def _poison(nbytes: int) -> None:
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert torch.isfinite(out).all(), "non-finite output"
-    out, ref = out.double(), ref.double()
+    out, ref = out.detach().double(), ref.detach().double()
     den = ref.norm()
     return float((out - ref).norm() / den) if den > 0 else float(out.norm())
 
@@ -129,6 +129,30 @@ def test_masked_logprobs_matches_reference(dtype, N, H, V, chunk, keep):
     assert _rel(ent, ent_r) < tol_f
     assert _rel(dh, h64.grad) < tol_b
     assert _rel(dw, w64.grad) < tol_b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("row_block", [1, 97, 256])
+def test_masked_logprobs_row_blocks(dtype, row_block):
+    # several row blocks (the last one partial): dW accumulates over blocks, dh rows land at their positions
+    N, H, V, chunk = 1000, 96, 5003, 1024
+    h, w, t, m = _lm_inputs(N, H, V, dtype, 0.6, seed=row_block)
+    h.requires_grad_(True)
+    w.requires_grad_(True)
+    g = torch.Generator(device=DEV).manual_seed(11)
+    g_lp, g_ent = torch.randn(N, generator=g, device=DEV), torch.randn(N, generator=g, device=DEV)
+    _poison(N * V * 2)
+    lp, ent = K.masked_logprobs(h, w, t, m, chunk, row_block=row_block, impl="cuda")
+    (lp * g_lp + ent * g_ent).sum().backward()
+    h64 = h.detach().double().requires_grad_(True)
+    w64 = w.detach().double().requires_grad_(True)
+    lp_r, ent_r = masked_lm_head_logprobs(h64, w64, t, m, chunk)
+    (lp_r * g_lp.double() + ent_r * g_ent.double()).sum().backward()
+    tol_f, tol_b = TOL[dtype]
+    assert (h.grad[~m] == 0).all() and (lp[~m] == 0).all()
+    assert _rel(lp, lp_r) < tol_f and _rel(ent, ent_r) < tol_f
+    assert _rel(h.grad, h64.grad) < tol_b
+    assert _rel(w.grad, w64.grad) < tol_b
 
 
 def test_masked_logprobs_bf16_matches_same_dtype_reference():
@@ -220,7 +244,7 @@ def test_policy_loss_matches_reference(B, T, agg, kl_type, keep):
     )
     loss_r.backward()
     assert set(stats) == set(stats_r)
-    assert abs(float(loss) - float(loss_r)) <= 1e-5 * max(1.0, abs(float(loss_r)))
+    assert abs(loss.item() - loss_r.item()) <= 1e-5 * max(1.0, abs(loss_r.item()))
     for k in stats:
         assert abs(stats[k] - stats_r[k]) <= 1e-5 * max(1.0, abs(stats_r[k])), k
     if keep == 0.0:
@@ -271,3 +295,49 @@ def test_end_to_end_kernels_chain():
     lr, hr, wr = run("reference")
     assert abs(float(lk) - float(lr)) < 1e-4
     assert _rel(hk, hr) < 1e-3 and _rel(wk, wr) < 1e-3
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_policy_logprobs_kernel_under_autocast(monkeypatch, packed):
+    # the trainer's path: a Hugging Face policy with an fp32 LM head run under bf16 autocast, so the kernel
+    # gets bf16 hidden states and an fp32 weight; it must agree with the reference under the same autocast
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from training.batch import Batch, policy_logprobs
+
+    torch.manual_seed(0)
+    V, N, T = 3001, 4, 96
+    cfg = Qwen2Config(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+    )
+    model = Qwen2ForCausalLM(cfg).to(DEV)
+    lengths = torch.tensor([96, 80, 50, 33])
+    attn = (torch.arange(T) < lengths[:, None]).long()
+    ids = torch.randint(1, V, (N, T)) * attn
+    loss_mask = ((torch.rand(N, T - 1) < 0.6) & attn[:, 1:].bool()).float()
+    zeros = torch.zeros(N, T, dtype=torch.long)
+    batch = Batch(ids, attn, zeros, loss_mask, zeros, torch.zeros(N), torch.arange(N))
+    got = {}
+    for impl in ("cuda", "reference"):
+        monkeypatch.setenv(K.ENV_VAR, impl)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            lp, ent = policy_logprobs(model, batch, packed=packed)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        got[impl] = (
+            lp.detach(),
+            ent.detach(),
+            model.lm_head.weight.grad.clone(),
+            model.model.embed_tokens.weight.grad.clone(),
+        )
+    (lp_k, ent_k, gw_k, ge_k), (lp_r, ent_r, gw_r, ge_r) = got["cuda"], got["reference"]
+    assert lp_k.shape == (N, T - 1) and (lp_k[loss_mask == 0] == 0).all()
+    assert _rel(lp_k, lp_r) < 1e-2 and _rel(ent_k, ent_r) < 1e-2
+    assert _rel(gw_k, gw_r) < 3e-2 and _rel(ge_k, ge_r) < 5e-2
