@@ -5,7 +5,8 @@ Issue 3's grid: Qwen2.5 vocabulary V = 151,936; hidden H in {896, 2048, 3584}; N
 
 Methods (each: loss = masked mean of -log p(target), then backward to hidden and LM-head weight):
 * ``naive``: LM head over all N -> float32 log_softmax -> gather -> masked mean (Search-R1 / verl style);
-* ``sleuth``: training.kernels.masked_logprobs (compacts policy rows, chunked online LSE, recompute backward);
+* ``sleuth``: training.kernels.masked_logprobs (policy rows only, row blocks x vocabulary chunks, online LSE,
+  recompute in the backward);
 * ``liger``: Liger-Kernel's LigerFusedLinearCrossEntropyLoss with ignore_index at tool tokens (if importable).
 
 Reported per method: median fwd+bwd time (CUDA events, after warm-up), peak memory above the inputs
@@ -13,7 +14,8 @@ Reported per method: median fwd+bwd time (CUDA events, after warm-up), peak memo
 logits plus the two backward products; the forward floor alone is 2 N_policy H V) and the time floor at
 the measured bf16 matmul rate. Prints a table; writes bench/results/kernels.json.
 
-Usage (GPU): ``python bench/kernels.py [--quick] [--repeat 5] [--out bench/results/kernels.json]``.
+Usage (GPU): ``python bench/kernels.py [--quick | --points H:N:FRAC ...] [--sweep] [--profile] [--repeat 5]
+[--chunk 8192] [--row-block 4096] [--out bench/results/kernels.json]``.
 Without a GPU it exits with status 2 and a message, or runs ``--cpu-smoke``: the reference path on tiny
 shapes, to check that the script runs.
 """
@@ -26,6 +28,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -39,6 +42,7 @@ HIDDEN = (896, 2048, 3584)
 TOKENS = (16_384, 65_536)
 TOOL_FRACS = (0.3, 0.6)
 TARGET = (2048, 65_536, 0.4)  # the issue's acceptance point
+SWEEP = [(8192, 1024), (8192, 2048), (8192, 4096), (8192, 8192), (16384, 2048), (16384, 4096), (4096, 8192)]
 
 
 def grid(quick: bool) -> list[tuple[int, int, float]]:
@@ -46,6 +50,15 @@ def grid(quick: bool) -> list[tuple[int, int, float]]:
         return [(896, 16_384, 0.3), TARGET]
     pts = [(h, n, f) for h in HIDDEN for n in TOKENS for f in TOOL_FRACS]
     return pts + [TARGET]
+
+
+def parse_point(text: str) -> tuple[int, int, float]:
+    """``"H:N:tool_frac"`` (e.g. ``2048:65536:0.4``) -> ``(H, N, tool_frac)``; raises ``ValueError``."""
+    try:
+        h, n, f = text.split(":")
+        return int(h), int(n), float(f)
+    except ValueError as e:
+        raise ValueError(f"grid point must be H:N:tool_frac, e.g. 2048:65536:0.4; got {text!r}") from e
 
 
 def make_inputs(N: int, H: int, V: int, tool_frac: float, device: str, dtype: torch.dtype, seed: int = 0):
@@ -65,8 +78,8 @@ def loss_naive(h, w, t, m, chunk):
     return -(lp * mf).sum() / mf.sum().clamp(min=1)
 
 
-def loss_sleuth(h, w, t, m, chunk, impl="cuda"):
-    lp, _ = K.masked_logprobs(h, w, t, m, chunk, impl=impl)
+def loss_sleuth(h, w, t, m, chunk, impl="cuda", row_block=4096):
+    lp, _ = K.masked_logprobs(h, w, t, m, chunk, row_block=row_block, impl=impl)
     mf = m.float()
     return -(lp * mf).sum() / mf.sum().clamp(min=1)
 
@@ -121,20 +134,40 @@ def matmul_tflops(dtype=torch.bfloat16, n: int = 8192, repeat: int = 10) -> floa
     return 2 * n**3 * repeat / (start.elapsed_time(end) / 1e3) / 1e12
 
 
+def run_profile(args) -> int:
+    """torch.profiler over 3 fwd+bwd of the sleuth path at the target point: time per CUDA kernel."""
+    H, N, frac = TARGET
+    inputs = make_inputs(N, H, V_QWEN25, frac, "cuda", torch.bfloat16)
+    fn = partial(loss_sleuth, row_block=args.row_block)
+    time_fwd_bwd(fn, inputs, 1, args.chunk)  # warm-up
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            inputs[0].grad = inputs[1].grad = None
+            fn(*inputs, args.chunk).backward()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    return 0
+
+
 def run_gpu(args) -> int:
     dev = "cuda"
     K.load_extension()
+    if args.profile:
+        return run_profile(args)
     liger, liger_err = make_liger()
     if liger is None:
         print(f"[bench] Liger-Kernel not importable ({liger_err}); its column is skipped", flush=True)
     peak_tf = matmul_tflops()
     gpu = torch.cuda.get_device_name()
     print(f"[bench] {gpu}; measured bf16 matmul {peak_tf:.0f} TFLOP/s; torch {torch.__version__}", flush=True)
-    methods = {"naive": loss_naive, "sleuth": loss_sleuth}
+    methods = {"naive": loss_naive, "sleuth": partial(loss_sleuth, row_block=args.row_block)}
     if liger is not None:
         methods["liger"] = liger
     rows = []
-    for H, N, frac in grid(args.quick):
+    points = [parse_point(x) for x in args.points] if args.points else grid(args.quick)
+    for H, N, frac in points:
         inputs = make_inputs(N, H, V_QWEN25, frac, dev, torch.bfloat16)
         n_pol = int(inputs[3].sum())
         useful = 6.0 * n_pol * H * V_QWEN25
@@ -156,6 +189,13 @@ def run_gpu(args) -> int:
             torch.cuda.empty_cache()
             row[name] = r
             print(f"[bench] H={H} N={N} tool={frac:.0%} {name}: {r}", flush=True)
+        if args.sweep and (H, N, frac) == TARGET:
+            row["sweep"] = []
+            for chunk, rb in SWEEP:
+                fn = partial(loss_sleuth, row_block=rb)
+                r = {"chunk": chunk, "row_block": rb, **time_fwd_bwd(fn, inputs, args.repeat, chunk)}
+                row["sweep"].append(r)
+                print(f"[bench] sweep chunk={chunk} row_block={rb}: {r}", flush=True)
         rows.append(row)
         del inputs
         torch.cuda.empty_cache()
@@ -165,6 +205,7 @@ def run_gpu(args) -> int:
         "torch": torch.__version__,
         "matmul_tflops": peak_tf,
         "chunk": args.chunk,
+        "row_block": args.row_block,
         "repeat": args.repeat,
         "liger": liger_err or "ok",
         "rows": rows,
@@ -183,7 +224,8 @@ def _fmt(r: dict, key: str, fmt: str) -> str:
 
 def print_table(out: dict, methods: list[str]) -> None:
     print(
-        f"\n{out['gpu']}  bf16 matmul {out['matmul_tflops']:.0f} TFLOP/s  chunk {out['chunk']}  {out['date']}"
+        f"\n{out['gpu']}  bf16 matmul {out['matmul_tflops']:.0f} TFLOP/s  chunk {out['chunk']}  "
+        f"row block {out.get('row_block', '-')}  {out['date']}"
     )
     head = f"{'H':>5} {'N':>6} {'tool':>5} {'floor ms':>9}"
     for m in methods:
@@ -203,6 +245,12 @@ def print_table(out: dict, methods: list[str]) -> None:
             else:
                 line += f" | {s['ms'] / o['ms']:>8.2f}x {s['peak_gib'] / max(o['peak_gib'], 1e-9):>8.2f}x"
         print(line)
+    for r in out["rows"]:
+        for x in r.get("sweep", []):
+            print(
+                f"  sweep H={r['H']} N={r['N']} tool={r['tool_frac']:.0%}: chunk {x['chunk']:>6} row block "
+                f"{x['row_block']:>5}: {x['ms']:7.1f} ms {x['peak_gib']:6.2f} GiB"
+            )
 
 
 def run_cpu_smoke() -> int:
@@ -235,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="two grid points only (smallest + the target)")
     p.add_argument("--repeat", type=int, default=5, help="timed runs per method (median reported)")
     p.add_argument("--chunk", type=int, default=8192, help="vocabulary chunk of the sleuth kernel")
+    p.add_argument("--row-block", type=int, default=4096, help="policy rows per block of the sleuth kernel")
+    p.add_argument(
+        "--sweep", action="store_true", help="also time (chunk, row_block) pairs at the target point"
+    )
+    p.add_argument("--points", nargs="+", metavar="H:N:FRAC", help="grid points to run instead of the grid")
+    p.add_argument("--profile", action="store_true", help="profile sleuth at the target point and exit")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "kernels.json"))
     p.add_argument("--cpu-smoke", action="store_true", help="tiny reference-only run that needs no GPU")
     args = p.parse_args(argv)
