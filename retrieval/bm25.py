@@ -83,8 +83,8 @@ class BM25Index:
 
             self._maxs = maxscore.max_impacts(model.scores["data"], model.scores["indptr"])
             self._threads = n_threads or maxscore.default_threads()
-            if self._threads > 1:  # threads start on first use
-                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="bm25")
+            if self._threads > 1:  # the calling thread works too; the pool's threads start on first use
+                self._pool = ThreadPoolExecutor(self._threads - 1, thread_name_prefix="bm25")
 
     @property
     def backend(self) -> str:
