@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+#: Response header of the retrieval server's row path (reply spliced from a Sleuth passage store: every
+#: document has string ``id``/``title``/``contents`` and every score is a float or null); the client then
+#: takes its fast path (:func:`retrieval.client._stored_hits`).
+ROWS_REPLY_HEADER = "x-sleuth-rows-reply"
+
 
 class IndexNotFoundError(FileNotFoundError):
     """An index directory is missing or incomplete; the message says how to build it."""

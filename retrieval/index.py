@@ -77,6 +77,7 @@ class DocStore:
         self._f = open(self.path, "rb")  # noqa: SIM115 (kept open for the mmap)
         size = self.path.stat().st_size
         self._mm = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        self._u8 = np.frombuffer(self._mm, dtype=np.uint8)  # read-only view of the map (see spans)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -90,13 +91,23 @@ class DocStore:
     def raw_many(self, rows: np.ndarray) -> list[bytes]:
         """The stored JSON objects (``{"id", "title", "contents"}``, UTF-8 bytes, no newline) of many rows with
         one vectorised offset lookup: ``rows`` is an int array of any shape with values in ``[0, len)``;
-        returns them in ``rows.ravel()`` order (the retrieval server splices them into its reply unparsed).
+        returns them in ``rows.ravel()`` order.
         Raises ``IndexError`` for a row outside the store."""
         rows = np.asarray(rows, dtype=np.int64).ravel()
         if rows.size and (rows.min() < 0 or rows.max() >= len(self)):
             raise IndexError(f"passage rows outside [0, {len(self)})")
         mm = self._mm
         return [mm[a : b - 1] for a, b in zip(self.offsets[rows].tolist(), self.offsets[rows + 1].tolist())]
+
+    def spans(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(buf, starts, ends)``: the whole store as a read-only ``uint8`` array (the memory map, no copy)
+        and the ``int64`` byte range of each row's stored JSON object (no newline) in ``rows.ravel()``
+        order, for splicing passages into a reply without copying them into ``bytes`` first. Raises
+        ``IndexError`` for a row outside the store."""
+        rows = np.asarray(rows, dtype=np.int64).ravel()
+        if rows.size and (rows.min() < 0 or rows.max() >= len(self)):
+            raise IndexError(f"passage rows outside [0, {len(self)})")
+        return self._u8, np.asarray(self.offsets[rows], dtype=np.int64), self.offsets[rows + 1].astype(np.int64) - 1
 
     def iter_contents(self, start: int = 0) -> Iterator[str]:
         """Stream ``contents`` from row ``start`` on."""

@@ -208,10 +208,10 @@ def test_row_path_reply_equals_hit_path_reply(tmp_path):
     for k in (2, 10):
         rw, sc = r.search_rows(qs, k)
         for scores in (True, False):
-            fast = json.loads(rows_to_reply(rw, sc, r.store, scores))
+            fast = json.loads(bytes(rows_to_reply(rw, sc, r.store, scores)))
             slow = hits_to_result(r.search(qs, k), scores)
             assert fast == {"result": json.loads(json.dumps(slow))}
-    assert json.loads(rows_to_reply(rw, sc, r.store, True))["result"][2] == []
+    assert json.loads(bytes(rows_to_reply(rw, sc, r.store, True)))["result"][2] == []
     # empty queries on the row path: no hits, others unchanged
     search_rows, _ = Batcher(r).rows
     er, es = search_rows(["", "Everest", " "], 3)
@@ -246,3 +246,26 @@ def test_non_finite_scores_reach_the_client_as_nan():
         assert r.json()["result"][0][0]["score"] is None
         (hit,), = RemoteRetriever(s.url).search(["a"], 1)
     assert hit.id == "d9" and math.isnan(hit.score)
+
+
+def test_stored_hits_fast_path_equals_general_path():
+    """The client's fast path for replies spliced from a passage store builds the same hits as the general
+    one, including an empty title (taken from the first line of contents) and a null (non-finite) score."""
+    import math
+
+    from retrieval.client import _hit, _stored_hits
+
+    result = [
+        [
+            {"document": {"id": "a", "title": "T", "contents": "T\nbody"}, "score": 2.5},
+            {"document": {"id": "b", "title": "", "contents": '"Quoted"\nrest'}, "score": None},
+        ],
+        [],
+    ]
+    fast, slow = _stored_hits(result), [[_hit(x) for x in hits] for hits in result]
+    assert [[(h.id, h.title, h.contents) for h in q] for q in fast] == [
+        [(h.id, h.title, h.contents) for h in q] for q in slow
+    ]
+    assert fast[0][1].title == "Quoted" and math.isnan(fast[0][1].score) and fast[0][0].score == 2.5
+    with pytest.raises(KeyError):  # another shape: the caller falls back to the general path
+        _stored_hits([[{"document": {"id": "a", "contents": "x"}, "score": 1.0}]])
