@@ -8,9 +8,10 @@ renders as ``Doc i(Title: <first line>) <rest>``. ``GET /health`` reports the in
 
 Reply path: for retrievers over an index directory (BM25, dense, Lucene: they expose ``rows`` and a passage
 store), the worker searches for row ids only and the reply is spliced from the store's stored JSON bytes
-(:meth:`retrieval.index.DocStore.spans`, copied by a numba kernel), so no passage is parsed or re-serialised
-on the server; other retrievers (hybrid, cached, remote) go through :class:`~retrieval.base.Hit` objects and
-orjson.
+(:func:`retrieval.reply.rows_to_reply`: a numba kernel copies them from the store's memory map), so no
+passage is parsed or re-serialised on the server; such replies carry the ``x-sleuth-rows-reply: 1`` header
+(:data:`retrieval.base.ROWS_REPLY_HEADER`). Other retrievers (hybrid, cached, remote) go through
+:class:`~retrieval.base.Hit` objects and orjson.
 
 Batching: requests wait in a queue; one worker takes everything queued (up to ``max_batch_queries``
 queries), runs a single ``retriever.search`` in a thread and hands each request its slice. While one search
@@ -30,17 +31,13 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import numba as nb
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 from orjson import dumps as _dumps
 
 from retrieval.base import ROWS_REPLY_HEADER, Hit, Retriever
+from retrieval.reply import rows_to_reply
 
 
 @dataclass(frozen=True)
@@ -108,96 +105,6 @@ def hits_to_result(hits: list[list[Hit]], return_scores: bool) -> list[list[dict
         docs = [{"id": h.id, "title": h.title, "contents": h.contents} for h in hs]
         out.append([{"document": d, "score": h.score} for d, h in zip(docs, hs)] if return_scores else docs)
     return out
-
-
-def _u8(b: bytes) -> np.ndarray:
-    return np.frombuffer(b, dtype=np.uint8)
-
-
-_HEAD, _TAIL, _DOC, _SCORE = _u8(b'{"result":['), _u8(b"]}"), _u8(b'{"document":'), _u8(b',"score":')
-_COMMA, _OPEN, _CLOSE, _BRACE = ord(","), ord("["), ord("]"), ord("}")
-
-
-@intrinsic
-def _memcpy(typingctx, dst, at, src, a, n):  # pragma: no cover (compiled by numba)
-    """``dst[at:at+n] = src[a:a+n]`` for 1-D C-contiguous byte arrays as one libc-style ``memcpy`` (numba's
-    slice assignment copies byte by byte: 7x slower on a reply of 1.7 MB)."""
-    sig = types.void(dst, types.intp, src, types.intp, types.intp)
-
-    def codegen(context, builder, signature, args):
-        d, d_at, s_, s_at, k = args
-        u8p = ir.IntType(8).as_pointer()
-        dp = builder.gep(builder.bitcast(context.make_array(signature.args[0])(context, builder, d).data, u8p), [d_at])
-        sp = builder.gep(builder.bitcast(context.make_array(signature.args[2])(context, builder, s_).data, u8p), [s_at])
-        cgutils.raw_memcpy(builder, dp, sp, k, 1)
-
-    return sig, codegen
-
-
-@nb.njit(cache=True, nogil=True)
-def _copy(out, at, src, a, b):  # pragma: no cover (numba)
-    _memcpy(out, at, src, a, b - a)
-    return at + b - a
-
-
-@nb.njit(cache=True, nogil=True)
-def _splice(src, starts, ends, counts, sc, sc_starts, sc_ends, with_scores):  # pragma: no cover (numba)
-    """The reply bytes: ``{"result":[[d, ...], ...]}`` with ``d`` = ``src[starts[j]:ends[j]]`` (or
-    ``{"document":<doc>,"score":<sc[sc_starts[j]:sc_ends[j]]>}``), ``counts[q]`` documents per query."""
-    Q, n = counts.shape[0], starts.shape[0]
-    size = _HEAD.size + _TAIL.size + 2 * Q + max(Q - 1, 0)
-    for q in range(Q):
-        size += max(counts[q] - 1, 0)
-    for j in range(n):
-        size += ends[j] - starts[j]
-        if with_scores:
-            size += _DOC.size + _SCORE.size + sc_ends[j] - sc_starts[j] + 1
-    out = np.empty(size, np.uint8)
-    at = _copy(out, 0, _HEAD, 0, _HEAD.size)
-    j = 0
-    for q in range(Q):
-        if q:
-            out[at] = _COMMA
-            at += 1
-        out[at] = _OPEN
-        at += 1
-        for i in range(counts[q]):
-            if i:
-                out[at] = _COMMA
-                at += 1
-            if with_scores:
-                at = _copy(out, at, _DOC, 0, _DOC.size)
-            at = _copy(out, at, src, starts[j], ends[j])
-            if with_scores:
-                at = _copy(out, at, _SCORE, 0, _SCORE.size)
-                at = _copy(out, at, sc, sc_starts[j], sc_ends[j])
-                out[at] = _BRACE
-                at += 1
-            j += 1
-        out[at] = _CLOSE
-        at += 1
-    _copy(out, at, _TAIL, 0, _TAIL.size)
-    return out
-
-
-def rows_to_reply(rows: np.ndarray, scores: np.ndarray, store, return_scores: bool) -> memoryview:
-    """The ``/retrieve`` reply body for ``[Q, k]`` rows/scores (row -1 = no hit), spliced from the stored
-    passage JSON (``store.spans(rows)``: byte ranges of the store's memory map) without parsing it; the same
-    JSON as :func:`hits_to_result` serialised (documents carry the stored ``id``, ``title``, ``contents``).
-    Scores are formatted by one serialiser call (non-finite scores become ``null``); a numba kernel copies
-    every piece once into the reply buffer (about 0.4 ms for 2,560 passages, 1.7 MB), returned as a
-    ``memoryview`` (bytes-like; the HTTP response sends it without another copy)."""
-    keep = rows >= 0
-    src, starts, ends = store.spans(rows[keep])
-    if return_scores and starts.size:
-        sc = _u8(_dumps(scores[keep].astype(np.float64).tolist())[1:-1])
-        commas = np.flatnonzero(sc == _COMMA)
-        sc_starts = np.concatenate(([0], commas + 1))
-        sc_ends = np.concatenate((commas, [sc.size]))
-    else:
-        sc, sc_starts, sc_ends = _u8(b" "), starts, starts  # unused
-    counts = keep.sum(axis=1).astype(np.int64)
-    return memoryview(_splice(src, starts, ends, counts, sc, sc_starts, sc_ends, bool(return_scores)))
 
 
 def row_source(retriever):
