@@ -189,13 +189,18 @@ def test_masked_lm_head_logprobs_gradcheck(keep):
         assert (gw == 0).all()
 
 
-def _kernel_emulation(h, w, t, g_lp, g_ent, chunk, threads=4):
-    """masked_logprobs.cu's math: per-'thread' online softmax partials merged per chunk, then the
-    closed-form chunk gradient dz = g_lp (onehot - p) - g_ent p (z - E[z]) and dH/dW by matmuls."""
+def _kernel_emulation(h, w, t, g_lp, g_ent, chunk, row_block, vec=4, threads=3):
+    """masked_logprobs.cu's and sleuth_kernels.cpp's math: rows in blocks of ``row_block`` x vocabulary
+    chunks; in a chunk, 'thread' k owns the vectors k, k + threads, ... of ``vec`` consecutive columns, folds
+    each vector into its online-softmax state with one rescale (the vector's own max first) and the
+    ``c % vec`` tail column by column; partials merge per row. Backward per tile: the closed-form
+    dz = g_lp (onehot - p) - g_ent p (z - E[z]), dH of the block summed over chunks, dW summed over blocks."""
     n, V = h.shape[0], w.shape[0]
-    neg_inf = torch.full((n,), float("-inf"), dtype=h.dtype)
-    run = (neg_inf, torch.zeros(n, dtype=h.dtype), torch.zeros(n, dtype=h.dtype))
-    tgt = torch.zeros(n, dtype=h.dtype)
+    lp, ent, lse_all = (
+        torch.zeros(n, dtype=h.dtype),
+        torch.zeros(n, dtype=h.dtype),
+        torch.zeros(n, dtype=h.dtype),
+    )
 
     def merge(x, y):
         m = torch.maximum(x[0], y[0])
@@ -203,33 +208,63 @@ def _kernel_emulation(h, w, t, g_lp, g_ent, chunk, threads=4):
         ey = torch.where(y[0] == float("-inf"), 0.0, torch.exp(y[0] - m))
         return m, x[1] * ex + y[1] * ey, x[2] * ex + y[2] * ey
 
-    for s in range(0, V, chunk):
-        z = h @ w[s : s + chunk].T
-        for k in range(threads):  # thread k owns columns k, k + threads, ...
-            zk = z[:, k::threads]
-            if zk.shape[1] == 0:
-                continue
-            mk = zk.max(-1).values
-            e = torch.exp(zk - mk[:, None])
-            run = merge(run, (mk, e.sum(-1), (e * zk).sum(-1)))
-        inside = (t >= s) & (t < s + z.shape[1])
-        tgt = torch.where(inside, z.gather(-1, (t - s).clamp(0, z.shape[1] - 1)[:, None]).squeeze(-1), tgt)
-    lse = run[0] + torch.log(run[1])
-    lp, ent = tgt - lse, lse - run[2] / run[1]
+    for r0 in range(0, n, row_block):
+        hb, tb = h[r0 : r0 + row_block], t[r0 : r0 + row_block]
+        r = hb.shape[0]
+        run = (
+            torch.full((r,), float("-inf"), dtype=h.dtype),
+            torch.zeros(r, dtype=h.dtype),
+            torch.zeros(r, dtype=h.dtype),
+        )
+        tgt = torch.zeros(r, dtype=h.dtype)
+        for s in range(0, V, chunk):
+            z = hb @ w[s : s + chunk].T
+            c = z.shape[1]
+            nvec = c // vec
+            for k in range(threads):
+                st = (
+                    torch.full((r,), float("-inf"), dtype=h.dtype),
+                    torch.zeros(r, dtype=h.dtype),
+                    torch.zeros(r, dtype=h.dtype),
+                )
+                for i in range(k, nvec, threads):  # one vector: its max, one rescale, then its exps
+                    x = z[:, i * vec : (i + 1) * vec]
+                    st = merge(
+                        st,
+                        (
+                            x.max(-1).values,
+                            torch.exp(x - x.max(-1).values[:, None]).sum(-1),
+                            (torch.exp(x - x.max(-1).values[:, None]) * x).sum(-1),
+                        ),
+                    )
+                for j in range(nvec * vec + k, c, threads):  # the scalar tail
+                    x = z[:, j]
+                    st = merge(st, (x, torch.ones_like(x), x))
+                run = merge(run, st)
+            inside = (tb >= s) & (tb < s + c)
+            tgt = torch.where(inside, z.gather(-1, (tb - s).clamp(0, c - 1)[:, None]).squeeze(-1), tgt)
+        lse = run[0] + torch.log(run[1])
+        lp[r0 : r0 + r], ent[r0 : r0 + r], lse_all[r0 : r0 + r] = tgt - lse, lse - run[2] / run[1], lse
     dh, dw = torch.zeros_like(h), torch.zeros_like(w)
-    for s in range(0, V, chunk):
-        z = h @ w[s : s + chunk].T
-        p = torch.exp(z - lse[:, None])
-        dz = -g_lp[:, None] * p - g_ent[:, None] * p * (z - (lse - ent)[:, None])
-        inside = (t >= s) & (t < s + z.shape[1])
-        rows = inside.nonzero().squeeze(-1)
-        dz[rows, t[rows] - s] += g_lp[rows]
-        dh += dz @ w[s : s + chunk]
-        dw[s : s + chunk] = dz.T @ h
+    for r0 in range(0, n, row_block):
+        hb, tb = h[r0 : r0 + row_block], t[r0 : r0 + row_block]
+        sl = slice(r0, r0 + hb.shape[0])
+        dh_b = torch.zeros_like(hb)
+        for s in range(0, V, chunk):
+            z = hb @ w[s : s + chunk].T
+            p = torch.exp(z - lse_all[sl, None])
+            dz = -g_lp[sl, None] * p - g_ent[sl, None] * p * (z - (lse_all[sl] - ent[sl])[:, None])
+            inside = (tb >= s) & (tb < s + z.shape[1])
+            rows = inside.nonzero().squeeze(-1)
+            dz[rows, tb[rows] - s] += g_lp[sl][rows]
+            dh_b += dz @ w[s : s + chunk]
+            dw[s : s + chunk] += dz.T @ hb
+        dh[sl] = dh_b
     return lp, ent, dh, dw
 
 
-def test_kernel_logprob_algorithm_matches_reference_autograd():
+@pytest.mark.parametrize("row_block", [2, 4, 9])
+def test_kernel_logprob_algorithm_matches_reference_autograd(row_block):
     g = torch.Generator().manual_seed(3)
     n, H, V = 9, 6, 37
     h = torch.randn(n, H, generator=g, dtype=torch.float64, requires_grad=True)
@@ -241,8 +276,8 @@ def test_kernel_logprob_algorithm_matches_reference_autograd():
     )
     lp, ent = masked_lm_head_logprobs(h, w, t, torch.ones(n, dtype=torch.bool), chunk_size=10)
     dh, dw = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (h, w))
-    with torch.no_grad():
-        lp_k, ent_k, dh_k, dw_k = _kernel_emulation(h, w, t, g_lp, g_ent, chunk=10)
+    with torch.no_grad():  # chunks of 10 (vectors of 4 + a tail of 2) and the last chunk of 7 (4 + 3)
+        lp_k, ent_k, dh_k, dw_k = _kernel_emulation(h, w, t, g_lp, g_ent, chunk=10, row_block=row_block)
     for a, b in ((lp_k, lp), (ent_k, ent), (dh_k, dh), (dw_k, dw)):
         torch.testing.assert_close(a, b.detach(), rtol=1e-10, atol=1e-10)
 
