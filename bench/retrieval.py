@@ -9,8 +9,8 @@ Speed: queries/s and p50/p99 latency at batch 1 and batch 256, in-process and th
 for BM25 on synthetic corpora (Zipfian words, 60-word passages) of the sizes given, and pyserini on the
 same corpus in the same run. The server's overhead at batch 256 is measured two ways: per-call
 alternation (in-process and server calls alternate on the same batches) and steady state
-(:func:`time_blocks`: blocks of consecutive calls per path, alternating). Dense speed is measured on the sample corpus (embedding 1M passages on a
-2-core CPU is out of reach).
+(:func:`time_blocks`: blocks of consecutive calls per path, alternating). Dense speed is measured on the
+sample corpus (embedding 1M passages on a 2-core CPU is out of reach).
 
     .venv/bin/python bench/retrieval.py [--sizes 10000 100000 1000000] [--no-lucene] [--no-dense]
 
@@ -70,6 +70,11 @@ def time_search(search, queries: list[str], batch: int, k: int, n_batches: int) 
     return time_paired([search], queries, batch, k, n_batches)[0]
 
 
+def nth_batch(queries: list[str], i: int, batch: int) -> list[str]:
+    """The ``i``-th batch of ``batch`` queries, cycling through ``queries``."""
+    return [queries[(i * batch + j) % len(queries)] for j in range(batch)]
+
+
 def time_paired(searches: list, queries: list[str], batch: int, k: int, n_batches: int) -> list[dict[str, float]]:
     """Like :func:`time_search` for several search functions, alternating them on the same batches so that
     load changes on a shared machine hit all of them alike (the server-overhead comparison)."""
@@ -77,7 +82,7 @@ def time_paired(searches: list, queries: list[str], batch: int, k: int, n_batche
         search(queries[:batch], k)  # warm-up (and numba's JIT compilation)
     ts: list[list[float]] = [[] for _ in searches]
     for i in range(n_batches):
-        qs = [queries[(i * batch + j) % len(queries)] for j in range(batch)]
+        qs = nth_batch(queries, i, batch)
         for search, t_list in zip(searches, ts):
             t = time.perf_counter()
             search(qs, k)
@@ -92,14 +97,14 @@ def time_blocks(
     ``warmup`` not counted) in turn, for ``rounds`` rounds, so every path is timed as a client uses it back to
     back while slow drifts of a shared machine still hit all of them. Per-call alternation
     (:func:`time_paired`) leaves a server process idle for a whole in-process call; on the 2-vCPU VM its next
-    request then took up to 3.5 ms longer at 10k passages, which is the VM waking the idle process, not the
-    server's work."""
+    request then took up to 3.5 ms longer at 10k passages, and timed inside the server the extra time was in
+    the search itself (the same code as in-process), not in HTTP or the reply."""
     ts: list[list[float]] = [[] for _ in searches]
     i = 0
     for _ in range(rounds):
         for search, t_list in zip(searches, ts):
             for j in range(block):
-                qs = [queries[(i * batch + m) % len(queries)] for m in range(batch)]
+                qs = nth_batch(queries, i, batch)
                 i += 1
                 t = time.perf_counter()
                 search(qs, k)

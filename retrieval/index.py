@@ -93,11 +93,9 @@ class DocStore:
         one vectorised offset lookup: ``rows`` is an int array of any shape with values in ``[0, len)``;
         returns them in ``rows.ravel()`` order.
         Raises ``IndexError`` for a row outside the store."""
-        rows = np.asarray(rows, dtype=np.int64).ravel()
-        if rows.size and (rows.min() < 0 or rows.max() >= len(self)):
-            raise IndexError(f"passage rows outside [0, {len(self)})")
+        _, starts, ends = self.spans(rows)
         mm = self._mm
-        return [mm[a : b - 1] for a, b in zip(self.offsets[rows].tolist(), self.offsets[rows + 1].tolist())]
+        return [mm[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
 
     def spans(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(buf, starts, ends)``: the whole store as a read-only ``uint8`` array (the memory map, no copy)
