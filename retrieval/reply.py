@@ -94,7 +94,11 @@ def rows_to_reply(rows: np.ndarray, scores: np.ndarray, store, return_scores: bo
     JSON as :func:`hits_to_result` serialised (documents carry the stored ``id``, ``title``, ``contents``).
     Scores are formatted by one serialiser call (non-finite scores become ``null``); a numba kernel copies
     every piece once into the reply buffer (about 0.4 ms for 2,560 passages, 1.7 MB), returned as a
-    ``memoryview`` (bytes-like; the HTTP response sends it without another copy)."""
+    ``memoryview`` (bytes-like; the HTTP response sends it without another copy).
+
+    ``rows`` int64 and ``scores`` float32, both ``[Q, k]``; ``store`` a :class:`retrieval.index.DocStore`.
+    The format is Search-R1's ``retrieval_server.py`` reply (``{"result": [[{"document", "score"}, ...]]}``,
+    or bare documents when ``return_scores`` is false). Raises ``IndexError`` for a row outside the store."""
     keep = rows >= 0
     src, starts, ends = store.spans(rows[keep])
     if return_scores and starts.size:
