@@ -1,23 +1,28 @@
 """The HTTP client of a Search-R1-compatible retrieval server (``sleuth serve-retrieval`` or Search-R1's
 own ``retrieval_server.py``), behind the :class:`~retrieval.base.Retriever` interface.
 
-One pooled, thread-safe ``urllib3.PoolManager`` (keep-alive connections), a timeout per request, retries
-with exponential backoff on connection errors, timeouts, 429 and 5xx; a 4xx is the caller's fault and is
-raised at once with the server's message. Large batches are split into requests of at most ``max_batch``
-queries.
+Keep-alive connections from the standard library's ``http.client``, pooled and thread-safe
+(:class:`_Connections`); a timeout per socket operation, retries with exponential backoff on connection
+errors, timeouts, 429 and 5xx; a 4xx is the caller's fault and is raised at once with the server's message.
+Large batches are split into requests of at most ``max_batch`` queries.
 
-Why urllib3 and not httpx2 (used for the other HTTP clients): a batch of 256 queries at top-10 is a ~1.7 MB
-reply, and urllib3 (buffered reads through ``http.client``) reads it in ~0.6 ms where httpx2 (h11, 64 KiB
-chunks copied through several buffers) takes 2-5 ms on this project's 2-core machine; that difference alone
-was most of the retrieval server's overhead over in-process search (``bench/retrieval.py``).
+Why ``http.client`` and not httpx2 (used for the other HTTP clients) or urllib3: a batch of 256 queries at
+top-10 is a ~1.7 MB reply. ``http.client`` reads it in one buffered read; httpx2 (h11, 64 KiB chunks copied
+through several buffers) took 2-5 ms on this project's 2-core machine, and urllib3, a layer over
+``http.client``, adds ~0.17 ms per request (0.34 ms against 0.52 ms for a 1.7 MB reply over loopback). That
+difference is most of the retrieval server's overhead over in-process search at small corpora
+(``bench/retrieval.py``).
 """
 
 from __future__ import annotations
 
+import http.client
+import select
+import threading
 import time
 from math import nan
+from urllib.parse import urlsplit
 
-import urllib3
 from orjson import dumps as _dumps
 from orjson import loads as _loads
 
@@ -28,11 +33,56 @@ class RetrievalServerError(ConnectionError):
     """The retrieval server could not be reached or kept failing after all retries."""
 
 
+class _Connections:
+    """Idle keep-alive connections to one ``http``/``https`` host, shared by threads (last in, first out).
+
+    :meth:`take` hands out an idle connection whose socket the server has not closed (uvicorn drops idle
+    keep-alive connections after 5 s; a closed socket reads as readable, as urllib3 checks) or a new one;
+    :meth:`give` returns it for reuse, keeping at most ``maxsize``.
+    Raises ``ValueError`` for a scheme other than http or https.
+    """
+
+    def __init__(self, scheme: str, host: str, port: int | None, timeout: float, maxsize: int):
+        if scheme not in ("http", "https"):
+            raise ValueError(f"retrieval server URL must be http:// or https://, got {scheme!r}")
+        self._new = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+        self.host, self.port, self.timeout, self.maxsize = host, port, timeout, maxsize
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> tuple[http.client.HTTPConnection, bool]:
+        """``(connection, reused)``."""
+        while True:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                return self._new(self.host, self.port, timeout=self.timeout), False
+            if conn.sock is not None and not select.select([conn.sock], [], [], 0)[0]:
+                return conn, True
+            conn.close()  # closed by the server (or unread bytes): not reusable
+
+    def give(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if len(self._idle) < self.maxsize:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def clear(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
 class RemoteRetriever:
     """Retriever that POSTs ``{"queries", "topk", "return_scores": true}`` to ``<url>/retrieve``.
 
-    ``url`` may be the server root (``http://127.0.0.1:8000``) or the full ``/retrieve`` endpoint.
-    ``timeout`` is seconds per request; ``retries`` extra attempts wait ``backoff * 2**i`` seconds.
+    ``url`` may be the server root (``http://127.0.0.1:8000``) or the full ``/retrieve`` endpoint, http or
+    https. ``timeout`` is seconds per socket operation (connect, send, the wait for the reply, each read);
+    ``retries`` extra attempts wait ``backoff * 2**i`` seconds (a kept-alive connection the server closed
+    meanwhile is replaced at once, without using up an attempt); ``max_connections`` idle connections are
+    kept for reuse.
     Raises :class:`RetrievalServerError` when the server is down and ``ValueError`` on a rejected request.
     """
 
@@ -49,9 +99,9 @@ class RemoteRetriever:
         self.endpoint = url if url.endswith("/retrieve") else url + "/retrieve"
         self.base = self.endpoint[: -len("/retrieve")]
         self.retries, self.backoff, self.max_batch = retries, backoff, max_batch
-        self._pool = urllib3.PoolManager(
-            maxsize=max_connections, timeout=urllib3.Timeout(total=timeout), retries=False
-        )
+        u = urlsplit(self.endpoint)
+        self._path = u.path
+        self._pool = _Connections(u.scheme, u.hostname or "127.0.0.1", u.port, timeout, max_connections)
 
     def close(self) -> None:
         self._pool.clear()
@@ -62,28 +112,43 @@ class RemoteRetriever:
     def __exit__(self, *exc):
         self.close()
 
-    def _request(self, method: str, url: str, body: bytes | None = None) -> bytes:
+    def _request(self, method: str, path: str, body: bytes | None = None) -> bytes:
         """The reply body of a successful request (see the class docstring for retries and errors)."""
-        return self._request_with_headers(method, url, body)[0]
+        return self._request_with_headers(method, path, body)[0]
 
-    def _request_with_headers(self, method: str, url: str, body: bytes | None = None):
-        """``(body, headers)`` of a successful request."""
-        headers = {"Content-Type": "application/json"} if body is not None else None
+    def _request_with_headers(self, method: str, path: str, body: bytes | None = None):
+        """``(body, headers)`` of a successful request to ``path`` on the server (headers: case-insensitive
+        ``get``)."""
+        headers = {"Content-Type": "application/json"} if body is not None else {}
         last: Exception | None = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+        attempt = 0
+        while attempt <= self.retries:
+            conn, reused = self._pool.take()
             try:
-                r = self._pool.request(method, url, body=body, headers=headers)
-            except urllib3.exceptions.HTTPError as e:  # connect error, timeout, reset
+                conn.request(method, path, body=body, headers=headers)
+                r = conn.getresponse()
+                data = r.read()
+            except (OSError, http.client.HTTPException) as e:  # refused, timeout, reset, closed mid-reply
+                conn.close()
                 last = e
+                if not reused or isinstance(e, TimeoutError):  # a stale kept-alive one: at once, on a new one
+                    attempt += 1
+                    if attempt <= self.retries:
+                        time.sleep(self.backoff * 2 ** (attempt - 1))
                 continue
+            if r.will_close:
+                conn.close()
+            else:
+                self._pool.give(conn)
             if r.status == 429 or r.status >= 500:
-                last = RuntimeError(f"HTTP {r.status}: {_message(r.data)}")
+                last = RuntimeError(f"HTTP {r.status}: {_message(data)}")
+                attempt += 1
+                if attempt <= self.retries:
+                    time.sleep(self.backoff * 2 ** (attempt - 1))
                 continue
             if r.status >= 400:
-                raise ValueError(f"retrieval server rejected the request (HTTP {r.status}): {_message(r.data)}")
-            return r.data, r.headers
+                raise ValueError(f"retrieval server rejected the request (HTTP {r.status}): {_message(data)}")
+            return data, r.headers
         raise RetrievalServerError(
             f"retrieval server at {self.base} failed after {self.retries + 1} attempts ({type(last).__name__}: "
             f"{last}); is it running? Start one with: sleuth serve-retrieval --index DIR"
@@ -91,7 +156,7 @@ class RemoteRetriever:
 
     def health(self) -> dict:
         """The server's ``/health`` JSON."""
-        return _loads(self._request("GET", self.base + "/health"))
+        return _loads(self._request("GET", self._path[: -len("/retrieve")] + "/health"))
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:
         """See :meth:`retrieval.base.Retriever.search`."""
@@ -103,7 +168,7 @@ class RemoteRetriever:
         for a in range(0, len(queries), self.max_batch):
             chunk = list(queries[a : a + self.max_batch])
             data, headers = self._request_with_headers(
-                "POST", self.endpoint, _dumps({"queries": chunk, "topk": k, "return_scores": True})
+                "POST", self._path, _dumps({"queries": chunk, "topk": k, "return_scores": True})
             )
             try:
                 result = _loads(data).get("result")

@@ -32,9 +32,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import numpy as np
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI
 from orjson import dumps as _dumps
+from starlette.routing import Route
 
 from retrieval.base import ROWS_REPLY_HEADER, Hit, Retriever
 from retrieval.reply import rows_to_reply
@@ -188,6 +188,60 @@ class Batcher:
         return _dumps({"result": hits_to_result(res, return_scores)})
 
 
+class RetrieveEndpoint:
+    """``POST /retrieve`` as a plain ASGI app: reads the body (at most ``limits.max_body_bytes``, else 413),
+    validates it (:func:`parse_request`), searches through the :class:`Batcher` and sends the reply
+    (:meth:`Batcher.encode_reply`). Errors answer ``{"error": msg, "detail": msg}``: 4xx for the request,
+    400 for a ``ValueError``/``TypeError`` of the search, 500 for any other failure; the server keeps serving.
+    """
+
+    def __init__(self, batcher: Batcher, limits: ServerLimits):
+        self.batcher, self.limits = batcher, limits
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            body = await self._body(scope, receive)
+            queries, topk, return_scores = parse_request(body, self.limits)
+        except RequestError as e:
+            return await _send(send, e.status, _error_body(str(e)))
+        try:
+            hits = await self.batcher.search(queries, topk)
+        except (ValueError, TypeError) as e:
+            return await _send(send, 400, _error_body(f"search failed: {e}"))
+        except Exception as e:  # noqa: BLE001 (any backend failure is a 500, not a dead server)
+            return await _send(send, 500, _error_body(f"search failed: {type(e).__name__}: {e}"))
+        extra = [(ROWS_REPLY_HEADER.encode(), b"1")] if isinstance(hits, tuple) else []
+        await _send(send, 200, self.batcher.encode_reply(hits, return_scores), extra)
+
+    async def _body(self, scope, receive) -> bytes:
+        limit = self.limits.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                raise RequestError(f"request body is {int(value)} bytes; the limit is {limit}", 413)
+        parts, n = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise RequestError("client disconnected before sending the whole body")
+            chunk = msg.get("body", b"")
+            n += len(chunk)
+            if n > limit:
+                raise RequestError(f"request body is over {limit} bytes; the limit is {limit}", 413)
+            parts.append(chunk)
+            if not msg.get("more_body", False):
+                return b"".join(parts)
+
+
+def _error_body(msg: str) -> bytes:
+    return _dumps({"error": msg, "detail": msg})
+
+
+async def _send(send, status: int, body: bytes | memoryview, extra: list | None = None) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % memoryview(body).nbytes)]
+    await send({"type": "http.response.start", "status": status, "headers": headers + (extra or [])})
+    await send({"type": "http.response.body", "body": body})
+
+
 def create_app(
     retriever: Retriever,
     limits: ServerLimits | None = None,
@@ -208,29 +262,9 @@ def create_app(
     app.state.batcher = batcher
     started = time.time()
 
-    def error(status: int, msg: str):
-        return JSONResponse({"error": msg, "detail": msg}, status_code=status)
-
-    @app.post("/retrieve")
-    async def retrieve(request: Request):
-        clen = request.headers.get("content-length")
-        if clen and clen.isdigit() and int(clen) > limits.max_body_bytes:
-            return error(413, f"request body is {clen} bytes; the limit is {limits.max_body_bytes}")
-        try:
-            queries, topk, return_scores = parse_request(await request.body(), limits)
-        except RequestError as e:
-            return error(e.status, str(e))
-        try:
-            hits = await batcher.search(queries, topk)
-        except (ValueError, TypeError) as e:
-            return error(400, f"search failed: {e}")
-        except Exception as e:  # noqa: BLE001 (any backend failure is a 500, not a dead server)
-            return error(500, f"search failed: {type(e).__name__}: {e}")
-        return Response(
-            batcher.encode_reply(hits, return_scores),
-            media_type="application/json",
-            headers={ROWS_REPLY_HEADER: "1"} if isinstance(hits, tuple) else None,
-        )
+    # /retrieve is a plain ASGI endpoint ahead of FastAPI's routes: FastAPI's request/response layer cost
+    # ~0.1 ms per request, about 1% of a batch of 256 at 10k passages (bench/retrieval.py)
+    app.router.routes.insert(0, Route("/retrieve", RetrieveEndpoint(batcher, limits), methods=["POST"]))
 
     @app.get("/health")
     async def health():

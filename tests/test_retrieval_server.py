@@ -34,12 +34,14 @@ def _free_port() -> int:
 
 
 class _Server:
-    def __init__(self, app):
+    def __init__(self, app, **config):
         import uvicorn
 
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error", **config)
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
@@ -122,6 +124,20 @@ def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, payload, st
     assert httpx2.post(server.url + "/retrieve", json={"queries": ["Everest"], "topk": 1}).status_code == 200
 
 
+def test_request_body_limit_with_and_without_content_length(bm25):
+    """The body limit answers 413 whether the client declares the size (Content-Length) or streams it
+    (chunked); the endpoint only takes POST; the server keeps serving."""
+    with _Server(create_app(bm25, ServerLimits(max_body_bytes=200))) as s:
+        big = json.dumps({"queries": ["Everest " * 40], "topk": 1}).encode()
+        r = httpx2.post(s.url + "/retrieve", content=big, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and "limit is 200" in r.json()["error"]
+        r = httpx2.post(s.url + "/retrieve", content=iter([big[:150], big[150:]]))  # chunked: no length
+        assert r.status_code == 413 and "limit is 200" in r.json()["error"]
+        assert httpx2.get(s.url + "/retrieve").status_code == 405
+        r = httpx2.post(s.url + "/retrieve", json={"queries": ["Everest"], "topk": 1})
+        assert r.status_code == 200 and r.json()["result"][0][0]["id"] == "d2"
+
+
 def test_not_json_and_health(server):
     r = httpx2.post(server.url + "/retrieve", content=b"{nope", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
@@ -140,6 +156,18 @@ def test_client_round_trip_and_errors(server, bm25):
     down = RemoteRetriever(f"http://127.0.0.1:{_free_port()}", retries=1, backoff=0.01, timeout=1)
     with pytest.raises(RetrievalServerError, match="sleuth serve-retrieval"):
         down.search(["x"], 1)
+
+
+def test_client_replaces_kept_alive_connections_the_server_closed(bm25):
+    """uvicorn closes an idle keep-alive connection after ``timeout_keep_alive`` seconds; the client's next
+    request must not fail on it (no retries allowed here) and must open a new connection."""
+    with _Server(create_app(bm25), timeout_keep_alive=1) as s, RemoteRetriever(s.url, retries=0) as c:
+        first = c.search(["Everest"], 1)
+        (conn,) = c._pool._idle
+        time.sleep(1.6)
+        assert c.search(["Everest"], 1) == first
+        assert conn.sock is None and c._pool._idle and c._pool._idle[0] is not conn
+        assert c.health()["status"] == "ok"
 
 
 def test_concurrent_requests_are_batched():
