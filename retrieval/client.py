@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from orjson import dumps as _dumps
 from orjson import loads as _loads
 
-from retrieval.base import ROWS_REPLY_HEADER, Hit
+from retrieval.base import REPLY_FORMAT_HEADER, ROWS_REPLY_HEADER, Hit
 
 
 class RetrievalServerError(ConnectionError):
@@ -119,7 +119,7 @@ class RemoteRetriever:
     def _request_with_headers(self, method: str, path: str, body: bytes | None = None):
         """``(body, headers)`` of a successful request to ``path`` on the server (headers: case-insensitive
         ``get``)."""
-        headers = {"Content-Type": "application/json"} if body is not None else {}
+        headers = {"Content-Type": "application/json", REPLY_FORMAT_HEADER: "pairs"} if body is not None else {}
         last: Exception | None = None
         attempt = 0
         while attempt <= self.retries:
@@ -178,11 +178,12 @@ class RemoteRetriever:
                 raise RetrievalServerError(
                     f"malformed reply from {self.endpoint}: expected 'result' per query"
                 )
-            if headers.get(ROWS_REPLY_HEADER) == "1":  # spliced from a Sleuth passage store: typed fields
+            fast = _FAST_PATHS.get(headers.get(ROWS_REPLY_HEADER))
+            if fast is not None:  # spliced from a Sleuth passage store: typed fields
                 try:
-                    out.extend(_stored_hits(result))
+                    out.extend(fast(result))
                     continue
-                except (KeyError, TypeError):
+                except (KeyError, TypeError, ValueError):
                     pass  # not the promised shape after all: the general path below says what is wrong
             try:
                 out.extend([_hit(item) for item in hits] for hits in result)
@@ -204,6 +205,20 @@ def _stored_hits(result: list) -> list[list[Hit]]:
         ]
         for hits in result
     ]
+
+
+def _pair_hits(result: list) -> list[list[Hit]]:
+    """Hits of a ``pairs`` reply (each scored hit as ``[document, score]``, the document as in
+    :func:`_stored_hits`; the server says so with :data:`ROWS_REPLY_HEADER`). Raises ``KeyError``,
+    ``TypeError`` or ``ValueError`` on another shape."""
+    return [
+        [Hit(d["id"], d["title"] or _title(d["contents"]), d["contents"], nan if s is None else s) for d, s in hits]
+        for hits in result
+    ]
+
+
+#: the client's parser per :data:`ROWS_REPLY_HEADER` value
+_FAST_PATHS = {"search-r1": _stored_hits, "pairs": _pair_hits}
 
 
 def _title(contents: str) -> str:

@@ -9,9 +9,11 @@ renders as ``Doc i(Title: <first line>) <rest>``. ``GET /health`` reports the in
 Reply path: for retrievers over an index directory (BM25, dense, Lucene: they expose ``rows`` and a passage
 store), the worker searches for row ids only and the reply is spliced from the store's stored JSON bytes
 (:func:`retrieval.reply.rows_to_reply`: a numba kernel copies them from the store's memory map), so no
-passage is parsed or re-serialised on the server; such replies carry the ``x-sleuth-rows-reply: 1`` header
-(:data:`retrieval.base.ROWS_REPLY_HEADER`). Other retrievers (hybrid, cached, remote) go through
-:class:`~retrieval.base.Hit` objects and orjson.
+passage is parsed or re-serialised on the server; such replies carry the ``x-sleuth-rows-reply`` header
+(:data:`retrieval.base.ROWS_REPLY_HEADER`) naming their format: Search-R1's, or the compact ``pairs`` (each
+scored hit as ``[document, score]``) that Sleuth's client asks for with ``x-sleuth-reply-format: pairs``.
+Other retrievers (hybrid, cached, remote) go through :class:`~retrieval.base.Hit` objects and orjson, in
+Search-R1's format.
 
 Batching: requests wait in a queue; one worker takes everything queued (up to ``max_batch_queries``
 queries), runs a single ``retriever.search`` in a thread and hands each request its slice. While one search
@@ -36,7 +38,7 @@ from fastapi import FastAPI
 from orjson import dumps as _dumps
 from starlette.routing import Route
 
-from retrieval.base import ROWS_REPLY_HEADER, Hit, Retriever
+from retrieval.base import REPLY_FORMAT_HEADER, ROWS_REPLY_HEADER, Hit, Retriever
 from retrieval.reply import rows_to_reply
 
 
@@ -180,11 +182,12 @@ class Batcher:
                 at += len(qs)
 
     def encode_reply(
-        self, res: list[list[Hit]] | tuple[np.ndarray, np.ndarray], return_scores: bool
+        self, res: list[list[Hit]] | tuple[np.ndarray, np.ndarray], return_scores: bool, fmt: str = "search-r1"
     ) -> bytes | memoryview:
-        """The ``/retrieve`` reply body for one request's :meth:`search` result."""
+        """The ``/retrieve`` reply body for one request's :meth:`search` result; ``fmt`` (``search-r1`` or
+        ``pairs``, see :func:`rows_to_reply`) applies on the row path only."""
         if isinstance(res, tuple):
-            return rows_to_reply(res[0], res[1], self.rows[1], return_scores)
+            return rows_to_reply(res[0], res[1], self.rows[1], return_scores, fmt)
         return _dumps({"result": hits_to_result(res, return_scores)})
 
 
@@ -199,6 +202,7 @@ class RetrieveEndpoint:
         self.batcher, self.limits = batcher, limits
 
     async def __call__(self, scope, receive, send) -> None:
+        pairs = (REPLY_FORMAT_HEADER.encode(), b"pairs") in scope["headers"]
         try:
             body = await self._body(scope, receive)
             queries, topk, return_scores = parse_request(body, self.limits)
@@ -210,8 +214,10 @@ class RetrieveEndpoint:
             return await _send(send, 400, _error_body(f"search failed: {e}"))
         except Exception as e:  # noqa: BLE001 (any backend failure is a 500, not a dead server)
             return await _send(send, 500, _error_body(f"search failed: {type(e).__name__}: {e}"))
-        extra = [(ROWS_REPLY_HEADER.encode(), b"1")] if isinstance(hits, tuple) else []
-        await _send(send, 200, self.batcher.encode_reply(hits, return_scores), extra)
+        if not isinstance(hits, tuple):
+            return await _send(send, 200, self.batcher.encode_reply(hits, return_scores))
+        fmt = "pairs" if pairs and return_scores else "search-r1"
+        await _send(send, 200, self.batcher.encode_reply(hits, return_scores, fmt), [(_ROWS, fmt.encode())])
 
     async def _body(self, scope, receive) -> bytes:
         limit = self.limits.max_body_bytes
@@ -230,6 +236,9 @@ class RetrieveEndpoint:
             parts.append(chunk)
             if not msg.get("more_body", False):
                 return b"".join(parts)
+
+
+_ROWS = ROWS_REPLY_HEADER.encode()
 
 
 def _error_body(msg: str) -> bytes:

@@ -239,6 +239,10 @@ def test_row_path_reply_equals_hit_path_reply(tmp_path):
             fast = json.loads(bytes(rows_to_reply(rw, sc, r.store, scores)))
             slow = hits_to_result(r.search(qs, k), scores)
             assert fast == {"result": json.loads(json.dumps(slow))}
+        pairs = json.loads(bytes(rows_to_reply(rw, sc, r.store, True, "pairs")))["result"]
+        assert pairs == [[[x["document"], x["score"]] for x in q] for q in fast_scored(rw, sc, r.store)]
+    with pytest.raises(ValueError, match="reply format"):
+        rows_to_reply(rw, sc, r.store, True, "xml")
     assert json.loads(bytes(rows_to_reply(rw, sc, r.store, True)))["result"][2] == []
     # empty queries on the row path: no hits, others unchanged
     search_rows, _ = Batcher(r).rows
@@ -247,8 +251,35 @@ def test_row_path_reply_equals_hit_path_reply(tmp_path):
     assert np.isfinite(es).all()
 
 
+def fast_scored(rw, sc, store):
+    from retrieval.reply import rows_to_reply
+
+    return json.loads(bytes(rows_to_reply(rw, sc, store, True)))["result"]
+
+
 def test_server_uses_row_path_for_index_retrievers(server):
     assert httpx2.get(server.url + "/health").json()["reply_path"] == "rows"
+
+
+def test_reply_format_negotiation(server, bm25):
+    """Search-R1's clients (no header) get Search-R1's format; Sleuth's client header gets ``pairs`` with
+    the same documents and scores; without scores the format stays Search-R1's (bare documents)."""
+    from retrieval.base import REPLY_FORMAT_HEADER, ROWS_REPLY_HEADER
+
+    payload = {"queries": ["highest mountain Himalayas", "Trigiani"], "topk": 2, "return_scores": True}
+    plain = httpx2.post(server.url + "/retrieve", json=payload)
+    pairs = httpx2.post(server.url + "/retrieve", json=payload, headers={REPLY_FORMAT_HEADER: "pairs"})
+    assert plain.headers[ROWS_REPLY_HEADER] == "search-r1" and pairs.headers[ROWS_REPLY_HEADER] == "pairs"
+    assert pairs.json()["result"] == [[[x["document"], x["score"]] for x in q] for q in plain.json()["result"]]
+    bare = httpx2.post(
+        server.url + "/retrieve", json={**payload, "return_scores": False}, headers={REPLY_FORMAT_HEADER: "pairs"}
+    )
+    assert bare.headers[ROWS_REPLY_HEADER] == "search-r1"
+    assert bare.json()["result"] == [[x["document"] for x in q] for q in plain.json()["result"]]
+    with RemoteRetriever(server.url) as c:  # Sleuth's client asks for pairs and reads them
+        assert [[(h.id, h.score) for h in q] for q in c.search(payload["queries"], 2)] == [
+            [(h.id, pytest.approx(h.score, rel=1e-6)) for h in q] for q in bm25.search(payload["queries"], 2)
+        ]
 
 
 def test_empty_query_list_on_the_row_path_keeps_the_server_serving(server):
@@ -281,7 +312,7 @@ def test_stored_hits_fast_path_equals_general_path():
     one, including an empty title (taken from the first line of contents) and a null (non-finite) score."""
     import math
 
-    from retrieval.client import _hit, _stored_hits
+    from retrieval.client import _hit, _pair_hits, _stored_hits
 
     result = [
         [
@@ -295,5 +326,12 @@ def test_stored_hits_fast_path_equals_general_path():
         [(h.id, h.title, h.contents) for h in q] for q in slow
     ]
     assert fast[0][1].title == "Quoted" and math.isnan(fast[0][1].score) and fast[0][0].score == 2.5
+    pairs = _pair_hits([[[x["document"], x["score"]] for x in q] for q in result])
+    assert [[(h.id, h.title, h.contents) for h in q] for q in pairs] == [
+        [(h.id, h.title, h.contents) for h in q] for q in slow
+    ]
+    assert pairs[0][1].title == "Quoted" and math.isnan(pairs[0][1].score) and pairs[0][0].score == 2.5
     with pytest.raises(KeyError):  # another shape: the caller falls back to the general path
         _stored_hits([[{"document": {"id": "a", "contents": "x"}, "score": 1.0}]])
+    with pytest.raises((KeyError, TypeError, ValueError)):
+        _pair_hits(result)
