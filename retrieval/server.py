@@ -202,7 +202,7 @@ class RetrieveEndpoint:
         self.batcher, self.limits = batcher, limits
 
     async def __call__(self, scope, receive, send) -> None:
-        pairs = (REPLY_FORMAT_HEADER.encode(), b"pairs") in scope["headers"]
+        pairs = any(name == _FORMAT and value == b"pairs" for name, value in scope["headers"])
         try:
             body = await self._body(scope, receive)
             queries, topk, return_scores = parse_request(body, self.limits)
@@ -238,7 +238,7 @@ class RetrieveEndpoint:
                 return b"".join(parts)
 
 
-_ROWS = ROWS_REPLY_HEADER.encode()
+_ROWS, _FORMAT = ROWS_REPLY_HEADER.encode(), REPLY_FORMAT_HEADER.encode()
 
 
 def _error_body(msg: str) -> bytes:
