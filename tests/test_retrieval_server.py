@@ -217,6 +217,21 @@ def test_search_error_is_500_and_server_survives():
         assert RemoteRetriever(s.url).search(["a"], 1) == [[]]
 
 
+def test_reply_that_cannot_be_encoded_is_a_json_500_and_server_survives():
+    class Odd:
+        n = 0
+
+        def search(self, queries, k):
+            Odd.n += 1
+            return [[Hit(object() if Odd.n == 1 else "d1", "T", "T\nx", 1.0)] for _ in queries]
+
+    with _Server(create_app(Odd())) as s:
+        r = httpx2.post(s.url + "/retrieve", json={"queries": ["a"], "topk": 1})
+        assert r.status_code == 500 and "reply failed" in r.json()["error"]
+        r = httpx2.post(s.url + "/retrieve", json={"queries": ["a"], "topk": 1})
+        assert r.status_code == 200 and r.json()["result"][0][0]["id"] == "d1"
+
+
 def test_row_path_reply_equals_hit_path_reply(tmp_path):
     """The raw-bytes reply (rows spliced from the passage store) is the same JSON as serialising hits,
     including unicode, a query without hits, topk above the corpus size and return_scores false."""
