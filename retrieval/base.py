@@ -7,8 +7,8 @@ from typing import Protocol, runtime_checkable
 
 #: Response header of the retrieval server's row path (reply spliced from a Sleuth passage store: every
 #: document has string ``id``/``title``/``contents`` and every score is a float or null); its value names the
-#: format, ``search-r1`` or ``pairs`` (:data:`REPLY_FORMAT_HEADER`), and the client takes its fast path
-#: (:func:`retrieval.client._stored_hits`, :func:`retrieval.client._pair_hits`).
+#: format, ``search-r1`` or ``pairs`` (:data:`REPLY_FORMAT_HEADER`); on ``pairs``, which it asks for, the client
+#: takes its fast path (:func:`retrieval.client._pair_hits`) and parses anything else the general way.
 ROWS_REPLY_HEADER = "x-sleuth-rows-reply"
 #: Request header by which Sleuth's client asks for the compact ``pairs`` reply (each scored hit as
 #: ``[document, score]``, :func:`retrieval.reply.rows_to_reply`); servers that do not know it, or requests

@@ -322,12 +322,13 @@ def test_non_finite_scores_reach_the_client_as_nan():
     assert hit.id == "d9" and math.isnan(hit.score)
 
 
-def test_stored_hits_fast_path_equals_general_path():
-    """The client's fast path for replies spliced from a passage store builds the same hits as the general
-    one, including an empty title (taken from the first line of contents) and a null (non-finite) score."""
+def test_pair_hits_fast_path_equals_general_path():
+    """The client's fast path for ``pairs`` replies spliced from a passage store builds the same hits as the
+    general path on Search-R1's format, including an empty title (taken from the first line of contents) and a
+    null (non-finite) score."""
     import math
 
-    from retrieval.client import _hit, _pair_hits, _stored_hits
+    from retrieval.client import _hit, _pair_hits
 
     result = [
         [
@@ -336,17 +337,13 @@ def test_stored_hits_fast_path_equals_general_path():
         ],
         [],
     ]
-    fast, slow = _stored_hits(result), [[_hit(x) for x in hits] for hits in result]
-    assert [[(h.id, h.title, h.contents) for h in q] for q in fast] == [
-        [(h.id, h.title, h.contents) for h in q] for q in slow
-    ]
-    assert fast[0][1].title == "Quoted" and math.isnan(fast[0][1].score) and fast[0][0].score == 2.5
+    slow = [[_hit(x) for x in hits] for hits in result]
     pairs = _pair_hits([[[x["document"], x["score"]] for x in q] for q in result])
     assert [[(h.id, h.title, h.contents) for h in q] for q in pairs] == [
         [(h.id, h.title, h.contents) for h in q] for q in slow
     ]
     assert pairs[0][1].title == "Quoted" and math.isnan(pairs[0][1].score) and pairs[0][0].score == 2.5
     with pytest.raises(KeyError):  # another shape: the caller falls back to the general path
-        _stored_hits([[{"document": {"id": "a", "contents": "x"}, "score": 1.0}]])
+        _pair_hits([[[{"id": "a", "contents": "x"}, 1.0]]])
     with pytest.raises((KeyError, TypeError, ValueError)):
         _pair_hits(result)
