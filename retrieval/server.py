@@ -214,12 +214,13 @@ class RetrieveEndpoint:
             return await _send(send, 400, _error_body(f"search failed: {e}"))
         except Exception as e:  # noqa: BLE001 (any backend failure is a 500, not a dead server)
             return await _send(send, 500, _error_body(f"search failed: {type(e).__name__}: {e}"))
-        fmt = "pairs" if pairs and return_scores and isinstance(hits, tuple) else "search-r1"
+        row_path = isinstance(hits, tuple)
+        fmt = "pairs" if pairs and return_scores and row_path else "search-r1"
         try:
             body = self.batcher.encode_reply(hits, return_scores, fmt)
         except Exception as e:  # noqa: BLE001 (e.g. a row outside a store that changed under the server)
             return await _send(send, 500, _error_body(f"reply failed: {type(e).__name__}: {e}"))
-        await _send(send, 200, body, [(_ROWS, fmt.encode())] if isinstance(hits, tuple) else None)
+        await _send(send, 200, body, [(_ROWS, fmt.encode())] if row_path else None)
 
     async def _body(self, scope, receive) -> bytes:
         limit = self.limits.max_body_bytes
