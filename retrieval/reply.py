@@ -107,8 +107,8 @@ def rows_to_reply(
     ``rows`` int64 and ``scores`` float32, both ``[Q, k]``; ``store`` a :class:`retrieval.index.DocStore`.
     ``fmt`` ``"search-r1"`` (default) is Search-R1's ``retrieval_server.py`` reply (``{"result": [[{"document",
     "score"}, ...]]}``, or bare documents when ``return_scores`` is false); ``"pairs"`` frames each scored hit as
-    ``[document, score]``, which Sleuth's client asks for: 3.5% fewer bytes and about 0.6 ms less to parse into
-    hits per 2,560 hits (no wrapper object per hit). Raises ``IndexError`` for a row outside the store and
+    ``[document, score]``, which Sleuth's client asks for: 3.4% fewer bytes (1,721,162 against 1,782,602 for
+    2,560 synthetic passages) and about 0.6 ms less to parse into hits (no wrapper object per hit). Raises ``IndexError`` for a row outside the store and
     ``ValueError`` for another ``fmt``."""
     if fmt not in _FRAMES:
         raise ValueError(f"reply format must be one of {REPLY_FORMATS}, got {fmt!r}")
