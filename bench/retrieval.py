@@ -50,6 +50,9 @@ RESULTS_MD = ROOT / "bench" / "RESULTS.md"
 WORK = ROOT / "runs" / "bench_retrieval"
 #: idle gap before each call in the gapped server-overhead measurement (seconds)
 GAP_S = 0.02
+#: rounds of the steady-state measurement (:func:`time_blocks`); at 10k passages 5 rounds gave a run-to-run
+#: spread of +2% to +20% in the server overhead on the 2-vCPU VM, 10 rounds +5% to +9% (stop 13)
+STEADY_ROUNDS = 10
 
 
 def recall_at(ranked: list[list[str]], gold: list[list[str]], ks=(1, 5, 10)) -> dict[str, float]:
@@ -100,7 +103,8 @@ def time_paired(
 
 
 def time_blocks(
-    searches: list, queries: list[str], batch: int, k: int, rounds: int = 5, block: int = 40, warmup: int = 5
+    searches: list, queries: list[str], batch: int, k: int, rounds: int = STEADY_ROUNDS, block: int = 40,
+    warmup: int = 5,
 ) -> list[dict[str, float]]:
     """Steady-state latency of several search functions: each runs ``block`` consecutive calls (the first
     ``warmup`` not counted) in turn, for ``rounds`` rounds, so every path is timed as a client uses it back to
@@ -270,7 +274,7 @@ def speed(args, out: dict, lucene) -> None:
                     # batch 256 in steady state (blocks of consecutive calls per path, alternating) and gapped
                     # (each call after the same idle gap): see time_blocks
                     for mode, (a, b) in (
-                        ("steady", time_blocks([r.search, client.search], queries, 256, 10)),
+                        ("steady", time_blocks([r.search, client.search], queries, 256, 10, args.rounds)),
                         ("gapped", time_paired([r.search, client.search], queries, 256, 10, args.n_batches, GAP_S)),
                     ):
                         row[f"{name}_inproc_b256_{mode}"], row[f"{name}_server_b256_{mode}"] = a, b
@@ -350,8 +354,8 @@ def table(out: dict) -> str:
         lines += [
             "",
             "Server overhead at batch 256 (p50 through the server / p50 in-process - 1), by corpus size, as",
-            "steady / gapped / per-call: steady state (blocks of 40 consecutive calls per path, alternating, 5",
-            f"rounds), gapped (each call after a {GAP_S * 1000:.0f} ms idle gap, both paths alike, alternating) and",
+            "steady / gapped / per-call: steady state (blocks of 40 consecutive calls per path, alternating,",
+            f"{out.get('steady_rounds', 5)} rounds), gapped (each call after a {GAP_S * 1000:.0f} ms idle gap, both paths alike, alternating) and",
             "per-call alternation (back to back; the table above's batch-256 column; reported, not judged: it",
             "leaves only the server idle before its calls, see `time_blocks`):",
             "",
@@ -437,6 +441,7 @@ def main(argv=None) -> int:
                    "and Sleuth's lucene method")
     p.add_argument("--n-single", type=int, default=200, help="batch-1 calls timed")
     p.add_argument("--n-batches", type=int, default=40, help="batch-256 calls timed (per path, per-call pairs)")
+    p.add_argument("--rounds", type=int, default=STEADY_ROUNDS, help="rounds of the steady-state measurement")
     p.add_argument("--markdown", action="store_true", help="update the Retrieval section of bench/RESULTS.md")
     p.add_argument("--clean", action="store_true", help="delete the bench work dir afterwards")
     args = p.parse_args(argv)
@@ -448,6 +453,7 @@ def main(argv=None) -> int:
         "argv": argv if argv is not None else sys.argv[1:],
         "notes": [],
         "load_average_at_start": os.getloadavg(),
+        "steady_rounds": args.rounds,
     }
     lucene = None
     if not args.no_lucene:
