@@ -53,6 +53,9 @@ GAP_S = 0.02
 #: rounds of the steady-state measurement (:func:`time_blocks`); at 10k passages 5 rounds gave a run-to-run
 #: spread of +2% to +20% in the server overhead on the 2-vCPU VM, 10 rounds +5% to +9% (stop 13)
 STEADY_ROUNDS = 10
+#: call pairs of the gapped measurement; 40 pairs gave -7% at 10k and +21% at 100k in one run (stop 13), where
+#: scripts with more pairs gave +10% to +11% at both sizes
+GAPPED_PAIRS = 120
 
 
 def recall_at(ranked: list[list[str]], gold: list[list[str]], ks=(1, 5, 10)) -> dict[str, float]:
@@ -275,7 +278,7 @@ def speed(args, out: dict, lucene) -> None:
                     # (each call after the same idle gap): see time_blocks
                     for mode, (a, b) in (
                         ("steady", time_blocks([r.search, client.search], queries, 256, 10, args.rounds)),
-                        ("gapped", time_paired([r.search, client.search], queries, 256, 10, args.n_batches, GAP_S)),
+                        ("gapped", time_paired([r.search, client.search], queries, 256, 10, args.n_gapped, GAP_S)),
                     ):
                         row[f"{name}_inproc_b256_{mode}"], row[f"{name}_server_b256_{mode}"] = a, b
                         row[f"{name}_server_overhead_b256_p50_{mode}"] = round(b["p50_ms"] / a["p50_ms"] - 1, 3)
@@ -355,7 +358,10 @@ def table(out: dict) -> str:
             "",
             "Server overhead at batch 256 (p50 through the server / p50 in-process - 1), by corpus size, as",
             "steady / gapped / per-call: steady state (blocks of 40 consecutive calls per path, alternating,",
-            f"{out.get('steady_rounds', 5)} rounds), gapped (each call after a {GAP_S * 1000:.0f} ms idle gap, both paths alike, alternating) and",
+            (
+                f"{out.get('steady_rounds', 5)} rounds), gapped ({out.get('gapped_pairs', 40)} calls per path, "
+                f"alternating, each after a {GAP_S * 1000:.0f} ms idle gap) and"
+            ),
             "per-call alternation (back to back; the table above's batch-256 column; reported, not judged: it",
             "leaves only the server idle before its calls, see `time_blocks`):",
             "",
@@ -441,6 +447,7 @@ def main(argv=None) -> int:
                    "and Sleuth's lucene method")
     p.add_argument("--n-single", type=int, default=200, help="batch-1 calls timed")
     p.add_argument("--n-batches", type=int, default=40, help="batch-256 calls timed (per path, per-call pairs)")
+    p.add_argument("--n-gapped", type=int, default=GAPPED_PAIRS, help="call pairs of the gapped measurement")
     p.add_argument("--rounds", type=int, default=STEADY_ROUNDS, help="rounds of the steady-state measurement")
     p.add_argument("--markdown", action="store_true", help="update the Retrieval section of bench/RESULTS.md")
     p.add_argument("--clean", action="store_true", help="delete the bench work dir afterwards")
@@ -454,6 +461,7 @@ def main(argv=None) -> int:
         "notes": [],
         "load_average_at_start": os.getloadavg(),
         "steady_rounds": args.rounds,
+        "gapped_pairs": args.n_gapped,
     }
     lucene = None
     if not args.no_lucene:
