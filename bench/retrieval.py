@@ -7,11 +7,11 @@ k1=0.9, b=0.4) when the ``lucene`` extra is installed.
 
 Speed: queries/s and p50/p99 latency at batch 1 and batch 256, in-process and through the HTTP server,
 for BM25 on synthetic corpora (Zipfian words, 60-word passages) of the sizes given, and pyserini on the
-same corpus in the same run. The server's overhead at batch 256 is measured three ways: steady state
-(:func:`time_blocks`: blocks of consecutive calls per path, alternating), gapped (each call after the same
-idle gap on both paths, as a rollout worker calls retrieval between generation turns) and per-call
-alternation (in-process and server calls alternate back to back, which leaves only the server idle before
-its calls; reported, not judged: see :func:`time_blocks`). Dense speed is measured on the sample corpus
+same corpus in the same run. The server's overhead at batch 256 is measured three ways, the first two with
+:func:`time_blocks` (blocks of calls per path, alternating): steady state (calls back to back), gapped (each
+call after the same idle gap, as a rollout worker calls retrieval between generation turns) and per-call
+alternation (in-process and server calls alternate back to back, which leaves the server idle through
+every in-process call; reported, not judged: see :func:`time_blocks`). Dense speed is measured on the sample corpus
 (embedding 1M passages on a 2-core CPU is out of reach).
 
     .venv/bin/python bench/retrieval.py [--sizes 10000 100000 1000000] [--no-lucene] [--no-dense]
@@ -53,9 +53,8 @@ GAP_S = 0.02
 #: rounds of the steady-state measurement (:func:`time_blocks`); at 10k passages 5 rounds gave a run-to-run
 #: spread of +2% to +20% in the server overhead on the 2-vCPU VM, 10 rounds +5% to +9% (stop 13)
 STEADY_ROUNDS = 10
-#: call pairs of the gapped measurement; 40 pairs gave -7% at 10k and +21% at 100k in one run (stop 13), where
-#: scripts with more pairs gave +10% to +11% at both sizes
-GAPPED_PAIRS = 120
+#: calls per block (the first ones not counted) of the gapped measurement, which sleeps GAP_S before each
+GAPPED_BLOCK, GAPPED_WARMUP = 20, 2
 
 
 def recall_at(ranked: list[list[str]], gold: list[list[str]], ks=(1, 5, 10)) -> dict[str, float]:
@@ -106,19 +105,27 @@ def time_paired(
 
 
 def time_blocks(
-    searches: list, queries: list[str], batch: int, k: int, rounds: int = STEADY_ROUNDS, block: int = 40,
+    searches: list,
+    queries: list[str],
+    batch: int,
+    k: int,
+    rounds: int = STEADY_ROUNDS,
+    block: int = 40,
     warmup: int = 5,
+    gap_s: float = 0.0,
 ) -> list[dict[str, float]]:
-    """Steady-state latency of several search functions: each runs ``block`` consecutive calls (the first
-    ``warmup`` not counted) in turn, for ``rounds`` rounds, so every path is timed as a client uses it back to
-    back while slow drifts of a shared machine still hit all of them.
+    """Latency of several search functions as a client uses each one: every function runs ``block``
+    consecutive calls (the first ``warmup`` not counted), each after ``gap_s`` seconds of sleep, in turn, for
+    ``rounds`` rounds, so slow drifts of a shared machine still hit all of them. ``gap_s`` 0 is steady state
+    (back to back); a gap is a rollout worker calling retrieval between generation turns.
 
-    Why not only per-call alternation (:func:`time_paired` without a gap): it leaves the server process idle
-    through each in-process call, while the in-process path never idles (the client was busy with the
-    server's reply just before). On the 2-vCPU VM any idle gap slows the next search: the server's search,
-    timed inside the server, took 6.8 ms back to back and 8.8-9.4 ms after an 18 ms gap, and an in-process
-    batch took 12.2 ms back to back and 16.8 ms after a 20 ms sleep. Steady state (no gap on either path) and
-    gapped (:func:`time_paired` with ``gap_s``: the same gap on both) compare like with like."""
+    Why not alternate single calls (:func:`time_paired`): that leaves the server process idle through each
+    in-process call (and, with a gap, through two gaps as well), while the in-process path idles only through
+    its own gap (the client was busy with the server's reply just before). On the 2-vCPU VM any idle time
+    slows the next search: the server's search, timed inside the server, took 6.8 ms back to back and
+    8.8-9.4 ms after an 18 ms gap, and an in-process batch took 12.2 ms back to back and 16.8 ms after a 20 ms
+    sleep. In blocks, each path idles only through its own gaps (and the server through its client's parse
+    of the previous reply), as in a deployment, which uses one path, not both in turn."""
     ts: list[list[float]] = [[] for _ in searches]
     i = 0
     for _ in range(rounds):
@@ -126,6 +133,8 @@ def time_blocks(
             for j in range(block):
                 qs = nth_batch(queries, i, batch)
                 i += 1
+                if gap_s:
+                    time.sleep(gap_s)
                 t = time.perf_counter()
                 search(qs, k)
                 if j >= warmup:
@@ -278,7 +287,10 @@ def speed(args, out: dict, lucene) -> None:
                     # (each call after the same idle gap): see time_blocks
                     for mode, (a, b) in (
                         ("steady", time_blocks([r.search, client.search], queries, 256, 10, args.rounds)),
-                        ("gapped", time_paired([r.search, client.search], queries, 256, 10, args.n_gapped, GAP_S)),
+                        ("gapped", time_blocks(
+                            [r.search, client.search], queries, 256, 10, args.rounds, GAPPED_BLOCK, GAPPED_WARMUP,
+                            GAP_S,
+                        )),
                     ):
                         row[f"{name}_inproc_b256_{mode}"], row[f"{name}_server_b256_{mode}"] = a, b
                         row[f"{name}_server_overhead_b256_p50_{mode}"] = round(b["p50_ms"] / a["p50_ms"] - 1, 3)
@@ -357,13 +369,12 @@ def table(out: dict) -> str:
         lines += [
             "",
             "Server overhead at batch 256 (p50 through the server / p50 in-process - 1), by corpus size, as",
-            "steady / gapped / per-call: steady state (blocks of 40 consecutive calls per path, alternating,",
-            (
-                f"{out.get('steady_rounds', 5)} rounds), gapped ({out.get('gapped_pairs', 40)} calls per path, "
-                f"alternating, each after a {GAP_S * 1000:.0f} ms idle gap) and"
-            ),
-            "per-call alternation (back to back; the table above's batch-256 column; reported, not judged: it",
-            "leaves only the server idle before its calls, see `time_blocks`):",
+            "steady / gapped / per-call: steady state (blocks of 40 calls back to back per path, alternating, "
+            + f"{out.get('steady_rounds', 5)} rounds),",
+            f"gapped (the same with blocks of {GAPPED_BLOCK}, each call after a {GAP_S * 1000:.0f} ms idle gap) and "
+            + "per-call alternation (back to",
+            "back; the table above's batch-256 column; reported, not judged: it leaves the server idle through every",
+            "in-process call, see `time_blocks`):",
             "",
         ]
         for be in NAMES.values():
@@ -447,8 +458,9 @@ def main(argv=None) -> int:
                    "and Sleuth's lucene method")
     p.add_argument("--n-single", type=int, default=200, help="batch-1 calls timed")
     p.add_argument("--n-batches", type=int, default=40, help="batch-256 calls timed (per path, per-call pairs)")
-    p.add_argument("--n-gapped", type=int, default=GAPPED_PAIRS, help="call pairs of the gapped measurement")
-    p.add_argument("--rounds", type=int, default=STEADY_ROUNDS, help="rounds of the steady-state measurement")
+    p.add_argument(
+        "--rounds", type=int, default=STEADY_ROUNDS, help="rounds of the steady-state and gapped measurements"
+    )
     p.add_argument("--markdown", action="store_true", help="update the Retrieval section of bench/RESULTS.md")
     p.add_argument("--clean", action="store_true", help="delete the bench work dir afterwards")
     args = p.parse_args(argv)
@@ -461,7 +473,6 @@ def main(argv=None) -> int:
         "notes": [],
         "load_average_at_start": os.getloadavg(),
         "steady_rounds": args.rounds,
-        "gapped_pairs": args.n_gapped,
     }
     lucene = None
     if not args.no_lucene:
