@@ -162,6 +162,16 @@ def test_hybrid_and_cache(index_dir):
     assert c.search(["Everest"], 1)[0] == a[0][:1] and c.hits == 1
     c.search(["x1", "x2"], 1)  # evicts
     assert "Everest" not in c._lru and len(c._lru) == 2
+    with pytest.raises(AttributeError):  # cached hits are shared between callers, so no caller may change one
+        a[0][0].score = 0.0
+
+
+def test_hit_record():
+    h = Hit("7", "Everest", "Everest\nThe highest mountain.", 1.5)
+    assert h.text == "The highest mountain." and Hit("8", "T", "no title line", 0.0).text == "no title line"
+    assert h == Hit(id="7", title="Everest", contents="Everest\nThe highest mountain.", score=1.5)
+    assert h.to_json() == {"id": "7", "title": "Everest", "contents": "Everest\nThe highest mountain.", "score": 1.5}
+    assert len({h, Hit(*h)}) == 1  # hashable by value
 
 
 def test_rrf_fuse_hand_computed():
