@@ -1,8 +1,9 @@
-"""The retrieval server's reply body on its row path: Search-R1's ``{"result": ...}`` JSON spliced from the
-passage store's stored JSON bytes (no passage parsed or re-serialised).
+"""Stored passages spliced into one JSON buffer: the retrieval server's reply body on its row path
+(Search-R1's ``{"result": ...}``, :func:`rows_to_reply`) and the documents an in-process search parses into
+hits (:func:`rows_json`), without parsing or re-serialising any passage on the way.
 
-:func:`rows_to_reply` takes ``[Q, k]`` row ids and scores; a numba kernel (``cache=True``: compiled once per
-install, then loaded) copies each stored passage from the store's memory map into one reply buffer.
+Both take ``[Q, k]`` row ids; a numba kernel (``cache=True``: compiled once per install, then loaded) copies
+each stored passage from the store's memory map into one buffer.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def _u8(b: bytes) -> np.ndarray:
 
 
 _HEAD, _TAIL = _u8(b'{"result":['), _u8(b"]}")
+_LIST_HEAD, _LIST_TAIL = _u8(b"["), _u8(b"]")
 _COMMA, _OPEN, _CLOSE = ord(","), ord("["), ord("]")
 #: how each scored hit is framed: (before the document, between document and score, after the score)
 _FRAMES = {
@@ -56,11 +58,11 @@ def _copy(out, at, src, a, b):  # pragma: no cover (numba)
 
 
 @nb.njit(cache=True, nogil=True)
-def _splice(src, starts, ends, counts, sc, sc_starts, sc_ends, with_scores, pre, mid, post):  # pragma: no cover
-    """The reply bytes: ``{"result":[[d, ...], ...]}`` with ``d`` = ``src[starts[j]:ends[j]]`` (or
+def _splice(src, starts, ends, counts, sc, sc_starts, sc_ends, with_scores, pre, mid, post, head, tail):  # pragma: no cover
+    """The bytes ``<head>[d, ...],[d, ...],...<tail>`` with ``d`` = ``src[starts[j]:ends[j]]`` (or
     ``<pre><doc><mid><sc[sc_starts[j]:sc_ends[j]]><post>``), ``counts[q]`` documents per query."""
     Q, n = counts.shape[0], starts.shape[0]
-    size = _HEAD.size + _TAIL.size + 2 * Q + max(Q - 1, 0)
+    size = head.size + tail.size + 2 * Q + max(Q - 1, 0)
     for q in range(Q):
         size += max(counts[q] - 1, 0)
     for j in range(n):
@@ -68,7 +70,7 @@ def _splice(src, starts, ends, counts, sc, sc_starts, sc_ends, with_scores, pre,
         if with_scores:
             size += pre.size + mid.size + sc_ends[j] - sc_starts[j] + post.size
     out = np.empty(size, np.uint8)
-    at = _copy(out, 0, _HEAD, 0, _HEAD.size)
+    at = _copy(out, 0, head, 0, head.size)
     j = 0
     for q in range(Q):
         if q:
@@ -90,7 +92,7 @@ def _splice(src, starts, ends, counts, sc, sc_starts, sc_ends, with_scores, pre,
             j += 1
         out[at] = _CLOSE
         at += 1
-    _copy(out, at, _TAIL, 0, _TAIL.size)
+    _copy(out, at, tail, 0, tail.size)
     return out
 
 
@@ -122,4 +124,19 @@ def rows_to_reply(
     else:
         sc, sc_starts, sc_ends = _u8(b" "), starts, starts  # unused
     counts = keep.sum(axis=1).astype(np.int64)
-    return memoryview(_splice(src, starts, ends, counts, sc, sc_starts, sc_ends, bool(return_scores), *_FRAMES[fmt]))
+    out = _splice(src, starts, ends, counts, sc, sc_starts, sc_ends, bool(return_scores), *_FRAMES[fmt], _HEAD, _TAIL)
+    return memoryview(out)
+
+
+def rows_json(rows: np.ndarray, store) -> memoryview:
+    """The stored documents of ``[Q, k]`` int64 ``rows`` (row -1 = no hit, skipped) as one JSON array of
+    arrays, ``[[{"id", "title", "contents"}, ...], ...]`` (``Q`` inner arrays), spliced from the store's memory
+    map like :func:`rows_to_reply`; ``store`` a :class:`retrieval.index.DocStore`. One ``orjson.loads`` of it
+    builds a search's documents in about 20% less time than a parse per passage (2,560 passages, batch 256
+    at top-10; :meth:`retrieval.index.DocStore.hits`). Raises ``IndexError`` for a row outside the store."""
+    keep = rows >= 0
+    src, starts, ends = store.spans(rows[keep])
+    counts = keep.sum(axis=1).astype(np.int64)
+    none = _u8(b" ")  # no scores: the score and frame arguments are unused
+    out = _splice(src, starts, ends, counts, none, starts, starts, False, none, none, none, _LIST_HEAD, _LIST_TAIL)
+    return memoryview(out)

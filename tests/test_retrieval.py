@@ -174,6 +174,31 @@ def test_hit_record():
     assert len({h, Hit(*h)}) == 1  # hashable by value
 
 
+def test_docstore_hits_match_per_passage_lookup(tmp_path):
+    """DocStore.hits (one splice and one parse) gives the hits a lookup per passage gives: unicode and escapes,
+    rows -1 (no hit) left out wherever they are, scores kept in order; a row outside the store raises."""
+    from retrieval.index import DocStore
+
+    rows = [*PASSAGES, ("u", "Zürich – Ω", 'Zürich "quoted" \\ back\\slash, naïve café 東京.')]
+    write_corpus(tmp_path / "c.jsonl", rows)
+    build_index(tmp_path / "c.jsonl", tmp_path / "i", build_dense=False, show_progress=False)
+    store = DocStore(tmp_path / "i")
+    n = len(store)
+    r = np.array([[n - 1, 0, 1], [-1, -1, -1], [2, -1, n - 1], [1, 2, -1]], dtype=np.int64)
+    sc = np.array([[3.5, 2.0, 1.25], [0, 0, 0], [9.0, 0, -1.5], [0.5, 0.25, 0]], dtype=np.float32)
+    want = [
+        [Hit(d["id"], d["title"], d["contents"], float(s)) for d, s in ((store.get(int(x)), s) for x, s in zip(rr, ss)
+                                                                       if x >= 0)]
+        for rr, ss in zip(r, sc)
+    ]
+    got = store.hits(r, sc)
+    assert got == want and [len(h) for h in got] == [3, 0, 2, 2]
+    assert got[0][0].title == "Zürich – Ω" and got[2][1].score == -1.5 and type(got[0][0].score) is float
+    assert store.hits(np.zeros((0, 3), dtype=np.int64), np.zeros((0, 3), dtype=np.float32)) == []
+    with pytest.raises(IndexError):
+        store.hits(np.array([[n]]), np.array([[1.0]], dtype=np.float32))
+
+
 def test_rrf_fuse_hand_computed():
     fused = rrf_fuse([["a", "b", "c"], ["b", "d"]], k=3, rrf_k=60)
     assert [k for k, _ in fused] == ["b", "a", "d"]
