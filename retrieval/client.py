@@ -128,7 +128,7 @@ class RemoteRetriever:
     def _request_with_headers(self, method: str, path: str, body: bytes | None = None):
         """``(body, headers)`` of a successful request to ``path`` on the server (headers: case-insensitive
         ``get``)."""
-        headers = {"Content-Type": "application/json", REPLY_FORMAT_HEADER: "pairs"} if body is not None else {}
+        headers = {"Content-Type": "application/json", REPLY_FORMAT_HEADER: "columns"} if body is not None else {}
         last: Exception | None = None
         failures = 0
         while True:
@@ -178,19 +178,20 @@ class RemoteRetriever:
                 "POST", self._path, _dumps({"queries": chunk, "topk": k, "return_scores": True})
             )
             try:
-                result = _loads(data).get("result")
-            except (ValueError, AttributeError):
-                result = None
+                reply = _loads(data)
+            except ValueError:
+                reply = None
+            result = reply.get("result") if isinstance(reply, dict) else None
             if not isinstance(result, list) or len(result) != len(chunk):
                 raise RetrievalServerError(
                     f"malformed reply from {self.endpoint}: expected 'result' per query"
                 )
-            if headers.get(ROWS_REPLY_HEADER) == "pairs":  # spliced from a Sleuth passage store: typed fields
+            if headers.get(ROWS_REPLY_HEADER) == "columns":  # spliced from a Sleuth passage store
                 try:
-                    out.extend(_pair_hits(result))
-                    continue
-                except (KeyError, TypeError, ValueError):
-                    pass  # not the promised shape after all: the general path below says what is wrong
+                    out.extend(_column_hits(reply))
+                except (KeyError, TypeError, ValueError) as e:
+                    raise RetrievalServerError(f"malformed columns reply from {self.endpoint}: {e!r}") from None
+                continue
             try:
                 out.extend([_hit(item) for item in hits] for hits in result)
             except (AttributeError, TypeError, ValueError) as e:
@@ -198,15 +199,19 @@ class RemoteRetriever:
         return out
 
 
-def _pair_hits(result: list) -> list[list[Hit]]:
-    """Hits of a ``pairs`` reply: each scored hit as ``[document, score]``, the document from a Sleuth passage
-    store (``id``, ``title``, ``contents`` strings), the score a float or null; the server says so with
-    :data:`ROWS_REPLY_HEADER`. One comprehension with the same result as :func:`_hit` on such items. Raises
-    ``KeyError``, ``TypeError`` or ``ValueError`` on another shape."""
-    return [
-        [Hit(d["id"], d["title"] or _title(d["contents"]), d["contents"], nan if s is None else s) for d, s in hits]
-        for hits in result
-    ]
+def _column_hits(reply: dict) -> list[list[Hit]]:
+    """Hits of a ``columns`` reply (:func:`retrieval.reply.rows_to_reply`): ``reply["result"]`` the documents
+    of each query (from a Sleuth passage store: ``id``, ``title``, ``contents`` strings), ``reply["scores"]``
+    one float or null per document, flat, in the same order. One comprehension with the same result as
+    :func:`_hit` on Search-R1's format. Raises ``KeyError``, ``TypeError`` or ``ValueError`` on another shape,
+    ``ValueError`` when the number of scores is not the number of documents."""
+    result, scores = reply["result"], reply["scores"]
+    if type(scores) is not list or len(scores) != sum(map(len, result)):
+        raise ValueError("expected one score per document in 'scores'")
+    if None in scores:  # the server writes a non-finite score as JSON null
+        scores = [nan if s is None else s for s in scores]
+    it = iter(scores)
+    return [[Hit(d["id"], d["title"] or _title(d["contents"]), d["contents"], next(it)) for d in ds] for ds in result]
 
 
 def _title(contents: str) -> str:

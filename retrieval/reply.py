@@ -24,13 +24,11 @@ def _u8(b: bytes) -> np.ndarray:
 _HEAD, _TAIL = _u8(b'{"result":['), _u8(b"]}")
 _LIST_HEAD, _LIST_TAIL = _u8(b"["), _u8(b"]")
 _COMMA, _OPEN, _CLOSE = ord(","), ord("["), ord("]")
-#: how each scored hit is framed: (before the document, between document and score, after the score)
-_FRAMES = {
-    "search-r1": (_u8(b'{"document":'), _u8(b',"score":'), _u8(b"}")),  # {"document": {...}, "score": s}
-    "pairs": (_u8(b"["), _u8(b","), _u8(b"]")),  # [{...}, s]
-}
-#: reply formats :func:`rows_to_reply` writes (``"pairs"`` only for Sleuth's own client; see its docstring)
-REPLY_FORMATS = tuple(_FRAMES)
+#: how each scored hit of Search-R1's format is framed: (before the document, between document and score,
+#: after the score), as in ``{"document": {...}, "score": s}``
+_FRAME = (_u8(b'{"document":'), _u8(b',"score":'), _u8(b"}"))
+#: reply formats :func:`rows_to_reply` writes (``"columns"`` only for Sleuth's own client; see its docstring)
+REPLY_FORMATS = ("search-r1", "columns")
 
 
 @intrinsic
@@ -108,23 +106,30 @@ def rows_to_reply(
 
     ``rows`` int64 and ``scores`` float32, both ``[Q, k]``; ``store`` a :class:`retrieval.index.DocStore`.
     ``fmt`` ``"search-r1"`` (default) is Search-R1's ``retrieval_server.py`` reply (``{"result": [[{"document",
-    "score"}, ...]]}``, or bare documents when ``return_scores`` is false); ``"pairs"`` frames each scored hit as
-    ``[document, score]``, which Sleuth's client asks for: 3.4% fewer bytes (1,721,162 against 1,782,602 for
-    2,560 synthetic passages) and about 0.6 ms less to parse into hits (no wrapper object per hit). Raises ``IndexError`` for a row outside the store and
-    ``ValueError`` for another ``fmt``."""
-    if fmt not in _FRAMES:
+    "score"}, ...]]}``, or bare documents when ``return_scores`` is false). ``"columns"``, which Sleuth's client
+    asks for, keeps documents and scores apart: ``{"result": [[document, ...], ...], "scores": [s, ...]}``, the
+    scores flat in the order of the documents; a client parses it into hits about 15% faster than Search-R1's
+    format or ``[document, score]`` pairs (no wrapper object per hit: 2,560 hits in ~6.9 against ~8.3 ms on
+    this project's 2-vCPU machine in a slow spell). Without scores both formats are the bare documents.
+    Raises ``IndexError`` for a row outside the store and ``ValueError`` for another ``fmt``."""
+    if fmt not in REPLY_FORMATS:
         raise ValueError(f"reply format must be one of {REPLY_FORMATS}, got {fmt!r}")
     keep = rows >= 0
     src, starts, ends = store.spans(rows[keep])
-    if return_scores and starts.size:
-        sc = _u8(_dumps(scores[keep].astype(np.float64).tolist())[1:-1])
-        commas = np.flatnonzero(sc == _COMMA)
-        sc_starts = np.concatenate(([0], commas + 1))
-        sc_ends = np.concatenate((commas, [sc.size]))
-    else:
-        sc, sc_starts, sc_ends = _u8(b" "), starts, starts  # unused
     counts = keep.sum(axis=1).astype(np.int64)
-    out = _splice(src, starts, ends, counts, sc, sc_starts, sc_ends, bool(return_scores), *_FRAMES[fmt], _HEAD, _TAIL)
+    none = _u8(b" ")  # the score arguments of the kernel when it writes no scores
+    sc, sc_starts, sc_ends, tail = none, starts, starts, _TAIL
+    with_scores = bool(return_scores) and fmt == "search-r1"
+    if return_scores:
+        flat = _dumps(scores[keep].astype(np.float64).tolist())  # b"[s0,s1,...]"
+        if fmt == "columns":
+            tail = _u8(b'],"scores":' + flat + b"}")
+        elif starts.size:
+            sc = _u8(flat[1:-1])
+            commas = np.flatnonzero(sc == _COMMA)
+            sc_starts = np.concatenate(([0], commas + 1))
+            sc_ends = np.concatenate((commas, [sc.size]))
+    out = _splice(src, starts, ends, counts, sc, sc_starts, sc_ends, with_scores, *_FRAME, _HEAD, tail)
     return memoryview(out)
 
 

@@ -10,8 +10,8 @@ Reply path: for retrievers over an index directory (BM25, dense, Lucene: they ex
 store), the worker searches for row ids only and the reply is spliced from the store's stored JSON bytes
 (:func:`retrieval.reply.rows_to_reply`: a numba kernel copies them from the store's memory map), so no
 passage is parsed or re-serialised on the server; such replies carry the ``x-sleuth-rows-reply`` header
-(:data:`retrieval.base.ROWS_REPLY_HEADER`) naming their format: Search-R1's, or the compact ``pairs`` (each
-scored hit as ``[document, score]``) that Sleuth's client asks for with ``x-sleuth-reply-format: pairs``.
+(:data:`retrieval.base.ROWS_REPLY_HEADER`) naming their format: Search-R1's, or ``columns`` (documents and
+scores apart, no wrapper per hit) that Sleuth's client asks for with ``x-sleuth-reply-format: columns``.
 Other retrievers (hybrid, cached, remote) go through :class:`~retrieval.base.Hit` objects and orjson, in
 Search-R1's format.
 
@@ -185,7 +185,7 @@ class Batcher:
         self, res: list[list[Hit]] | tuple[np.ndarray, np.ndarray], return_scores: bool, fmt: str = "search-r1"
     ) -> bytes | memoryview:
         """The ``/retrieve`` reply body for one request's :meth:`search` result; ``fmt`` (``search-r1`` or
-        ``pairs``, see :func:`rows_to_reply`) applies on the row path only."""
+        ``columns``, see :func:`rows_to_reply`) applies on the row path only."""
         if isinstance(res, tuple):
             return rows_to_reply(res[0], res[1], self.rows[1], return_scores, fmt)
         return _dumps({"result": hits_to_result(res, return_scores)})
@@ -202,7 +202,7 @@ class RetrieveEndpoint:
         self.batcher, self.limits = batcher, limits
 
     async def __call__(self, scope, receive, send) -> None:
-        pairs = any(name == _FORMAT and value == b"pairs" for name, value in scope["headers"])
+        columns = any(name == _FORMAT and value == b"columns" for name, value in scope["headers"])
         try:
             body = await self._body(scope, receive)
             queries, topk, return_scores = parse_request(body, self.limits)
@@ -215,7 +215,7 @@ class RetrieveEndpoint:
         except Exception as e:  # noqa: BLE001 (any backend failure is a 500, not a dead server)
             return await _send(send, 500, _error_body(f"search failed: {type(e).__name__}: {e}"))
         row_path = isinstance(hits, tuple)
-        fmt = "pairs" if pairs and return_scores and row_path else "search-r1"
+        fmt = "columns" if columns and return_scores and row_path else "search-r1"
         try:
             body = self.batcher.encode_reply(hits, return_scores, fmt)
         except Exception as e:  # noqa: BLE001 (e.g. a row outside a store that changed under the server)

@@ -254,8 +254,15 @@ def test_row_path_reply_equals_hit_path_reply(tmp_path):
             fast = json.loads(bytes(rows_to_reply(rw, sc, r.store, scores)))
             slow = hits_to_result(r.search(qs, k), scores)
             assert fast == {"result": json.loads(json.dumps(slow))}
-        pairs = json.loads(bytes(rows_to_reply(rw, sc, r.store, True, "pairs")))["result"]
-        assert pairs == [[[x["document"], x["score"]] for x in q] for q in fast_scored(rw, sc, r.store)]
+        cols = json.loads(bytes(rows_to_reply(rw, sc, r.store, True, "columns")))
+        scored = fast_scored(rw, sc, r.store)
+        assert cols == {
+            "result": [[x["document"] for x in q] for q in scored],
+            "scores": [x["score"] for q in scored for x in q],
+        }
+        assert json.loads(bytes(rows_to_reply(rw, sc, r.store, False, "columns"))) == json.loads(
+            bytes(rows_to_reply(rw, sc, r.store, False))
+        )
     with pytest.raises(ValueError, match="reply format"):
         rows_to_reply(rw, sc, r.store, True, "xml")
     assert json.loads(bytes(rows_to_reply(rw, sc, r.store, True)))["result"][2] == []
@@ -277,21 +284,27 @@ def test_server_uses_row_path_for_index_retrievers(server):
 
 
 def test_reply_format_negotiation(server, bm25):
-    """Search-R1's clients (no header) get Search-R1's format; Sleuth's client header gets ``pairs`` with
+    """Search-R1's clients (no header) get Search-R1's format; Sleuth's client header gets ``columns`` with
     the same documents and scores; without scores the format stays Search-R1's (bare documents)."""
     from retrieval.base import REPLY_FORMAT_HEADER, ROWS_REPLY_HEADER
 
     payload = {"queries": ["highest mountain Himalayas", "Trigiani"], "topk": 2, "return_scores": True}
     plain = httpx2.post(server.url + "/retrieve", json=payload)
-    pairs = httpx2.post(server.url + "/retrieve", json=payload, headers={REPLY_FORMAT_HEADER: "pairs"})
-    assert plain.headers[ROWS_REPLY_HEADER] == "search-r1" and pairs.headers[ROWS_REPLY_HEADER] == "pairs"
-    assert pairs.json()["result"] == [[[x["document"], x["score"]] for x in q] for q in plain.json()["result"]]
+    cols = httpx2.post(server.url + "/retrieve", json=payload, headers={REPLY_FORMAT_HEADER: "columns"})
+    assert plain.headers[ROWS_REPLY_HEADER] == "search-r1" and cols.headers[ROWS_REPLY_HEADER] == "columns"
+    assert cols.json() == {
+        "result": [[x["document"] for x in q] for q in plain.json()["result"]],
+        "scores": [x["score"] for q in plain.json()["result"] for x in q],
+    }
+    for fmt in ("pairs", "xml"):  # a format the server does not know: Search-R1's
+        other = httpx2.post(server.url + "/retrieve", json=payload, headers={REPLY_FORMAT_HEADER: fmt})
+        assert other.headers[ROWS_REPLY_HEADER] == "search-r1" and other.content == plain.content
     bare = httpx2.post(
-        server.url + "/retrieve", json={**payload, "return_scores": False}, headers={REPLY_FORMAT_HEADER: "pairs"}
+        server.url + "/retrieve", json={**payload, "return_scores": False}, headers={REPLY_FORMAT_HEADER: "columns"}
     )
     assert bare.headers[ROWS_REPLY_HEADER] == "search-r1"
     assert bare.json()["result"] == [[x["document"] for x in q] for q in plain.json()["result"]]
-    with RemoteRetriever(server.url) as c:  # Sleuth's client asks for pairs and reads them
+    with RemoteRetriever(server.url) as c:  # Sleuth's client asks for columns and reads them
         assert [[(h.id, h.score) for h in q] for q in c.search(payload["queries"], 2)] == [
             [(h.id, pytest.approx(h.score, rel=1e-6)) for h in q] for q in bm25.search(payload["queries"], 2)
         ]
@@ -322,13 +335,13 @@ def test_non_finite_scores_reach_the_client_as_nan():
     assert hit.id == "d9" and math.isnan(hit.score)
 
 
-def test_pair_hits_fast_path_equals_general_path():
-    """The client's fast path for ``pairs`` replies spliced from a passage store builds the same hits as the
+def test_column_hits_fast_path_equals_general_path():
+    """The client's fast path for ``columns`` replies spliced from a passage store builds the same hits as the
     general path on Search-R1's format, including an empty title (taken from the first line of contents) and a
-    null (non-finite) score."""
+    null (non-finite) score; another shape raises."""
     import math
 
-    from retrieval.client import _hit, _pair_hits
+    from retrieval.client import _column_hits, _hit
 
     result = [
         [
@@ -336,14 +349,40 @@ def test_pair_hits_fast_path_equals_general_path():
             {"document": {"id": "b", "title": "", "contents": '"Quoted"\nrest'}, "score": None},
         ],
         [],
+        [{"document": {"id": "c", "title": "C", "contents": "C\nx"}, "score": -1.0}],
     ]
     slow = [[_hit(x) for x in hits] for hits in result]
-    pairs = _pair_hits([[[x["document"], x["score"]] for x in q] for q in result])
-    assert [[(h.id, h.title, h.contents) for h in q] for q in pairs] == [
+    reply = {"result": [[x["document"] for x in q] for q in result], "scores": [x["score"] for q in result for x in q]}
+    fast = _column_hits(reply)
+    assert [[(h.id, h.title, h.contents) for h in q] for q in fast] == [
         [(h.id, h.title, h.contents) for h in q] for q in slow
     ]
-    assert pairs[0][1].title == "Quoted" and math.isnan(pairs[0][1].score) and pairs[0][0].score == 2.5
-    with pytest.raises(KeyError):  # another shape: the caller falls back to the general path
-        _pair_hits([[[{"id": "a", "contents": "x"}, 1.0]]])
-    with pytest.raises((KeyError, TypeError, ValueError)):
-        _pair_hits(result)
+    assert fast[0][1].title == "Quoted" and math.isnan(fast[0][1].score) and fast[0][0].score == 2.5
+    assert fast[2][0].score == -1.0 and fast[1] == []
+    with pytest.raises(ValueError, match="one score per document"):
+        _column_hits({**reply, "scores": reply["scores"][:-1]})
+    with pytest.raises(KeyError):
+        _column_hits({"result": [[{"id": "a", "contents": "x"}]], "scores": [1.0]})
+    with pytest.raises(KeyError):
+        _column_hits({"result": reply["result"]})
+
+
+def test_client_rejects_a_malformed_columns_reply():
+    """A reply that says ``columns`` but has a score missing is a clear RetrievalServerError, never hits
+    with wrong scores."""
+    from retrieval.base import ROWS_REPLY_HEADER
+    from retrieval.client import RetrievalServerError
+
+    body = json.dumps({"result": [[{"id": "a", "title": "T", "contents": "T\nb"}]], "scores": []}).encode()
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        headers = [(b"content-type", b"application/json"), (ROWS_REPLY_HEADER.encode(), b"columns")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    with _Server(app) as s, pytest.raises(RetrievalServerError, match="malformed columns reply"):
+        RemoteRetriever(s.url, retries=0).search(["q"], 1)
