@@ -186,11 +186,10 @@ def test_docstore_hits_match_per_passage_lookup(tmp_path):
     n = len(store)
     r = np.array([[n - 1, 0, 1], [-1, -1, -1], [2, -1, n - 1], [1, 2, -1]], dtype=np.int64)
     sc = np.array([[3.5, 2.0, 1.25], [0, 0, 0], [9.0, 0, -1.5], [0.5, 0.25, 0]], dtype=np.float32)
-    want = [
-        [Hit(d["id"], d["title"], d["contents"], float(s)) for d, s in ((store.get(int(x)), s) for x, s in zip(rr, ss)
-                                                                       if x >= 0)]
-        for rr, ss in zip(r, sc)
-    ]
+    want = []
+    for rr, ss in zip(r.tolist(), sc.tolist()):
+        docs = [(store.get(x), s) for x, s in zip(rr, ss) if x >= 0]
+        want.append([Hit(d["id"], d["title"], d["contents"], s) for d, s in docs])
     got = store.hits(r, sc)
     assert got == want and [len(h) for h in got] == [3, 0, 2, 2]
     assert got[0][0].title == "Zürich – Ω" and got[2][1].score == -1.5 and type(got[0][0].score) is float
