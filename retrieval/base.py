@@ -6,12 +6,14 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 #: Response header of the retrieval server's row path (reply spliced from a Sleuth passage store: every
 #: document has string ``id``/``title``/``contents`` and every score is a float or null); its value names the
-#: format, ``search-r1`` or ``columns`` (:data:`REPLY_FORMAT_HEADER`); on ``columns``, which it asks for, the
-#: client takes its fast path (:func:`retrieval.client._column_hits`) and parses anything else the general way.
+#: format, ``search-r1``, ``columns`` or ``columns-stream`` (:data:`REPLY_FORMAT_HEADER`); on the ``columns``
+#: formats the client takes its fast path (:func:`retrieval.client._column_hits`) and parses anything else the
+#: general way.
 ROWS_REPLY_HEADER = "x-sleuth-rows-reply"
-#: Request header by which Sleuth's client asks for the ``columns`` reply (``{"result": [[document, ...]],
-#: "scores": [s, ...]}``, :func:`retrieval.reply.rows_to_reply`); servers that do not know it, or requests the
-#: row path cannot serve, get Search-R1's format.
+#: Request header by which a client asks for ``columns`` (``{"result": [[document, ...]], "scores": [s, ...]}``,
+#: :func:`retrieval.reply.rows_to_reply`) or, as Sleuth's client does, ``columns-stream`` (the same in frames,
+#: :func:`retrieval.reply.rows_to_frame`); servers that do not know it, or requests the row path cannot serve,
+#: get Search-R1's format.
 REPLY_FORMAT_HEADER = "x-sleuth-reply-format"
 
 

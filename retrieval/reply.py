@@ -146,3 +146,13 @@ def rows_json(rows: np.ndarray, store) -> memoryview:
     top-10: 9.6 against 12.8 ms on this project's 2-vCPU machine in a slow spell;
     :meth:`retrieval.index.DocStore.hits`). Raises ``IndexError`` for a row outside the store."""
     return _splice_rows(rows, store, _LIST_HEAD, _LIST_TAIL)
+
+
+def rows_to_frame(rows: np.ndarray, scores: np.ndarray, store) -> tuple[bytes, memoryview]:
+    """One frame of a ``columns-stream`` reply: ``(b"<n>\\n", body)``, ``body`` the ``columns`` reply of
+    ``[q, k]`` ``rows``/``scores`` (:func:`rows_to_reply`) and a newline, ``n`` its length in bytes. A
+    ``columns-stream`` body is such frames, one per slice of queries in order, so a client can parse one while
+    the next is still on its way (``retrieval.client``). Raises as :func:`rows_to_reply`."""
+    flat = _dumps(scores[rows >= 0].astype(np.float64).tolist())
+    body = _splice_rows(rows, store, _HEAD, _u8(b'],"scores":' + flat + b"}\n"))
+    return b"%d\n" % body.nbytes, body

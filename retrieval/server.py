@@ -10,10 +10,12 @@ Reply path: for retrievers over an index directory (BM25, dense, Lucene: they ex
 store), the worker searches for row ids only and the reply is spliced from the store's stored JSON bytes
 (:func:`retrieval.reply.rows_to_reply`: a numba kernel copies them from the store's memory map), so no
 passage is parsed or re-serialised on the server; such replies carry the ``x-sleuth-rows-reply`` header
-(:data:`retrieval.base.ROWS_REPLY_HEADER`) naming their format: Search-R1's, or ``columns`` (documents and
-scores apart, no wrapper per hit) that Sleuth's client asks for with ``x-sleuth-reply-format: columns``.
-Other retrievers (hybrid, cached, remote) go through :class:`~retrieval.base.Hit` objects and orjson, in
-Search-R1's format.
+(:data:`retrieval.base.ROWS_REPLY_HEADER`) naming their format: Search-R1's; ``columns`` (documents and
+scores apart, no wrapper per hit), asked for with ``x-sleuth-reply-format: columns``; or ``columns-stream``,
+which Sleuth's client asks for: the same in frames of ``frame_docs`` documents, spliced and sent one after
+another, so the client parses the first frames while the rest are still being written (a reply that fits in
+one frame is plain ``columns``). Other retrievers (hybrid, cached, remote) go through
+:class:`~retrieval.base.Hit` objects and orjson, in Search-R1's format.
 
 Batching: requests wait in a queue; one worker takes everything queued (up to ``max_batch_queries``
 queries), runs a single ``retriever.search`` in a thread and hands each request its slice. While one search
@@ -39,7 +41,7 @@ from orjson import dumps as _dumps
 from starlette.routing import Route
 
 from retrieval.base import REPLY_FORMAT_HEADER, ROWS_REPLY_HEADER, Hit, Retriever
-from retrieval.reply import rows_to_reply
+from retrieval.reply import REPLY_FORMATS, rows_to_frame, rows_to_reply
 
 
 @dataclass(frozen=True)
@@ -194,15 +196,15 @@ class Batcher:
 class RetrieveEndpoint:
     """``POST /retrieve`` as a plain ASGI app: reads the body (at most ``limits.max_body_bytes``, else 413),
     validates it (:func:`parse_request`), searches through the :class:`Batcher` and sends the reply
-    (:meth:`Batcher.encode_reply`). Errors answer ``{"error": msg, "detail": msg}``: 4xx for the request,
+    (:meth:`Batcher.encode_reply`, or frames of ``frame_docs`` documents for ``columns-stream``). Errors answer ``{"error": msg, "detail": msg}``: 4xx for the request,
     400 for a ``ValueError``/``TypeError`` of the search, 500 for any other failure; the server keeps serving.
     """
 
-    def __init__(self, batcher: Batcher, limits: ServerLimits):
-        self.batcher, self.limits = batcher, limits
+    def __init__(self, batcher: Batcher, limits: ServerLimits, frame_docs: int = 320):
+        self.batcher, self.limits, self.frame_docs = batcher, limits, frame_docs
 
     async def __call__(self, scope, receive, send) -> None:
-        columns = any(name == _FORMAT and value == b"columns" for name, value in scope["headers"])
+        asked = next((value for name, value in scope["headers"] if name == _FORMAT), b"").decode("latin-1")
         try:
             body = await self._body(scope, receive)
             queries, topk, return_scores = parse_request(body, self.limits)
@@ -215,12 +217,41 @@ class RetrieveEndpoint:
         except Exception as e:  # noqa: BLE001 (any backend failure is a 500, not a dead server)
             return await _send(send, 500, _error_body(f"search failed: {type(e).__name__}: {e}"))
         row_path = isinstance(hits, tuple)
-        fmt = "columns" if columns and return_scores and row_path else "search-r1"
+        if asked == "columns-stream" and return_scores and row_path:
+            step = max(1, self.frame_docs // max(hits[0].shape[1], 1))  # queries per frame
+            if len(queries) > step:
+                return await self._stream(send, *hits, step)
+            asked = "columns"  # one frame's worth: one plain columns body costs less than a stream
+        fmt = asked if asked in REPLY_FORMATS and return_scores and row_path else "search-r1"
         try:
             body = self.batcher.encode_reply(hits, return_scores, fmt)
         except Exception as e:  # noqa: BLE001 (e.g. a row outside a store that changed under the server)
             return await _send(send, 500, _error_body(f"reply failed: {type(e).__name__}: {e}"))
         await _send(send, 200, body, [(_ROWS, fmt.encode())] if row_path else None)
+
+    async def _stream(self, send, rows: np.ndarray, scores: np.ndarray, step: int) -> None:
+        """Answer ``columns-stream`` (chunked transfer): the ``[Q, k]`` ``rows``/``scores`` in frames of
+        ``step`` queries (:func:`retrieval.reply.rows_to_frame`), each spliced and sent before the next is
+        spliced, so the client parses the first frames while the rest are still being written. A failure
+        before the first frame is an ordinary 500; after it, an error frame (``{"error": ...}``) ends the
+        stream, which the client raises."""
+        store, started = self.batcher.rows[1], False
+        try:
+            for a in range(0, len(rows), step):
+                frame = rows_to_frame(rows[a : a + step], scores[a : a + step], store)
+                if not started:
+                    headers = [(b"content-type", b"application/octet-stream"), (_ROWS, b"columns-stream")]
+                    await send({"type": "http.response.start", "status": 200, "headers": headers})
+                    started = True
+                for part in frame:
+                    await send({"type": "http.response.body", "body": part, "more_body": True})
+        except Exception as e:  # noqa: BLE001 (as in __call__)
+            msg = f"reply failed: {type(e).__name__}: {e}"
+            if not started:
+                return await _send(send, 500, _error_body(msg))
+            line = _error_body(msg) + b"\n"
+            await send({"type": "http.response.body", "body": b"%d\n" % len(line) + line, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
 
     async def _body(self, scope, receive) -> bytes:
         limit = self.limits.max_body_bytes
@@ -259,8 +290,11 @@ def create_app(
     limits: ServerLimits | None = None,
     info: dict | None = None,
     max_wait_ms: float = 0.0,
+    frame_docs: int = 320,
 ):
-    """The FastAPI app serving ``retriever``. ``info`` is echoed by ``/health`` (index path, method)."""
+    """The FastAPI app serving ``retriever``. ``info`` is echoed by ``/health`` (index path, method);
+    ``max_wait_ms`` goes to the :class:`Batcher`; ``frame_docs`` is the size of a ``columns-stream`` frame in
+    documents (``frame_docs // topk`` queries, at least one; see :class:`RetrieveEndpoint`)."""
     limits = limits or ServerLimits()
     batcher = Batcher(retriever, max_batch_queries=max(limits.max_queries, 8192), max_wait_ms=max_wait_ms)
 
@@ -276,7 +310,7 @@ def create_app(
 
     # /retrieve is a plain ASGI endpoint ahead of FastAPI's routes: FastAPI's request/response layer cost
     # ~0.1 ms per request, about 1% of a batch of 256 at 10k passages (bench/retrieval.py)
-    app.router.routes.insert(0, Route("/retrieve", RetrieveEndpoint(batcher, limits), methods=["POST"]))
+    app.router.routes.insert(0, Route("/retrieve", RetrieveEndpoint(batcher, limits, frame_docs), methods=["POST"]))
 
     @app.get("/health")
     async def health():

@@ -386,3 +386,88 @@ def test_client_rejects_a_malformed_columns_reply():
 
     with _Server(app) as s, pytest.raises(RetrievalServerError, match="malformed columns reply"):
         RemoteRetriever(s.url, retries=0).search(["q"], 1)
+
+
+def _frames(body: bytes) -> list[dict]:
+    """The objects of a ``columns-stream`` body, checking its framing (``<byte count>\\n<object>\\n``)."""
+    out, at = [], 0
+    while at < len(body):
+        head, _, rest = body[at:].partition(b"\n")
+        size = int(head)
+        assert rest[size - 1 : size] == b"\n"
+        out.append(json.loads(rest[:size]))
+        at += len(head) + 1 + size
+    return out
+
+
+def test_columns_stream_frames_carry_the_columns_reply(bm25, monkeypatch):
+    """``columns-stream`` splits the ``columns`` reply into frames of ``frame_docs`` documents (here 2: one
+    query of top-2 per frame), in query order, with the same documents and scores; a batch that fits in one
+    frame gets one ``columns`` body; Sleuth's client reads both into the in-process hits. A failure after the
+    first frame ends the stream with an error frame, which the client raises; the server keeps serving."""
+    from retrieval import server as server_module
+    from retrieval.base import REPLY_FORMAT_HEADER, ROWS_REPLY_HEADER
+
+    qs = ["highest mountain Himalayas", "Trigiani", "glucose sunlight"]
+    payload = {"queries": qs, "topk": 2, "return_scores": True}
+    with _Server(create_app(bm25, frame_docs=2)) as s:
+        cols = httpx2.post(s.url + "/retrieve", json=payload, headers={REPLY_FORMAT_HEADER: "columns"}).json()
+        r = httpx2.post(s.url + "/retrieve", json=payload, headers={REPLY_FORMAT_HEADER: "columns-stream"})
+        assert r.status_code == 200 and r.headers[ROWS_REPLY_HEADER] == "columns-stream"
+        frames = _frames(r.content)
+        assert len(frames) == 3 and all(len(f["result"]) == 1 for f in frames)
+        assert [d for f in frames for d in f["result"]] == cols["result"]
+        assert [x for f in frames for x in f["scores"]] == cols["scores"]
+        one = httpx2.post(
+            s.url + "/retrieve", json={**payload, "queries": qs[:1]}, headers={REPLY_FORMAT_HEADER: "columns-stream"}
+        )
+        assert one.headers[ROWS_REPLY_HEADER] == "columns" and one.json()["result"] == cols["result"][:1]
+        local = [[(h.id, h.title, h.contents, h.score) for h in q] for q in bm25.search(qs, 2)]
+        with RemoteRetriever(s.url) as c:
+            for batch in (qs, qs[:1]):
+                got = [[(h.id, h.title, h.contents, h.score) for h in q] for q in c.search(batch, 2)]
+                assert got == [[(*h[:3], pytest.approx(h[3], rel=1e-6)) for h in q] for q in local[: len(batch)]]
+
+            calls = []
+            real = server_module.rows_to_frame
+
+            def fail_second(*a):
+                calls.append(1)
+                if len(calls) == 2:
+                    raise IndexError("row 99 outside the store")
+                return real(*a)
+
+            monkeypatch.setattr(server_module, "rows_to_frame", fail_second)
+            with pytest.raises(RetrievalServerError, match="failed mid-reply.*row 99 outside the store"):
+                c.search(qs, 2)
+            monkeypatch.setattr(server_module, "rows_to_frame", real)
+            assert [[h.id for h in q] for q in c.search(qs, 2)] == [[h[0] for h in q] for q in local]
+
+
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        (b"abc\n{}\n", "bad frame"),  # not a byte count
+        (b"0\n", "bad frame"),  # an empty frame
+        (b'100\n{"result": []', "bad frame"),  # cut short
+        (b'16\n{"result": [[]]}', "malformed columns reply"),  # no scores
+        (b'28\n{"result":[[]],"scores":[]}\n' * 2, "2 results for 1 queries"),  # a result too many
+    ],
+)
+def test_client_rejects_malformed_columns_stream(body, needle):
+    """A ``columns-stream`` reply with a bad frame, an object that is not a columns reply, or the wrong number
+    of results is a RetrievalServerError naming the fault, never hits that do not belong to the queries."""
+    from retrieval.base import ROWS_REPLY_HEADER
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        headers = [(b"content-type", b"application/octet-stream"), (ROWS_REPLY_HEADER.encode(), b"columns-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    with _Server(app) as s, pytest.raises(RetrievalServerError, match=needle):
+        RemoteRetriever(s.url, retries=0).search(["q"], 1)
