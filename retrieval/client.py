@@ -11,7 +11,8 @@ answers a batch larger than one frame with frames ``<byte count>\n<columns objec
 documents each (:func:`retrieval.reply.rows_to_frame`), and the client parses each frame as soon as it has
 read it, while the server is still splicing and sending the next: at batch 256, top-10, over 10k passages
 this took the server's overhead over in-process search from about +21% to +4-9% (same runs, steady state,
-``bench/retrieval.py``'s ``time_blocks``). A smaller batch comes as one ``columns`` body; any other server
+``bench/retrieval.py``'s ``time_blocks``); at 100k passages it made no clear difference, at 1M it cost about
+2 ms of a 130 ms call, and after idle gaps it did not help (``bench/RESULTS.md``). A smaller batch comes as one ``columns`` body; any other server
 answers Search-R1's format, which is parsed the general way.
 
 Why ``http.client`` and not httpx2 (used for the other HTTP clients) or urllib3: a batch of 256 queries at
