@@ -12,8 +12,8 @@ documents each (:func:`retrieval.reply.rows_to_frame`), and the client parses ea
 read it, while the server is still splicing and sending the next: at batch 256, top-10, over 10k passages
 this took the server's overhead over in-process search from about +21% to +4-9% (same runs, steady state,
 ``bench/retrieval.py``'s ``time_blocks``); at 100k passages it made no clear difference, at 1M it cost about
-2 ms of a 130 ms call, and after idle gaps it did not help (``bench/RESULTS.md``). A smaller batch comes as one ``columns`` body; any other server
-answers Search-R1's format, which is parsed the general way.
+2 ms of a 130 ms call, and after idle gaps it did not help (``bench/RESULTS.md``). A smaller batch comes as
+one ``columns`` body; any other server answers Search-R1's format, which is parsed the general way.
 
 Why ``http.client`` and not httpx2 (used for the other HTTP clients) or urllib3: a batch of 256 queries at
 top-10 is a ~1.7 MB reply. ``http.client`` reads it in one buffered read; httpx2 (h11, 64 KiB chunks copied
@@ -138,7 +138,9 @@ class RemoteRetriever:
         errors): its body, or what ``read(response)`` makes of a response with a status below 400 (called
         before the connection goes back to the pool; an ``OSError`` or ``HTTPException`` it raises is retried
         like a failed request; a :class:`RetrievalServerError` or any other exception is raised at once)."""
-        headers = {"Content-Type": "application/json", REPLY_FORMAT_HEADER: self.reply_format} if body is not None else {}
+        headers = {}
+        if body is not None:
+            headers = {"Content-Type": "application/json", REPLY_FORMAT_HEADER: self.reply_format}
         last: Exception | None = None
         failures = 0
         while True:

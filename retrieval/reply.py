@@ -134,8 +134,14 @@ def rows_to_reply(
         return _splice_rows(rows, store, _HEAD, _TAIL)
     if fmt == "search-r1":
         return _splice_rows(rows, store, _HEAD, _TAIL, scores)
+    return _columns(rows, scores, store, b"}")
+
+
+def _columns(rows: np.ndarray, scores: np.ndarray, store, end: bytes) -> memoryview:
+    """The ``columns`` object of ``[Q, k]`` ``rows``/``scores`` followed by ``end`` (its closing brace, and the
+    newline of a frame)."""
     flat = _dumps(scores[rows >= 0].astype(np.float64).tolist())  # b"[s0,s1,...]"
-    return _splice_rows(rows, store, _HEAD, _u8(b'],"scores":' + flat + b"}"))
+    return _splice_rows(rows, store, _HEAD, _u8(b'],"scores":' + flat + end))
 
 
 def rows_json(rows: np.ndarray, store) -> memoryview:
@@ -153,6 +159,5 @@ def rows_to_frame(rows: np.ndarray, scores: np.ndarray, store) -> tuple[bytes, m
     ``[q, k]`` ``rows``/``scores`` (:func:`rows_to_reply`) and a newline, ``n`` its length in bytes. A
     ``columns-stream`` body is such frames, one per slice of queries in order, so a client can parse one while
     the next is still on its way (``retrieval.client``). Raises as :func:`rows_to_reply`."""
-    flat = _dumps(scores[rows >= 0].astype(np.float64).tolist())
-    body = _splice_rows(rows, store, _HEAD, _u8(b'],"scores":' + flat + b"}\n"))
+    body = _columns(rows, scores, store, b"}\n")
     return b"%d\n" % body.nbytes, body

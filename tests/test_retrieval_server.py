@@ -367,23 +367,29 @@ def test_column_hits_fast_path_equals_general_path():
         _column_hits({"result": reply["result"]})
 
 
-def test_client_rejects_a_malformed_columns_reply():
-    """A reply that says ``columns`` but has a score missing is a clear RetrievalServerError, never hits
-    with wrong scores."""
+def _canned_app(fmt: bytes, body: bytes):
+    """An ASGI app that answers every request 200 with ``body``, its ``x-sleuth-rows-reply`` header claiming
+    the reply format ``fmt``: a server whose reply is whatever the test chooses."""
     from retrieval.base import ROWS_REPLY_HEADER
-    from retrieval.client import RetrievalServerError
-
-    body = json.dumps({"result": [[{"id": "a", "title": "T", "contents": "T\nb"}]], "scores": []}).encode()
 
     async def app(scope, receive, send):
         if scope["type"] != "http":
             return
         while (await receive()).get("more_body"):
             pass
-        headers = [(b"content-type", b"application/json"), (ROWS_REPLY_HEADER.encode(), b"columns")]
+        headers = [(b"content-type", b"application/octet-stream"), (ROWS_REPLY_HEADER.encode(), fmt)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
+    return app
+
+
+def test_client_rejects_a_malformed_columns_reply():
+    """A reply that says ``columns`` but has a score missing is a clear RetrievalServerError, never hits
+    with wrong scores."""
+    body = json.dumps({"result": [[{"id": "a", "title": "T", "contents": "T\nb"}]], "scores": []}).encode()
+
+    app = _canned_app(b"columns", body)
     with _Server(app) as s, pytest.raises(RetrievalServerError, match="malformed columns reply"):
         RemoteRetriever(s.url, retries=0).search(["q"], 1)
 
@@ -457,17 +463,5 @@ def test_columns_stream_frames_carry_the_columns_reply(bm25, monkeypatch):
 def test_client_rejects_malformed_columns_stream(body, needle):
     """A ``columns-stream`` reply with a bad frame, an object that is not a columns reply, or the wrong number
     of results is a RetrievalServerError naming the fault, never hits that do not belong to the queries."""
-    from retrieval.base import ROWS_REPLY_HEADER
-
-    async def app(scope, receive, send):
-        if scope["type"] != "http":
-            return
-        while (await receive()).get("more_body"):
-            pass
-        headers = [(b"content-type", b"application/octet-stream"), (ROWS_REPLY_HEADER.encode(), b"columns-stream")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": body, "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
-
-    with _Server(app) as s, pytest.raises(RetrievalServerError, match=needle):
+    with _Server(_canned_app(b"columns-stream", body)) as s, pytest.raises(RetrievalServerError, match=needle):
         RemoteRetriever(s.url, retries=0).search(["q"], 1)
