@@ -159,11 +159,8 @@ def pool_corpus(
                 if got is None:  # a corpus line
                     contents = str(obj.get("contents", obj.get("text", "")))
                     title = str(obj.get("title") or "")
-                    text = (
-                        contents.partition("\n")[2]
-                        if "contents" in obj and title and contents.startswith(title)
-                        else contents
-                    )
+                    # the body without the title line, only when the first line is the title (Passage.text)
+                    text = Passage(str(obj["id"]), title, contents).text if "contents" in obj else contents
                     stats["paragraphs"] += 1
                     yield from add(title, text, str(obj["id"]))
                     continue

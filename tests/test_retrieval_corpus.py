@@ -83,3 +83,22 @@ def test_errors_name_the_line(tmp_path):
         pool_corpus([sr1], tmp_path / "out.jsonl")
     with pytest.raises(FileNotFoundError):
         pool_corpus([tmp_path / "missing.jsonl"], tmp_path / "out.jsonl")
+
+
+def test_corpus_line_without_title_line_keeps_its_body(tmp_path):
+    src = tmp_path / "c.jsonl"
+    rows = [
+        {"id": "a", "title": "Paris", "contents": "Paris is the capital of France."},
+        {"id": "b", "title": "Paris", "contents": "Paris is a city in Texas."},
+        {"id": "c", "title": "Paris", "contents": "Paris\nParis has many bridges."},
+        {"id": "d", "title": "Paris", "contents": '"Paris"\nParis has many bridges.'},  # same passage as c
+    ]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stats = pool_corpus([src], tmp_path / "out.jsonl")
+    corpus = read_corpus(tmp_path / "out.jsonl")
+    assert [(p.id, p.text) for p in corpus] == [
+        ("a", "Paris is the capital of France."),
+        ("b", "Paris is a city in Texas."),
+        ("c", "Paris has many bridges."),
+    ]
+    assert stats["duplicates"] == 1
