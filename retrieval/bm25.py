@@ -155,12 +155,19 @@ class BM25Index:
         return cls(model, tok, params, n_threads=n_threads, backend=backend)
 
     def tokenize(self, queries: list[str]) -> list[list[int]]:
-        """Token ids of each query (unknown words dropped; an all-unknown query becomes the empty token)."""
+        """Token ids of each query; unknown words and stopwords are dropped, so such a query has none.
+
+        bm25s gives a query with no known term its empty token, which every passage that tokenised to nothing
+        also carries; that id is removed here, so such a query matches no passage (as in Lucene).
+        """
         with self._tok_lock:
-            return self.tokenizer.tokenize(queries, update_vocab=False, return_as="ids", show_progress=False)
+            ids = self.tokenizer.tokenize(queries, update_vocab=False, return_as="ids", show_progress=False)
+        empty = self.tokenizer.word_to_id.get("")
+        return [[t for t in q if t != empty] for q in ids]
 
     def search_rows(self, queries: list[str], k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Top-``k`` rows and BM25 scores for each query; see the class docstring for shapes."""
+        """Top-``k`` rows and BM25 scores for each query; see the class docstring for shapes. A query with no
+        known term (only unknown words or stopwords, or blank) gets no hits. Raises ``ValueError`` for ``k < 1``."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         k = min(k, self.num_docs)
@@ -174,8 +181,12 @@ class BM25Index:
             ids = [[t for t in q if t in known] for q in ids]
             s = self.model.scores
             return maxscore.search(s["data"], s["indices"], s["indptr"], self._maxs, ids, k, self._threads, self._pool)
-        res = self.model.retrieve(ids, k=k, show_progress=False, n_threads=self.n_threads)
-        rows = np.asarray(res.documents, dtype=np.int64).reshape(len(queries), k)
-        scores = np.asarray(res.scores, dtype=np.float32).reshape(len(queries), k)
+        rows = np.full((len(queries), k), -1, dtype=np.int64)
+        scores = np.zeros((len(queries), k), dtype=np.float32)
+        keep = [i for i, q in enumerate(ids) if q]  # bm25s's numba backend rejects a query without ids
+        if keep:
+            res = self.model.retrieve([ids[i] for i in keep], k=k, show_progress=False, n_threads=self.n_threads)
+            rows[keep] = np.asarray(res.documents, dtype=np.int64).reshape(len(keep), k)
+            scores[keep] = np.asarray(res.scores, dtype=np.float32).reshape(len(keep), k)
         rows[scores <= 0] = -1
         return rows, scores

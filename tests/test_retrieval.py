@@ -142,6 +142,24 @@ def test_bm25_threads_and_unknown_words(index_dir):
     assert (r3 == r1).all() and (s3 == s1).all()
 
 
+
+@pytest.mark.parametrize("backend", ["maxscore", "numpy", "numba"])
+def test_bm25_no_term_query_gets_no_hits(tmp_path, backend):
+    """bm25s gives a query of only unknown words or stopwords the empty token, which a passage that tokenised
+    to nothing also carries; such a query must still get no hits, on every backend."""
+    if backend == "numba":
+        pytest.importorskip("numba")
+    from retrieval.bm25 import BM25Index
+
+    docs = ["the of and", "paris is nice", "london is big", "berlin is cold", "rome is old"]
+    BM25Index.build(docs, len(docs), tmp_path, show_progress=False)
+    b = BM25Index.load(tmp_path, backend=backend)
+    rows, scores = b.search_rows(["zzz", "the and of", "paris", "", "zzz paris"], 3)
+    assert (rows[[0, 1, 3]] == -1).all() and (scores[[0, 1, 3]] == 0).all()
+    assert rows[2, 0] == 1 and rows[4, 0] == 1 and (rows[[2, 4], 1:] == -1).all()
+    np.testing.assert_allclose(scores[4], scores[2])
+
+
 def test_dense_round_trip(index_dir):
     r = load_retriever(index_dir, "dense")
     res = r.search(["tallest peak in the world", "how do plants make sugar from light"], 2)
