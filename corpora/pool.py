@@ -126,26 +126,58 @@ def pool_corpus(
 ) -> dict[str, int]:
     """Pool paragraphs of ``sources`` into the corpus JSONL ``out``, deduplicated by (title, text).
 
-    Ids are ``{id_prefix}{n}`` (``{id_prefix}{n}-{j}`` for the j-th chunk when a paragraph is chunked);
-    corpus-JSONL inputs keep their ids. With ``qa_out``, the questions are written as FlashRAG QA JSONL
-    whose ``metadata.supporting_ids`` lists the ids of each question's supporting paragraphs (all chunks).
-    Dedup keeps a 16-byte digest per passage, so memory grows with the number of distinct passages only.
+    Ids are ``{id_prefix}{n}`` (``{id_prefix}{n}-{j}`` for the j-th chunk when a paragraph is chunked),
+    skipping ids already written; corpus-JSONL inputs keep their ids. With ``qa_out``, the questions are
+    written as FlashRAG QA JSONL whose ``metadata.supporting_ids`` lists the ids of each question's
+    supporting paragraphs (all chunks). Dedup keeps a 16-byte digest and the ids per passage, so memory
+    grows with the number of distinct passages only.
     Returns counts: ``records``, ``paragraphs``, ``passages`` (written), ``duplicates``, ``questions``.
+
+    Raises :class:`~corpora.formats.DataFormatError` naming the file and line of a malformed record and of a
+    corpus-JSONL passage (not a duplicate by content) whose id is already written, by another corpus or as
+    a generated id (a kept id is never renamed: list corpora first or pick an ``id_prefix`` they do not use),
+    and ``FileNotFoundError`` for a missing source.
     """
     out = Path(out)
     seen: dict[bytes, list[str]] = {}
+    taken: set[str] = set()  # every id written
+    next_n = [0]  # generated ids count up from here
     stats = {"records": 0, "paragraphs": 0, "passages": 0, "duplicates": 0, "questions": 0}
     questions: list[QAExample] = []
 
-    def add(title: str, text: str, pid: str | None) -> Iterator[Passage] | list[str]:
+    def chunk_ids(base: str, n_chunks: int) -> list[str]:
+        return [base] if n_chunks == 1 else [f"{base}-{j}" for j in range(n_chunks)]
+
+    def fresh_ids(n_chunks: int) -> list[str]:
+        n = max(next_n[0], len(seen))
+        ids = chunk_ids(f"{id_prefix}{n}", n_chunks)
+        while not taken.isdisjoint(ids):
+            n += 1
+            ids = chunk_ids(f"{id_prefix}{n}", n_chunks)
+        next_n[0] = n + 1
+        return ids
+
+    def add(title: str, text: str, src: tuple[str, Path, int] | None) -> list[Passage]:
+        """The passages of one paragraph (none for a duplicate); ``src`` = (id, file, line) of a corpus line."""
         key = hashlib.blake2b(f"{title}\x00{_norm(text)}".encode(), digest_size=16).digest()
         if key in seen:
             stats["duplicates"] += 1
             return []
-        base = pid or f"{id_prefix}{len(seen)}"
         chunks = chunk_words(_norm(text), chunk_size, overlap)
-        ids = [base] if len(chunks) == 1 else [f"{base}-{j}" for j in range(len(chunks))]
+        if src is None:
+            ids = fresh_ids(len(chunks))
+        else:
+            pid, path, lineno = src
+            ids = chunk_ids(pid, len(chunks))
+            if not taken.isdisjoint(ids):
+                dup = next(i for i in ids if i in taken)
+                raise DataFormatError(
+                    f"{path}:{lineno}: passage id {dup!r} is already taken by an earlier passage of the pool "
+                    "(ids must be unique; kept corpus ids are never renamed): pool the corpus files first, "
+                    "or choose an --id-prefix (id_prefix) that none of their ids start with"
+                )
         seen[key] = ids
+        taken.update(ids)
         return [Passage.make(i, title, c) for i, c in zip(ids, chunks)]
 
     def passages() -> Iterator[Passage]:
@@ -162,7 +194,7 @@ def pool_corpus(
                     # the body without the title line, only when the first line is the title (Passage.text)
                     text = Passage(str(obj["id"]), title, contents).text if "contents" in obj else contents
                     stats["paragraphs"] += 1
-                    yield from add(title, text, str(obj["id"]))
+                    yield from add(title, text, (str(obj["id"]), src, lineno))
                     continue
                 paras, qa = got
                 supporting: list[str] = []

@@ -102,3 +102,27 @@ def test_corpus_line_without_title_line_keeps_its_body(tmp_path):
         ("c", "Paris has many bridges."),
     ]
     assert stats["duplicates"] == 1
+
+
+def test_pooled_ids_are_unique(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(
+        "".join(json.dumps({"id": i, "title": t, "contents": f"{t}\n{x}"}) + "\n"
+                for i, t, x in [("p0", "Z", "zeta"), ("p4", "Y", "upsilon"), ("p3-0", "W", "omega")])
+    )
+    ctx = tmp_path / "ircot.jsonl"
+    paras = [("A", "alpha one", True), ("B", "beta two", False), ("C", "gamma three", False)]
+    ctx.write_text(json.dumps(_ircot("q1", paras)) + "\n")
+    pool_corpus([corpus, ctx], tmp_path / "out.jsonl")  # generated ids skip the corpus's ids
+    assert [p.id for p in read_corpus(tmp_path / "out.jsonl")] == ["p0", "p4", "p3-0", "p3", "p5", "p6"]
+    chunked = tmp_path / "chunked.jsonl"
+    pool_corpus([corpus, ctx], chunked, chunk_size=1)  # p3 would give p3-0 (taken), p3-1
+    assert [p.id for p in read_corpus(chunked)][3:] == ["p4-0", "p4-1", "p5-0", "p5-1", "p6-0", "p6-1"]
+    # an input corpus id already written (by a generated id or another corpus) is an error naming its line
+    with pytest.raises(DataFormatError, match=r"corpus\.jsonl:1: passage id 'p0' is already taken.*--id-prefix"):
+        pool_corpus([ctx, corpus], tmp_path / "out2.jsonl")
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"id": "p4", "title": "V", "contents": "V\nnu"}) + "\n")
+    with pytest.raises(DataFormatError, match=r"other\.jsonl:1: passage id 'p4' is already taken"):
+        pool_corpus([corpus, other], tmp_path / "out3.jsonl")
+    assert not (tmp_path / "out3.jsonl").exists()
