@@ -18,9 +18,10 @@ one frame is plain ``columns``). Other retrievers (hybrid, cached, remote) go th
 :class:`~retrieval.base.Hit` objects and orjson, in Search-R1's format.
 
 Batching: requests wait in a queue; one worker takes everything queued (up to ``max_batch_queries``
-queries), runs a single ``retriever.search`` in a thread and hands each request its slice. While one search
-runs, the next requests pile up and form the next batch, so concurrent rollout workers share index passes
-without a fixed wait (``max_wait_ms`` adds one if wanted).
+queries), runs one ``retriever.search`` per distinct ``topk`` in a thread and hands each request its slice;
+if a search of several requests fails, each is searched alone, so a bad request fails only itself. While
+one search runs, the next requests pile up and form the next batch, so concurrent rollout workers share
+index passes without a fixed wait (``max_wait_ms`` adds one if wanted).
 
 Limits (each violation is a 4xx whose ``error`` names the limit): body bytes (413), queries per request,
 query characters, empty queries, ``topk`` range (400). A failing search answers 500 and the server keeps
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -42,6 +44,8 @@ from starlette.routing import Route
 
 from retrieval.base import REPLY_FORMAT_HEADER, ROWS_REPLY_HEADER, Hit, Retriever
 from retrieval.reply import REPLY_FORMATS, rows_to_frame, rows_to_reply
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -162,26 +166,46 @@ class Batcher:
             while not self._queue.empty() and n < self.max_batch_queries:
                 items.append(self._queue.get_nowait())
                 n += len(items[-1][0])
-            all_q = [q for qs, _, _ in items for q in qs]
-            kmax = max(k for _, k, _ in items)
-            search = self.rows[0] if self.rows else self.retriever.search
-            try:  # requests with no queries: nothing to search (the row path still answers with empty arrays)
-                res = await loop.run_in_executor(None, search, all_q, kmax) if all_q or self.rows else []
-            except Exception as e:  # noqa: BLE001 (the server keeps serving; each waiting request gets the error)
-                for _, _, fut in items:
-                    if not fut.done():
-                        fut.set_exception(e)
-                continue
-            self.batches += 1
-            self.queries += len(all_q)
-            at = 0
-            for qs, k, fut in items:
-                if not fut.done():
-                    if self.rows:
-                        fut.set_result((res[0][at : at + len(qs), :k], res[1][at : at + len(qs), :k]))
-                    else:
-                        fut.set_result([hits[:k] for hits in res[at : at + len(qs)]])
-                at += len(qs)
+            try:  # one pass per distinct topk: a deeper search's top 3 need not be the top 3 (hybrid, HNSW)
+                for k in dict.fromkeys(k for _, k, _ in items):
+                    await self._serve(loop, [item for item in items if item[1] == k], k)
+            except Exception as e:  # a bug here must not leave requests waiting forever
+                log.exception("retrieval batch failed")
+                _fail(items, e)
+
+    async def _serve(self, loop, group: list, k: int) -> None:
+        """Search the queries of ``group`` (``(queries, k, future)`` items of one ``k``) in one pass and
+        resolve each future with its slice. If that search fails and the group holds several requests, each
+        is searched alone, so one bad request (say, a query the encoder rejects) fails only itself."""
+        queries = [q for qs, _, _ in group for q in qs]
+        search = self.rows[0] if self.rows else self.retriever.search
+        try:  # requests with no queries: nothing to search (the row path still answers with empty arrays)
+            res = await loop.run_in_executor(None, search, queries, k) if queries or self.rows else []
+            parts = self._split(res, [len(qs) for qs, _, _ in group], k)
+        except Exception as e:  # noqa: BLE001 (the server keeps serving; each waiting request gets the error)
+            if len(group) > 1:
+                for item in group:
+                    await self._serve(loop, [item], k)
+            else:
+                _fail(group, e)
+            return
+        self.batches += 1
+        self.queries += len(queries)
+        for (_, _, fut), part in zip(group, parts):
+            if not fut.done():
+                fut.set_result(part)
+
+    def _split(self, res, sizes: list[int], k: int) -> list:
+        """One search result cut into per-request slices of ``sizes`` queries; raises ``RuntimeError`` when
+        the retriever answered another number of queries."""
+        n = len(res[0]) if self.rows else len(res)
+        if n != sum(sizes):
+            raise RuntimeError(f"the retriever answered {n} queries of {sum(sizes)}")
+        at, out = 0, []
+        for m in sizes:
+            out.append((res[0][at : at + m, :k], res[1][at : at + m, :k]) if self.rows else [h[:k] for h in res[at : at + m]])
+            at += m
+        return out
 
     def encode_reply(
         self, res: list[list[Hit]] | tuple[np.ndarray, np.ndarray], return_scores: bool, fmt: str = "search-r1"
@@ -274,6 +298,12 @@ class RetrieveEndpoint:
 
 
 _ROWS, _FORMAT = ROWS_REPLY_HEADER.encode(), REPLY_FORMAT_HEADER.encode()
+
+
+def _fail(items: list, e: BaseException) -> None:
+    for _, _, fut in items:
+        if not fut.done():
+            fut.set_exception(e)
 
 
 def _error_body(msg: str) -> bytes:

@@ -199,6 +199,81 @@ def test_concurrent_requests_are_batched():
     assert h["batches"] < 8 and max(slow.calls) > 1  # requests arriving together shared an index pass
 
 
+def _post_together(url: str, payloads: list[dict]) -> list[httpx2.Response]:
+    """POST ``payloads`` to ``url``/retrieve at once, one thread each; the responses in order."""
+    out = [None] * len(payloads)
+
+    def post(i):
+        out[i] = httpx2.post(url + "/retrieve", json=payloads[i], timeout=10)
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(len(payloads))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+class _Recorder:
+    """A retriever that sleeps 0.2 s per search (so requests pile up into batches), records each call's
+    ``(queries, k)``, raises ``ValueError`` on the query ``"bad"`` and answers hits whose ids name the ``k``
+    they were searched with, as a search whose top hits depend on its depth (hybrid fusion, HNSW) would."""
+
+    def __init__(self):
+        self.calls = []
+
+    def search(self, queries, k):
+        self.calls.append((list(queries), k))
+        time.sleep(0.2)
+        if "bad" in queries:
+            raise ValueError("the encoder rejects 'bad'")
+        return [[Hit(f"{q}@{k}#{i}", q, q, float(k - i)) for i in range(k)] for q in queries]
+
+
+def test_a_bad_request_fails_only_itself_in_a_batch():
+    """A request that makes the shared search fail gets its 400; the requests batched with it are searched
+    again without it and answered."""
+    rec = _Recorder()
+    with _Server(create_app(rec)) as s:
+        payloads = [{"queries": [f"q{i}"], "topk": 1} for i in range(6)]
+        payloads[3] = {"queries": ["bad"], "topk": 1}
+        rs = _post_together(s.url, payloads)
+        assert rs[3].status_code == 400 and "the encoder rejects 'bad'" in rs[3].json()["error"]
+        for i, r in enumerate(rs):
+            if i != 3:
+                assert r.status_code == 200 and r.json()["result"][0][0]["id"] == f"q{i}@1#0"
+    assert any("bad" in qs and len(qs) > 1 for qs, _ in rec.calls)  # the bad request did share a batch
+
+
+def test_requests_with_different_topk_are_searched_at_their_own_depth():
+    """Requests batched together but asking different ``topk`` each get the hits of a search at their own
+    depth, not the first ``topk`` of a deeper search."""
+    rec = _Recorder()
+    with _Server(create_app(rec)) as s:
+        payloads = [{"queries": [f"q{i}"], "topk": 1 + i % 3} for i in range(6)]
+        rs = _post_together(s.url, payloads)
+    for p, r in zip(payloads, rs):
+        q, k = p["queries"][0], p["topk"]
+        assert [d["id"] for d in r.json()["result"][0]] == [f"{q}@{k}#{i}" for i in range(k)]
+    assert sorted(q for qs, _ in rec.calls for q in qs) == sorted(p["queries"][0] for p in payloads)
+    assert any(len(qs) > 1 for qs, _ in rec.calls)  # requests of one topk still shared a pass
+
+
+def test_a_retriever_answering_the_wrong_number_of_queries_is_a_500_and_server_survives():
+    class Short:
+        n = 0
+
+        def search(self, queries, k):
+            Short.n += 1
+            return [[Hit("d", "T", "T\nx", 1.0)] for _ in queries[: len(queries) - (Short.n == 1)]]
+
+    with _Server(create_app(Short())) as s:
+        r = httpx2.post(s.url + "/retrieve", json={"queries": ["a", "b"], "topk": 1}, timeout=5)
+        assert r.status_code == 500 and "answered 1 queries of 2" in r.json()["error"]
+        r = httpx2.post(s.url + "/retrieve", json={"queries": ["a", "b"], "topk": 1}, timeout=5)
+        assert r.status_code == 200 and len(r.json()["result"]) == 2
+
+
 def test_search_error_is_500_and_server_survives():
     class Flaky:
         n = 0
