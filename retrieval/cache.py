@@ -13,6 +13,21 @@ from collections import OrderedDict
 from retrieval.base import Hit, Retriever
 
 
+def check_queries(queries: list[str], k: int) -> None:
+    """The checks every retriever makes of a search's arguments (as :mod:`retrieval.index`'s retrievers do).
+
+    Raises ``TypeError`` for one string instead of a list of them or for a query that is not a ``str``, and
+    ``ValueError`` for ``k`` not an integer >= 1.
+    """
+    if isinstance(queries, str):
+        raise TypeError("queries must be a list of strings, got one string")
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an integer >= 1, got {k!r}")
+    for i, q in enumerate(queries):
+        if not isinstance(q, str):
+            raise TypeError(f"query {i} is {type(q).__name__}, expected str")
+
+
 class CachedRetriever:
     """Wrap ``inner`` with an LRU of at most ``maxsize`` queries. Misses of one batch are searched together
     in one ``inner.search`` call. ``hits``/``misses`` count lookups."""
@@ -33,8 +48,9 @@ class CachedRetriever:
             self._lru.clear()
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be an integer >= 1, got {k!r}")
+        """The top-``k`` hits of each query, cached ones without searching. Raises ``TypeError`` /
+        ``ValueError`` for malformed queries or ``k < 1`` (:func:`check_queries`)."""
+        check_queries(queries, k)
         out: list[list[Hit] | None] = [None] * len(queries)
         todo: dict[str, list[int]] = {}
         with self._lock:

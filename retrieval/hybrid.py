@@ -13,6 +13,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 from retrieval.base import Hit, Retriever
+from retrieval.cache import check_queries
 
 
 def rrf_fuse(
@@ -32,7 +33,8 @@ def rrf_fuse(
 class HybridRetriever:
     """RRF of several retrievers; hit scores are the fused RRF scores.
 
-    Each part is searched for ``max(depth, k)`` hits. Raises ``ValueError`` for ``k < 1``.
+    Each part is searched for ``max(depth, k)`` hits; blank queries get no hits. Raises ``TypeError`` /
+    ``ValueError`` for malformed queries or ``k < 1`` (:func:`retrieval.cache.check_queries`).
     """
 
     def __init__(self, *parts: Retriever, rrf_k: float = 60.0, depth: int = 100):
@@ -48,11 +50,10 @@ class HybridRetriever:
         self.store = parts[0].store if self._rows else None
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be an integer >= 1, got {k!r}")
+        check_queries(queries, k)
         depth = max(self.depth, k)
         if self._rows:
-            keep = [i for i, q in enumerate(queries) if isinstance(q, str) and q.strip()]
+            keep = [i for i, q in enumerate(queries) if q.strip()]
             out: list[list[Hit]] = [[] for _ in queries]
             if not keep:
                 return out

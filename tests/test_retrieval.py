@@ -249,6 +249,28 @@ def test_bad_inputs(index_dir, tmp_path):
         load_retriever(index_dir, "splade")
 
 
+
+def test_hybrid_and_cache_check_queries_like_the_other_retrievers(index_dir):
+    """A single string (not a list) or a non-str query raises the same error as the BM25 retriever does, on the
+    hybrid row path, the generic hybrid path and the cache, rather than one search per character or no hits."""
+
+    def error(r, queries):
+        with pytest.raises((TypeError, ValueError)) as e:
+            r.search(queries, 5)
+        return type(e.value), str(e.value)
+
+    class Unchecked:  # no store (the generic, hit-level fusion path) and no checks of its own
+        def search(self, queries, k):
+            return [[Hit("a", "a", "a", 1.0)] for _ in queries]
+
+    bm25, hybrid = load_retriever(index_dir, "bm25"), load_retriever(index_dir, "hybrid")
+    generic = HybridRetriever(Unchecked(), Unchecked())
+    for r in (hybrid, generic, CachedRetriever(bm25), CachedRetriever(Unchecked())):
+        for bad in ("who is x", ["Everest", 3], ["Everest", None]):
+            assert error(r, bad) == error(bm25, bad)
+    assert error(bm25, "who is x")[0] is TypeError and error(bm25, ["Everest", 3])[0] is TypeError
+
+
 def test_missing_index_says_how_to_build(tmp_path, index_dir):
     with pytest.raises(IndexNotFoundError, match=f"sleuth index --corpus FILE --out {tmp_path / 'none'}"):
         load_retriever(tmp_path / "none")
