@@ -24,8 +24,8 @@ one search runs, the next requests pile up and form the next batch, so concurren
 index passes without a fixed wait (``max_wait_ms`` adds one if wanted).
 
 Limits (each violation is a 4xx whose ``error`` names the limit): body bytes (413), queries per request,
-query characters, empty queries, ``topk`` range (400). A failing search answers 500 and the server keeps
-serving. Binds 127.0.0.1 unless told otherwise.
+query characters, empty or non-Unicode queries, ``topk`` range, queries x ``topk`` (400). A failing search
+answers 500 and the server keeps serving. Binds 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
@@ -50,11 +50,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """Request bounds. ``allow_empty_queries`` answers an empty query with no hits instead of a 400."""
+    """Request bounds. ``max_hits`` bounds queries x ``topk`` of one request, and with it the reply's size
+    (about 0.7 KB per hit for wiki-18 passages); ``allow_empty_queries`` answers an empty query with no hits
+    instead of a 400."""
 
     max_queries: int = 4096
     max_query_chars: int = 4096
     max_topk: int = 1000
+    max_hits: int = 1 << 20
     default_topk: int = 3
     max_body_bytes: int = 16 << 20
     allow_empty_queries: bool = False
@@ -96,6 +99,11 @@ def parse_request(body: bytes, limits: ServerLimits) -> tuple[list[str], int, bo
             )
         if not q.strip() and not limits.allow_empty_queries:
             raise RequestError(f"query {i} is empty")
+        if not q.isascii():
+            try:
+                q.encode()
+            except UnicodeEncodeError as e:  # JSON may escape a lone surrogate; no encoder takes one
+                raise RequestError(f"query {i} is not valid Unicode ({e.reason} at character {e.start})") from None
     topk = obj.get("topk", limits.default_topk)
     if topk is None:
         topk = limits.default_topk
@@ -103,6 +111,11 @@ def parse_request(body: bytes, limits: ServerLimits) -> tuple[list[str], int, bo
         raise RequestError(f"'topk' must be an integer, got {topk!r}")
     if not 1 <= topk <= limits.max_topk:
         raise RequestError(f"'topk' must be between 1 and {limits.max_topk} (max_topk), got {topk}")
+    if len(queries) * topk > limits.max_hits:
+        raise RequestError(
+            f"{len(queries)} queries x topk {topk} = {len(queries) * topk} hits in one request; the limit is "
+            f"{limits.max_hits} (max_hits)"
+        )
     return queries, topk, bool(obj.get("return_scores", False))
 
 

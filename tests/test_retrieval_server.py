@@ -68,9 +68,8 @@ def bm25(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(bm25):
-    app = create_app(
-        bm25, ServerLimits(max_queries=64, max_query_chars=1000, max_topk=100), info={"method": "bm25"}
-    )
+    limits = ServerLimits(max_queries=64, max_query_chars=1000, max_topk=100, max_hits=200)
+    app = create_app(bm25, limits, info={"method": "bm25"})
     with _Server(app) as s:
         yield s
 
@@ -114,12 +113,14 @@ def test_search_r1_payload_and_reply(server, bm25):
         ({"queries": ["Everest"], "topk": 0}, 400, "'topk' must be between 1 and 100"),
         ({"queries": ["Everest"], "topk": 10000}, 400, "'topk' must be between 1 and 100"),
         ({"queries": ["q"] * 65, "topk": 1}, 400, "max_queries"),
+        ({"queries": ["q"] * 3, "topk": 67}, 400, "3 queries x topk 67 = 201 hits in one request; the limit is 200"),
+        (b'{"queries": ["Everest", "\\ud800 x"], "topk": 1}', 400, "query 1 is not valid Unicode"),
         ({"queries": [1, 2]}, 400, "query 0 is int"),
         ({"topk": 3}, 400, "'queries' must be a list"),
     ],
 )
 def test_bad_requests_get_clear_4xx_and_server_keeps_serving(server, payload, status, needle):
-    r = httpx2.post(server.url + "/retrieve", json=payload)
+    r = httpx2.post(server.url + "/retrieve", **{"content" if isinstance(payload, bytes) else "json": payload})
     assert r.status_code == status and needle in r.json()["error"]
     assert httpx2.post(server.url + "/retrieve", json={"queries": ["Everest"], "topk": 1}).status_code == 200
 

@@ -18,6 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=3, help="topk when a request gives none (Search-R1: 3)")
     p.add_argument("--max-topk", type=int, default=1000, help="largest topk accepted")
     p.add_argument("--max-queries", type=int, default=4096, help="most queries in one request")
+    p.add_argument("--max-hits", type=int, default=1 << 20,
+                   help="most hits (queries x topk) in one request; bounds the reply's size")
     p.add_argument("--max-query-chars", type=int, default=4096, help="longest query accepted, in characters")
     p.add_argument(
         "--allow-empty-queries",
@@ -42,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         max_queries=args.max_queries,
         max_query_chars=args.max_query_chars,
         max_topk=args.max_topk,
+        max_hits=args.max_hits,
         default_topk=args.topk,
         allow_empty_queries=args.allow_empty_queries,
     )
