@@ -201,7 +201,7 @@ class RemoteRetriever:
         ``columns-stream`` (frames ``<byte count>\\n<columns object>\\n``, each parsed as soon as it is read),
         one ``columns`` body, or Search-R1's format from any other server. Raises
         :class:`RetrievalServerError` on a malformed reply or frame, or on an error frame (the server failed
-        after its first frame)."""
+        after its first frame); ``http.client.IncompleteRead`` (retried) on a stream cut between frames."""
         fmt = r.getheader(ROWS_REPLY_HEADER)
         if fmt == "columns-stream":  # spliced from a Sleuth passage store, in frames
             out: list[list[Hit]] = []
@@ -211,6 +211,8 @@ class RemoteRetriever:
                 if len(data) != size or size < 1:
                     raise RetrievalServerError(f"malformed columns-stream reply from {self.endpoint}: bad frame")
                 out.extend(self._columns(data))
+            if r.chunk_left is not None:  # http.client sets None at the closing chunk: the stream was cut
+                raise http.client.IncompleteRead(b"")  # between frames, a broken connection (retried)
         elif fmt == "columns":
             out = self._columns(r.read())
         else:

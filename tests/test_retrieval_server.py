@@ -526,6 +526,33 @@ def test_columns_stream_frames_carry_the_columns_reply(bm25, monkeypatch):
             assert [[h.id for h in q] for q in c.search(qs, 2)] == [[h[0] for h in q] for q in local]
 
 
+def test_client_retries_a_columns_stream_cut_between_frames():
+    """A stream the server cuts off between two frames (no closing chunk) is a broken connection, which the
+    client retries, not a short reply."""
+    from retrieval.base import ROWS_REPLY_HEADER
+
+    frame = b'{"result":[[{"id":"a","title":"T","contents":"T\\nb"}]],"scores":[1.0]}\n'
+    calls = []
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        calls.append(1)
+        headers = [(b"content-type", b"application/octet-stream"), (ROWS_REPLY_HEADER.encode(), b"columns-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"%d\n" % len(frame) + frame, "more_body": True})
+        if len(calls) == 1:
+            raise ConnectionResetError("cut")  # uvicorn drops the connection without the closing chunk
+        await send({"type": "http.response.body", "body": b"%d\n" % len(frame) + frame, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    with _Server(app) as s:
+        hits = RemoteRetriever(s.url, retries=1, backoff=0.01).search(["q1", "q2"], 1)
+    assert len(calls) == 2 and [[h.id for h in q] for q in hits] == [["a"], ["a"]]
+
+
 @pytest.mark.parametrize(
     "body,needle",
     [
