@@ -11,6 +11,7 @@ Readers stream line by line and name the file and line number of any malformed r
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -61,27 +62,59 @@ class QAExample:
         return asdict(self)
 
 
-def iter_json_objects(lines: Iterable[str], path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+# a JSON escape in the surrogate range (\ud800-\udfff): only a line with one can decode to a lone surrogate
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE_B = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(obj: Any) -> bool:
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def iter_json_objects(
+    lines: Iterable[str] | Iterable[bytes], path: str | Path
+) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield ``(line number, object)`` for each non-blank line of a JSONL stream (1-based numbers).
 
-    ``lines`` is any iterable of text lines (an open file); ``path`` only names the source in errors.
-    Raises :class:`DataFormatError` naming the file and line of a line that is not a JSON object.
+    ``lines`` is any iterable of text lines or of UTF-8 byte lines (an open file); ``path`` only names the
+    source in errors. Raises :class:`DataFormatError` naming the file and line of a line that is not
+    UTF-8, not a JSON object, or has a string with an escaped lone surrogate (``"\\ud800"``, which no
+    UTF-8 file can hold).
     """
     for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
         try:
+            if isinstance(line, bytes):
+                escapes = _SURROGATE_ESCAPE_B.search(line)  # (faster on the bytes than on the decoded line)
+                line = line.decode("utf-8")
+            else:
+                escapes = _SURROGATE_ESCAPE.search(line)
+            if not line.strip():
+                continue
             obj = json.loads(line)
+        except UnicodeDecodeError as e:
+            raise DataFormatError(
+                f"{path}:{lineno}: not valid UTF-8 (byte {line[e.start]:#04x} at byte {e.start} of the line: "
+                f"{e.reason})"
+            ) from None
         except json.JSONDecodeError as e:
             raise DataFormatError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
         if not isinstance(obj, dict):
             raise DataFormatError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+        if escapes and _has_lone_surrogate(obj):
+            raise DataFormatError(
+                f"{path}:{lineno}: lone surrogate escape in a string (\\ud800-\\udfff without its pair): "
+                "not text, cannot be written as UTF-8"
+            )
         yield lineno, obj
 
 
 def iter_json_lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Stream ``(line number, object)`` from a JSONL file (see :func:`iter_json_objects`)."""
-    with open(path, encoding="utf-8") as f:
+    """Stream ``(line number, object)`` from a JSONL file read as UTF-8 (see :func:`iter_json_objects`)."""
+    with open(path, "rb") as f:
         yield from iter_json_objects(f, path)
 
 

@@ -126,3 +126,24 @@ def test_pooled_ids_are_unique(tmp_path):
     with pytest.raises(DataFormatError, match=r"other\.jsonl:1: passage id 'p4' is already taken"):
         pool_corpus([corpus, other], tmp_path / "out3.jsonl")
     assert not (tmp_path / "out3.jsonl").exists()
+
+
+def test_bad_text_names_the_line(tmp_path):
+    from retrieval.index import build_index
+
+    good = json.dumps({"id": "a", "title": "A", "contents": "A\nalpha"}).encode() + b"\n"
+    emoji = json.dumps({"id": "e", "title": "E", "contents": "E\nsmile \U0001f600"}).encode() + b"\n"  # a pair
+    bad_byte = b'{"id": "b", "title": "B", "contents": "B\\nbeta \xff"}\n'
+    lone = b'{"id": "s", "title": "S", "contents": "S\\nhalf \\ud800 of a pair"}\n'
+    for name, bad, what in [("byte.jsonl", bad_byte, "not valid UTF-8"), ("lone.jsonl", lone, "lone surrogate")]:
+        p = tmp_path / name
+        p.write_bytes(good + emoji + b"\n" + bad)
+        where = rf"{name.replace('.', '[.]')}:4: {what}"
+        with pytest.raises(DataFormatError, match=where):
+            read_corpus(p)
+        with pytest.raises(DataFormatError, match=where):
+            pool_corpus([p], tmp_path / "out.jsonl")
+        with pytest.raises(DataFormatError, match=where):
+            build_index(p, tmp_path / f"i-{name}", build_dense=False, show_progress=False)
+    p.write_bytes(good + emoji + b"\r\n")
+    assert [x.text for x in read_corpus(p)] == ["alpha", "smile \U0001f600"]
