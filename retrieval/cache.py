@@ -30,13 +30,14 @@ def check_queries(queries: list[str], k: int) -> None:
 
 class CachedRetriever:
     """Wrap ``inner`` with an LRU of at most ``maxsize`` queries. Misses of one batch are searched together
-    in one ``inner.search`` call. ``hits``/``misses`` count lookups."""
+    in one ``inner.search`` call. ``hits``/``misses`` count lookups. Answers are stored as tuples and every
+    caller gets its own lists, so a caller that changes one does not change the cache."""
 
     def __init__(self, inner: Retriever, maxsize: int = 100_000):
         if maxsize < 1:
             raise ValueError(f"maxsize must be >= 1, got {maxsize}")
         self.inner, self.maxsize = inner, maxsize
-        self._lru: OrderedDict[str, tuple[int, list[Hit]]] = OrderedDict()
+        self._lru: OrderedDict[str, tuple[int, tuple[Hit, ...]]] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
@@ -49,7 +50,8 @@ class CachedRetriever:
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:
         """The top-``k`` hits of each query, cached ones without searching. Raises ``TypeError`` /
-        ``ValueError`` for malformed queries or ``k < 1`` (:func:`check_queries`)."""
+        ``ValueError`` for malformed queries or ``k < 1`` (:func:`check_queries`) and ``RuntimeError`` when
+        ``inner`` answers a different number of hit lists than it was asked queries."""
         check_queries(queries, k)
         out: list[list[Hit] | None] = [None] * len(queries)
         todo: dict[str, list[int]] = {}
@@ -59,7 +61,7 @@ class CachedRetriever:
                 # a cached list shorter than its k means the corpus had no more hits: valid for any k
                 if got is not None and (got[0] >= k or len(got[1]) < got[0]):
                     self._lru.move_to_end(q)
-                    out[i] = got[1][:k]
+                    out[i] = list(got[1][:k])
                     self.hits += 1
                 else:
                     todo.setdefault(q, []).append(i)
@@ -67,10 +69,14 @@ class CachedRetriever:
         if todo:
             uniq = list(todo)
             res = self.inner.search(uniq, k)
+            if len(res) != len(uniq):
+                raise RuntimeError(f"{type(self.inner).__name__}.search returned {len(res)} hit lists for "
+                                   f"{len(uniq)} queries")
             with self._lock:
                 for q, hits in zip(uniq, res):
+                    hits = tuple(hits)
                     for i in todo[q]:
-                        out[i] = hits
+                        out[i] = list(hits)
                     self._lru[q] = (k, hits)
                     self._lru.move_to_end(q)
                 while len(self._lru) > self.maxsize:

@@ -184,6 +184,33 @@ def test_hybrid_and_cache(index_dir):
         a[0][0].score = 0.0
 
 
+
+def test_cache_hands_out_copies_and_checks_inner_result_count(index_dir):
+    """A caller that changes a returned hit list (on a miss or a hit) does not change what the cache answers
+    later; an inner retriever answering the wrong number of hit lists is a RuntimeError naming both counts."""
+    c = CachedRetriever(load_retriever(index_dir, "bm25"))
+    a = c.search(["Everest", "Everest"], 2)  # a miss
+    want = [list(h) for h in a]
+    assert a[0] is not a[1]
+    a[0].clear()
+    a[1].append(Hit("x", "x", "x", 9.0))
+    b = c.search(["Everest", "Everest"], 2)  # a hit
+    assert b == want and c.hits == 2
+    b[0].clear()
+    assert c.search(["Everest"], 2) == want[:1]
+
+    class Wrong:  # answers n hit lists whatever it is asked
+        def __init__(self, n):
+            self.n = n
+
+        def search(self, queries, k):
+            return [[] for _ in range(self.n)]
+
+    for n in (1, 3):  # the batch has 2 distinct queries
+        with pytest.raises(RuntimeError, match=f"returned {n} hit lists for 2 queries"):
+            CachedRetriever(Wrong(n)).search(["q1", "q2", "q1"], 2)
+
+
 def test_hit_record():
     h = Hit("7", "Everest", "Everest\nThe highest mountain.", 1.5)
     assert h.text == "The highest mountain." and Hit("8", "T", "no title line", 0.0).text == "no title line"
