@@ -222,8 +222,10 @@ def build_index(
     ``IndexFlatIP`` over L2-normalised vectors). An interrupted build resumes the embedding where it stopped.
     Lucene (``build_lucene=True``, the ``lucene`` extra): :func:`build_lucene_part` indexes the same passages
     with Anserini into ``out_dir/lucene`` (``lucene_threads`` indexing threads), searched with BM25 of the
-    ``bm25_params`` k1/b. A part built for the same corpus is kept, also when rebuilding without it.
-    Returns the manifest (also written to ``out_dir/manifest.json``).
+    ``bm25_params`` k1/b. A part built for the same corpus is kept, also when rebuilding without it. Before
+    a part's files are overwritten the manifest on disk marks it absent, so a rebuild that dies half-way
+    leaves that part missing (``load_retriever`` raises :class:`IndexNotFoundError`), never the old part's
+    description over mixed files. Returns the manifest (also written to ``out_dir/manifest.json``).
 
     Raises ``FileNotFoundError`` for a missing corpus or model, ``DataFormatError`` naming a bad line and,
     with ``build_lucene``, ``ImportError`` naming the install command when the extra is missing.
@@ -250,19 +252,19 @@ def build_index(
     if n == 0:
         raise ValueError(f"corpus {corpus} has no passages")
     store = DocStore(out)
+    same = old if old.get("fingerprint") == fp else {}  # parts built for this corpus are on disk as described
     manifest = {
         "format_version": FORMAT_VERSION,
         "corpus": str(corpus.resolve()),
         "fingerprint": fp,
         "num_passages": n,
-        "bm25": None,
-        "dense": None,
-        "lucene": None,
+        "bm25": same.get("bm25"),
+        "dense": same.get("dense"),
+        "lucene": same.get("lucene") if (out / "lucene").is_dir() else None,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    if old.get("fingerprint") == fp and old.get("bm25") == asdict(bm25_params) and (out / "bm25").is_dir():
-        manifest["bm25"] = old["bm25"]
-    else:
+    if manifest["bm25"] != asdict(bm25_params) or not (out / "bm25").is_dir():
+        _mark_rebuilding(out, manifest, "bm25")
         BM25Index.build(store.iter_contents(), n, out / "bm25", bm25_params, show_progress)
         manifest["bm25"] = asdict(bm25_params)
         built = True
@@ -271,6 +273,7 @@ def build_index(
         enc = Encoder(dense_model, device=device, query_prefix=query_prefix, passage_prefix=passage_prefix)
         ddir = out / "dense"
         ddir.mkdir(parents=True, exist_ok=True)
+        _mark_rebuilding(out, manifest, "dense")
         emb = encode_to_memmap(
             lambda texts: enc.encode_passages(texts, batch_size),
             store.iter_contents,
@@ -290,11 +293,9 @@ def build_index(
             "spec": asdict(dense_spec),
             "shards": shards,
         }
-    elif old.get("fingerprint") == fp and old.get("dense"):
-        manifest["dense"] = old["dense"]  # keep an existing dense part when rebuilding BM25 only
-    same = old.get("fingerprint") == fp and old.get("lucene") and (out / "lucene").is_dir()
     if build_lucene:
-        if not same:
+        if not manifest["lucene"]:
+            _mark_rebuilding(out, manifest, "lucene")
             build_lucene_part(store, out / "lucene", lucene_threads, show_progress)
             built = True
         from retrieval.lucene import pyserini_version
@@ -302,12 +303,24 @@ def build_index(
         # k1/b are search-time parameters in Lucene: a kept part takes the current ones
         manifest["lucene"] = {"k1": bm25_params.k1, "b": bm25_params.b, "analyzer": LUCENE_ANALYZER,
                               "docid": "row", "pyserini": pyserini_version()}
-    elif same:
-        manifest["lucene"] = old["lucene"]  # keep an existing Lucene part when rebuilding without --lucene
     manifest["build_seconds"] = round(time.time() - t0, 2) if built or "build_seconds" not in old else old["build_seconds"]
     manifest["reused"] = not built
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    _write_manifest(out, manifest)
     return manifest
+
+
+def _write_manifest(out: Path, manifest: dict) -> None:
+    """Write ``out/manifest.json`` atomically (temp file then rename), so no reader sees half of one."""
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    tmp.replace(out / MANIFEST)
+
+
+def _mark_rebuilding(out: Path, manifest: dict, part: str) -> None:
+    """Write the manifest with ``part`` absent before its files are overwritten: a build that dies half-way
+    leaves an index whose loader says the part is missing instead of opening mixed old and new files."""
+    manifest[part] = None
+    _write_manifest(out, manifest)
 
 
 def _check_queries(queries: list[str], k: int) -> None:
@@ -412,7 +425,9 @@ def load_retriever(index_dir: str | Path, method: str = "bm25", **kw):
 
     def bm25():
         if not man.get("bm25") or not (index_dir / "bm25").is_dir():
-            raise IndexNotFoundError(f"index {index_dir} has no BM25 part; rebuild with: {cmd}")
+            raise IndexNotFoundError(
+                f"index {index_dir} has no BM25 part (its last build did not finish); rebuild with: {cmd}"
+            )
         try:
             b = BM25Index.load(
                 index_dir / "bm25", mmap=kw.get("mmap", False), n_threads=kw.get("n_threads", 0),
@@ -428,7 +443,8 @@ def load_retriever(index_dir: str | Path, method: str = "bm25", **kw):
         d = man.get("dense")
         if not d:
             raise IndexNotFoundError(
-                f"index {index_dir} has no dense part (it was built with --no-dense); rebuild with: {cmd}"
+                f"index {index_dir} has no dense part (it was built with --no-dense, or its last dense build did not "
+                f"finish); rebuild with: {cmd}"
             )
         spec = DenseIndexSpec(**d.get("spec", {}))
         try:

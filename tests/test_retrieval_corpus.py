@@ -147,3 +147,59 @@ def test_bad_text_names_the_line(tmp_path):
             build_index(p, tmp_path / f"i-{name}", build_dense=False, show_progress=False)
     p.write_bytes(good + emoji + b"\r\n")
     assert [x.text for x in read_corpus(p)] == ["alpha", "smile \U0001f600"]
+
+
+class _FakeEncoder:
+    """A stand-in for retrieval.dense.Encoder (no model files): hashed bag-of-words unit vectors."""
+
+    dim = 16
+
+    def __init__(self, model, device=None, query_prefix=None, passage_prefix=None):
+        self.name, self.query_prefix, self.passage_prefix = model, query_prefix or "", passage_prefix or ""
+
+    def encode_passages(self, texts, batch_size=64):
+        import numpy as np
+
+        emb = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for i, t in enumerate(texts):
+            for w in t.split():
+                emb[i, sum(w.encode()) % self.dim] += 1
+        return emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-6)
+
+    encode_queries = encode_passages
+
+
+def _small_corpus(path):
+    rows = [("d0", "Everest", "highest mountain"), ("d1", "Nile", "longest river"), ("d2", "Sahara", "hot desert")]
+    path.write_text("".join(json.dumps({"id": i, "title": t, "contents": f"{t}\n{x}"}) + "\n" for i, t, x in rows))
+    return path
+
+
+def test_interrupted_part_rebuild_is_not_loaded(tmp_path, monkeypatch):
+    import retrieval.index as ix
+    from retrieval.base import IndexNotFoundError
+    from retrieval.bm25 import BM25Params
+
+    def crash(*a, **k):
+        raise RuntimeError("killed mid-build")
+
+    monkeypatch.setattr(ix, "Encoder", _FakeEncoder)
+    corpus, out = _small_corpus(tmp_path / "c.jsonl"), tmp_path / "index"
+    ix.build_index(corpus, out, dense_model="fake-a", show_progress=False)
+    with monkeypatch.context() as m:  # BM25 rebuilt with another stemmer, killed half-way
+        m.setattr(ix.BM25Index, "build", crash)
+        with pytest.raises(RuntimeError, match="killed"):
+            ix.build_index(corpus, out, build_dense=False, bm25_params=BM25Params(stemmer=None), show_progress=False)
+    with pytest.raises(IndexNotFoundError, match="no BM25 part"):
+        ix.load_retriever(out, "bm25")
+    assert ix.load_retriever(out, "dense").search(["highest mountain"], 1)[0][0].id == "d0"  # untouched part
+    with monkeypatch.context() as m:  # dense rebuilt with another model, killed half-way
+        m.setattr(ix, "build_dense_shards", crash)
+        with pytest.raises(RuntimeError, match="killed"):
+            ix.build_index(corpus, out, dense_model="fake-b", show_progress=False)
+    with pytest.raises(IndexNotFoundError, match="no dense part"):
+        ix.load_retriever(out, "dense")
+    assert ix.load_retriever(out, "bm25").search(["river"], 1)[0][0].id == "d1"  # rebuilt before the crash
+    man = ix.build_index(corpus, out, dense_model="fake-b", show_progress=False)
+    assert man["dense"]["model"] == "fake-b" and ix.read_manifest(out) == man
+
