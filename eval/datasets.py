@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from corpora.formats import DataFormatError, QAExample, iter_json_objects
+from corpora.formats import DataFormatError, QAExample, iter_json_lines
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_DIR = PROJECT_ROOT.parent / "shared" / "data"
@@ -199,23 +199,24 @@ def _iter_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
                 row += 1
                 yield f"row {row}", rec
         return
-    with open(path, encoding="utf-8") as f:
-        if suffix == ".json":
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise DataFormatError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-            if isinstance(data, dict) and isinstance(data.get("data"), list):
-                data = data["data"]
-            if not isinstance(data, list):
-                raise DataFormatError(f"{path}: expected a JSON list of questions, got {type(data).__name__}")
-            for i, rec in enumerate(data, start=1):
-                if not isinstance(rec, dict):
-                    raise DataFormatError(f"{path}: record {i}: expected a JSON object")
-                yield f"record {i}", rec
-            return
-        for lineno, rec in iter_json_objects(f, path):
-            yield f"line {lineno}", rec
+    if suffix == ".json":
+        try:
+            data = json.loads(path.read_bytes())
+        except json.JSONDecodeError as e:
+            raise DataFormatError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        except UnicodeDecodeError as e:
+            raise DataFormatError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        if isinstance(data, dict) and isinstance(data.get("data"), list):
+            data = data["data"]
+        if not isinstance(data, list):
+            raise DataFormatError(f"{path}: expected a JSON list of questions, got {type(data).__name__}")
+        for i, rec in enumerate(data, start=1):
+            if not isinstance(rec, dict):
+                raise DataFormatError(f"{path}: record {i}: expected a JSON object")
+            yield f"record {i}", rec
+        return
+    for lineno, rec in iter_json_lines(path):
+        yield f"line {lineno}", rec
 
 
 def detect_format(rec: dict[str, Any]) -> str:

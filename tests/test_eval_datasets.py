@@ -142,6 +142,19 @@ def test_searchr1_missing_answer_names_field_and_line(tmp_path):
         read_qa_file(_jsonl(tmp_path / "s.jsonl", [SEARCHR1[0], bad]))
 
 
+def test_bad_text_names_file_and_line(tmp_path):
+    """A byte that is not UTF-8 in a JSONL question file names its line; in a JSON file, its byte offset."""
+    good = b'{"id": "a", "question": "q", "golden_answers": ["x"]}\n'
+    p = tmp_path / "u.jsonl"
+    p.write_bytes(good + b'{"id": "b", "question": "caf\xe9", "golden_answers": ["y"]}\n')
+    with pytest.raises(DataFormatError, match=r"u.jsonl:2: not valid UTF-8"):
+        read_qa_file(p)
+    p = tmp_path / "u.json"
+    p.write_bytes(b'[{"id": "a", "question": "caf\xe9", "golden_answers": ["y"]}]')
+    with pytest.raises(DataFormatError, match=r"u.json: not valid UTF-8 .*byte 29"):
+        read_qa_file(p)
+
+
 def test_official_json_missing_field_names_record(tmp_path):
     bad = dict(HOTPOT_OFFICIAL[0])
     del bad["answer"]
