@@ -348,20 +348,53 @@ def build_dense_shards(
     return names
 
 
+GPU_MAX_K = 2048  # faiss GPU indexes select at most this many neighbours (k) and inverted lists (nprobe)
+
+
+def place_shard(idx, spec: DenseIndexSpec, to_gpu: Callable | None) -> tuple[object, bool]:
+    """Set ``spec``'s search parameters on a CPU FAISS index, then clone it with ``to_gpu`` (e.g.
+    ``faiss.index_cpu_to_all_gpus``; ``None``: stay on CPU). Returns ``(index, on_gpu)``.
+
+    Parameters go on before cloning because a GPU clone keeps the CPU index's ``nprobe`` and
+    ``faiss.extract_index_ivf`` cannot reach it afterwards. HNSW stays on CPU (faiss cannot clone
+    ``IndexHNSWFlat`` to GPU), with a log line. Raises ``ValueError`` for an IVF ``nprobe`` above
+    :data:`GPU_MAX_K` going to GPU.
+    """
+    import faiss
+
+    _set_search_params(idx, spec)
+    if to_gpu is None:
+        return idx, False
+    if isinstance(idx, faiss.IndexHNSW):
+        log.info(
+            "dense shard %s is HNSW, which faiss cannot move to GPU: searching it on CPU", type(idx).__name__
+        )
+        return idx, False
+    if _ivf(idx) is not None and spec.nprobe > GPU_MAX_K:
+        raise ValueError(
+            f"nprobe={spec.nprobe}: faiss GPU IVF indexes probe at most {GPU_MAX_K} lists; lower nprobe or "
+            "load the index without use_gpu"
+        )
+    return to_gpu(idx), True
+
+
 class DenseIndex:
     """FAISS shards searched together; rows are global (shard offset + local id).
 
     ``search_rows(q_emb, k)`` takes ``[Q, d]`` float32 query embeddings and returns ``(rows int64 [Q, k],
-    scores float32 [Q, k])``, best first, -1 where fewer than k exist.
+    scores float32 [Q, k])``, best first, -1 where fewer than k exist. ``on_gpu[i]`` says shard i is a GPU
+    index (search parameters already set, see :func:`place_shard`); default all CPU.
     """
 
-    def __init__(self, shards: list, spec: DenseIndexSpec | None = None):
+    def __init__(self, shards: list, spec: DenseIndexSpec | None = None, on_gpu: list[bool] | None = None):
         spec = spec or DenseIndexSpec()
         self.shards = shards
         self.offsets = np.cumsum([0] + [s.ntotal for s in shards])
         self.spec = spec
-        for s in shards:
-            _set_search_params(s, spec)
+        self.on_gpu = list(on_gpu) if on_gpu is not None else [False] * len(shards)
+        for s, gpu in zip(shards, self.on_gpu):
+            if not gpu:
+                _set_search_params(s, spec)
 
     @property
     def ntotal(self) -> int:
@@ -376,25 +409,38 @@ class DenseIndex:
         mmap: bool = False,
         use_gpu: bool = False,
     ) -> DenseIndex:
-        """Read shard files. ``mmap`` memory-maps them (flat/IVF); ``use_gpu`` clones each to all GPUs."""
+        """Read shard files. ``mmap`` memory-maps them (flat/IVF); ``use_gpu`` clones each to all GPUs when
+        faiss-gpu sees one (HNSW shards stay on CPU; see :func:`place_shard`).
+
+        Raises ``FileNotFoundError`` for a missing shard, ``ValueError`` from :func:`place_shard`."""
         import faiss
 
-        shards = []
+        spec = spec or DenseIndexSpec()
+        to_gpu = None
+        if use_gpu and hasattr(faiss, "index_cpu_to_all_gpus") and faiss.get_num_gpus() > 0:
+            to_gpu = faiss.index_cpu_to_all_gpus
+        shards, on_gpu = [], []
         for name in names:
             p = Path(index_dir) / name
             if not p.exists():
                 raise FileNotFoundError(f"dense index shard missing: {p}")
-            idx = faiss.read_index(str(p), faiss.IO_FLAG_MMAP if mmap else 0)
-            if use_gpu and hasattr(faiss, "index_cpu_to_all_gpus") and faiss.get_num_gpus() > 0:
-                idx = faiss.index_cpu_to_all_gpus(idx)
+            idx, gpu = place_shard(faiss.read_index(str(p), faiss.IO_FLAG_MMAP if mmap else 0), spec, to_gpu)
             shards.append(idx)
-        return cls(shards, spec)
+            on_gpu.append(gpu)
+        return cls(shards, spec, on_gpu)
 
     def search_rows(self, q_emb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Raises ``ValueError`` for ``k < 1`` or, with a GPU shard, ``k`` (capped at ``ntotal``) above
+        :data:`GPU_MAX_K`."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         q = np.ascontiguousarray(q_emb, dtype=np.float32)
         k = min(k, max(self.ntotal, 1))
+        if k > GPU_MAX_K and any(self.on_gpu):
+            raise ValueError(
+                f"k={k}: faiss GPU indexes return at most {GPU_MAX_K} neighbours per query; ask for fewer or "
+                "load the index without use_gpu"
+            )
         all_s, all_r = [], []
         for off, shard in zip(self.offsets[:-1], self.shards):
             s, r = shard.search(q, k)
@@ -412,13 +458,20 @@ class DenseIndex:
         )
 
 
-def _set_search_params(idx, spec: DenseIndexSpec) -> None:
+def _ivf(idx):
+    """The IVF index inside a CPU index, or ``None``."""
     import faiss
 
+    try:
+        return faiss.extract_index_ivf(idx)
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def _set_search_params(idx, spec: DenseIndexSpec) -> None:
+    """``efSearch`` (HNSW) or ``nprobe`` (IVF) of a CPU index from ``spec``; other indexes are unchanged."""
     if hasattr(idx, "hnsw"):
         idx.hnsw.efSearch = spec.ef_search
-    try:
-        ivf = faiss.extract_index_ivf(idx)
+    ivf = _ivf(idx)
+    if ivf is not None:
         ivf.nprobe = spec.nprobe
-    except (RuntimeError, AttributeError):
-        pass

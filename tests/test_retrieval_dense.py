@@ -194,3 +194,81 @@ def test_ivfpq_with_a_small_last_shard_builds(tmp_path):
     assert [s.ntotal for s in idx.shards] == [400, 400]
     rows, _ = idx.search_rows(emb[:20], 3)
     assert (rows[:, 0] == np.arange(20)).mean() >= 0.8
+
+
+def _write_shards(tmp_path, emb):
+    """flat, IVF (nprobe 1 in the file) and HNSW (efSearch 16 in the file) shards of ``emb``."""
+    import faiss
+
+    faiss.omp_set_num_threads(1)
+    flat = faiss.IndexFlatIP(emb.shape[1])
+    ivf = faiss.index_factory(emb.shape[1], "IVF4,Flat", faiss.METRIC_INNER_PRODUCT)
+    ivf.train(emb)
+    hnsw = faiss.IndexHNSWFlat(emb.shape[1], 8, faiss.METRIC_INNER_PRODUCT)
+    for name, idx in [("flat", flat), ("ivf", ivf), ("hnsw", hnsw)]:
+        idx.add(emb)
+        faiss.write_index(idx, str(tmp_path / f"{name}.faiss"))
+    return ["flat.faiss", "ivf.faiss", "hnsw.faiss"]
+
+
+class FakeGpus:
+    """Stands in for faiss.index_cpu_to_all_gpus: records what it got (and the search parameters set on it
+    at clone time, which is all a GPU clone keeps) and returns a CPU copy."""
+
+    def __init__(self):
+        self.got = []
+
+    def __call__(self, idx):
+        import faiss
+
+        try:
+            nprobe = faiss.extract_index_ivf(idx).nprobe
+        except RuntimeError:
+            nprobe = None
+        self.got.append((type(idx).__name__, nprobe))
+        return faiss.clone_index(idx)
+
+
+def test_search_params_are_set_before_cloning_to_gpu_and_hnsw_stays_on_cpu(tmp_path, caplog):
+    spec = dense.DenseIndexSpec(nprobe=3, ef_search=77)
+    fake = FakeGpus()
+    with caplog.at_level(logging.INFO, logger="retrieval.dense"):
+        placed = [dense.place_shard(idx, spec, fake) for idx in _load_raw(tmp_path)]
+    assert fake.got == [("IndexFlatIP", None), ("IndexIVFFlat", 3)]  # was nprobe 1: the file's
+    assert [gpu for _, gpu in placed] == [True, True, False]
+    assert placed[2][0].hnsw.efSearch == 77 and "HNSW" in caplog.text and "CPU" in caplog.text
+    cpu = [dense.place_shard(idx, spec, None) for idx in _load_raw(tmp_path)]
+    assert [gpu for _, gpu in cpu] == [False] * 3 and cpu[2][0].hnsw.efSearch == 77
+    import faiss
+
+    assert faiss.extract_index_ivf(cpu[1][0]).nprobe == 3
+    with pytest.raises(ValueError, match="nprobe=3000.*2048"):
+        dense.place_shard(_load_raw(tmp_path)[1], dense.DenseIndexSpec(nprobe=3000), fake)
+
+
+def _load_raw(tmp_path):
+    import faiss
+
+    names = _write_shards(tmp_path, _unit(2100, 8))
+    return [faiss.read_index(str(tmp_path / n)) for n in names]
+
+
+def test_gpu_load_and_the_k_limit(tmp_path, monkeypatch):
+    import faiss
+
+    emb = _unit(2100, 8)
+    names = _write_shards(tmp_path, emb)
+    fake = FakeGpus()
+    monkeypatch.setattr(faiss, "get_num_gpus", lambda: 1, raising=False)
+    monkeypatch.setattr(faiss, "index_cpu_to_all_gpus", fake, raising=False)
+    spec = dense.DenseIndexSpec(nprobe=4)
+    idx = dense.DenseIndex.load(tmp_path, names[:2], spec, use_gpu=True)
+    assert fake.got == [("IndexFlatIP", None), ("IndexIVFFlat", 4)]
+    rows, _ = idx.search_rows(emb[:5], 2048)
+    assert rows.shape == (5, 2048) and (rows[:, 0] == np.arange(5)).all()
+    with pytest.raises(ValueError, match="k=2049.*GPU.*2048"):
+        idx.search_rows(emb[:5], 2049)
+    hnsw_only = dense.DenseIndex.load(tmp_path, names[2:], spec, use_gpu=True)  # stays on CPU: any k
+    assert hnsw_only.search_rows(emb[:2], 2100)[0].shape == (2, 2100)
+    cpu = dense.DenseIndex.load(tmp_path, names[:1], spec)
+    assert cpu.search_rows(emb[:2], 2100)[0].shape == (2, 2100)
