@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 from orjson import dumps as _dumps
 from orjson import loads as _loads
 
-from retrieval.base import REPLY_FORMAT_HEADER, ROWS_REPLY_HEADER, Hit
+from retrieval.base import REPLY_FORMAT_HEADER, ROWS_REPLY_HEADER, Hit, check_queries
 
 
 class RetrievalServerError(ConnectionError):
@@ -185,10 +185,7 @@ class RemoteRetriever:
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:
         """See :meth:`retrieval.base.Retriever.search`."""
-        if isinstance(queries, str):
-            raise TypeError("queries must be a list of strings, got one string")
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be an integer >= 1, got {k!r}")
+        check_queries(queries, k)
         out: list[list[Hit]] = []
         for a in range(0, len(queries), self.max_batch):
             chunk = list(queries[a : a + self.max_batch])

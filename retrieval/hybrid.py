@@ -12,8 +12,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from retrieval.base import Hit, Retriever
-from retrieval.cache import check_queries
+from retrieval.base import Hit, Retriever, check_queries
 
 
 def rrf_fuse(
@@ -34,7 +33,7 @@ class HybridRetriever:
     """RRF of several retrievers; hit scores are the fused RRF scores.
 
     Each part is searched for ``max(depth, k)`` hits; blank queries get no hits. Raises ``TypeError`` /
-    ``ValueError`` for malformed queries or ``k < 1`` (:func:`retrieval.cache.check_queries`).
+    ``ValueError`` for malformed queries or ``k < 1`` (:func:`retrieval.base.check_queries`).
     """
 
     def __init__(self, *parts: Retriever, rrf_k: float = 60.0, depth: int = 100):

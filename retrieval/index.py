@@ -32,7 +32,7 @@ from orjson import loads as _loads
 from tqdm.auto import tqdm
 
 from corpora.formats import iter_corpus
-from retrieval.base import Hit, IndexNotFoundError
+from retrieval.base import Hit, IndexNotFoundError, check_queries
 from retrieval.bm25 import BM25Index, BM25Params
 from retrieval.dense import (
     DEFAULT_MODEL,
@@ -333,16 +333,6 @@ def _mark_rebuilding(out: Path, manifest: dict, part: str) -> None:
     _write_manifest(out, manifest)
 
 
-def _check_queries(queries: list[str], k: int) -> None:
-    if isinstance(queries, str):
-        raise TypeError("queries must be a list of strings, got one string")
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be an integer >= 1, got {k!r}")
-    for i, q in enumerate(queries):
-        if not isinstance(q, str):
-            raise TypeError(f"query {i} is {type(q).__name__}, expected str")
-
-
 class _RowRetriever:
     """Base for retrievers over an index directory: subclasses implement ``search_rows``; empty queries
     get no hits."""
@@ -356,7 +346,7 @@ class _RowRetriever:
         """:meth:`search_rows` over any list of queries: ``[Q, k']`` int64 rows (-1 = no hit) and float32
         scores, ``k' = min(k, N)``; blank queries get no hits and are not searched. Raises ``TypeError`` /
         ``ValueError`` for malformed queries or ``k < 1``. The retrieval server's row path calls this."""
-        _check_queries(queries, k)
+        check_queries(queries, k)
         keep = [i for i, q in enumerate(queries) if q.strip()]
         if keep and len(keep) == len(queries):
             return self.search_rows(queries, k)
