@@ -409,8 +409,8 @@ class DenseIndex:
         mmap: bool = False,
         use_gpu: bool = False,
     ) -> DenseIndex:
-        """Read shard files. ``mmap`` memory-maps them (flat/IVF); ``use_gpu`` clones each to all GPUs when
-        faiss-gpu sees one (HNSW shards stay on CPU; see :func:`place_shard`).
+        """Read shard files. ``mmap`` memory-maps them (flat, HNSW and IVF; :func:`_read_shard`); ``use_gpu``
+        clones each to all GPUs when faiss-gpu sees one (HNSW shards stay on CPU; see :func:`place_shard`).
 
         Raises ``FileNotFoundError`` for a missing shard, ``ValueError`` from :func:`place_shard`."""
         import faiss
@@ -424,7 +424,7 @@ class DenseIndex:
             p = Path(index_dir) / name
             if not p.exists():
                 raise FileNotFoundError(f"dense index shard missing: {p}")
-            idx, gpu = place_shard(faiss.read_index(str(p), faiss.IO_FLAG_MMAP if mmap else 0), spec, to_gpu)
+            idx, gpu = place_shard(_read_shard(p, mmap), spec, to_gpu)
             shards.append(idx)
             on_gpu.append(gpu)
         return cls(shards, spec, on_gpu)
@@ -456,6 +456,33 @@ class DenseIndex:
         return np.take_along_axis(r, order, 1).astype(np.int64), np.take_along_axis(s, order, 1).astype(
             np.float32
         )
+
+
+_FLAT_FOURCCS = (b"IxFI", b"IxF2", b"IxFl", b"IHNf")  # IndexFlatIP, IndexFlatL2, IndexFlat, IndexHNSWFlat
+
+
+def _read_shard(path: Path, mmap: bool):
+    """Read a FAISS index file; with ``mmap``, memory-map what this faiss can map.
+
+    ``IO_FLAG_MMAP`` maps IVF inverted lists only, so the vectors of flat and HNSW indexes (an
+    ``IndexFlat``'s codes) are mapped with ``IO_FLAG_MMAP_IFC`` (faiss >= 1.11); without it, or if that read
+    fails, they are read into RAM as before. Raises faiss's ``RuntimeError`` for an unreadable file.
+    """
+    import faiss
+
+    if not mmap:
+        return faiss.read_index(str(path))
+    with open(path, "rb") as f:
+        flat = f.read(4) in _FLAT_FOURCCS
+    if not flat:
+        return faiss.read_index(str(path), faiss.IO_FLAG_MMAP)
+    ifc = getattr(faiss, "IO_FLAG_MMAP_IFC", None)
+    if ifc is not None:
+        try:
+            return faiss.read_index(str(path), ifc)
+        except RuntimeError as e:
+            log.warning("cannot memory-map %s (%s); reading it into memory", path, e)
+    return faiss.read_index(str(path))
 
 
 def _ivf(idx):

@@ -272,3 +272,35 @@ def test_gpu_load_and_the_k_limit(tmp_path, monkeypatch):
     assert hnsw_only.search_rows(emb[:2], 2100)[0].shape == (2, 2100)
     cpu = dense.DenseIndex.load(tmp_path, names[:1], spec)
     assert cpu.search_rows(emb[:2], 2100)[0].shape == (2, 2100)
+
+
+def _mapped(path):
+    return any(str(path) in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+@pytest.mark.parametrize("kind", ["flat", "hnsw"])
+def test_mmap_load_maps_flat_vectors_and_searches_the_same(tmp_path, kind):
+    import faiss
+
+    faiss.omp_set_num_threads(1)
+    emb = _unit(1500, 16)
+    spec = dense.DenseIndexSpec(kind=kind, shard_size=1000)
+    names = dense.build_dense_shards(emb, tmp_path, spec, show_progress=False)
+    q = emb[:30] + 0.05 * _unit(30, 16, seed=1)
+    want = dense.DenseIndex.load(tmp_path, names, spec).search_rows(q, 7)
+    idx = dense.DenseIndex.load(tmp_path, names, spec, mmap=True)
+    got = idx.search_rows(q, 7)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+    if Path("/proc/self/maps").exists() and hasattr(faiss, "IO_FLAG_MMAP_IFC"):
+        assert all(_mapped((tmp_path / n).resolve()) for n in names)  # was: read into RAM
+
+
+def test_mmap_load_without_mmap_ifc_reads_flat_into_memory(tmp_path, monkeypatch):
+    import faiss
+
+    emb = _unit(300, 16)
+    names = dense.build_dense_shards(emb, tmp_path, dense.DenseIndexSpec(), show_progress=False)
+    monkeypatch.delattr(faiss, "IO_FLAG_MMAP_IFC", raising=False)  # an older faiss
+    rows, _ = dense.DenseIndex.load(tmp_path, names, mmap=True).search_rows(emb[:5], 3)
+    assert (rows[:, 0] == np.arange(5)).all()
