@@ -40,6 +40,7 @@ from retrieval.dense import (
     DenseIndexSpec,
     Encoder,
     build_dense_shards,
+    check_dense_spec,
     encode_to_memmap,
     resolve_model_path,
 )
@@ -273,6 +274,7 @@ def build_index(
         built = True  # (the encoder resumes or skips finished embeddings; counted as a build)
         enc = Encoder(dense_model, device=device, query_prefix=query_prefix, passage_prefix=passage_prefix)
         dense_model = _model_ref(dense_model)
+        check_dense_spec(dense_spec, n, enc.dim)  # before the encoding pass, not after it
         ddir = out / "dense"
         ddir.mkdir(parents=True, exist_ok=True)
         _mark_rebuilding(out, manifest, "dense")
@@ -283,7 +285,7 @@ def build_index(
             enc.dim,
             ddir / "embeddings.npy",
             chunk=max(batch_size * 16, 1024),
-            fingerprint=f"{fp}:{dense_model}:{enc.passage_prefix}",
+            fingerprint=f"{fp}:{enc.fingerprint}:{enc.passage_prefix}",
             show_progress=show_progress,
         )
         shards = build_dense_shards(emb, ddir, dense_spec, show_progress)

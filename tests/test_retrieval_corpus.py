@@ -156,6 +156,7 @@ class _FakeEncoder:
 
     def __init__(self, model, device=None, query_prefix=None, passage_prefix=None):
         self.name, self.query_prefix, self.passage_prefix = model, query_prefix or "", passage_prefix or ""
+        self.fingerprint = model
 
     def encode_passages(self, texts, batch_size=64):
         import numpy as np
@@ -203,6 +204,53 @@ def test_interrupted_part_rebuild_is_not_loaded(tmp_path, monkeypatch):
     man = ix.build_index(corpus, out, dense_model="fake-b", show_progress=False)
     assert man["dense"]["model"] == "fake-b" and ix.read_manifest(out) == man
 
+
+def test_dense_spec_too_big_for_the_corpus_fails_before_encoding(tmp_path, monkeypatch):
+    """An ivfpq index over fewer passages than PQ needs to train is a ValueError before any passage is
+    encoded (the encoding pass is the expensive part of a build), naming the fix."""
+    import retrieval.index as ix
+    from retrieval.dense import DenseIndexSpec
+
+    encoded = []
+
+    class Recording(_FakeEncoder):
+        def encode_passages(self, texts, batch_size=64):
+            encoded.append(len(texts))
+            return super().encode_passages(texts, batch_size)
+
+    monkeypatch.setattr(ix, "Encoder", Recording)
+    corpus = _small_corpus(tmp_path / "c.jsonl")
+    with pytest.raises(ValueError, match="256.*flat"):
+        ix.build_index(corpus, tmp_path / "index", dense_model="fake", dense_spec=DenseIndexSpec("ivfpq"),
+                       show_progress=False)
+    assert encoded == []
+
+
+def test_embeddings_are_encoded_again_when_the_model_weights_change(tmp_path, monkeypatch):
+    """The resumable embeddings are keyed by the encoder's fingerprint (its weight files), not the model's
+    name: a checkpoint re-trained in the same folder is encoded again, an unchanged one is not."""
+    import retrieval.index as ix
+
+    encoded, weights = [], ["v1"]
+
+    class Recording(_FakeEncoder):
+        def __init__(self, model, **kw):
+            super().__init__(model, **kw)
+            self.fingerprint = f"{model}:{weights[0]}"
+
+        def encode_passages(self, texts, batch_size=64):
+            encoded.append(len(texts))
+            return super().encode_passages(texts, batch_size)
+
+    monkeypatch.setattr(ix, "Encoder", Recording)
+    corpus, out = _small_corpus(tmp_path / "c.jsonl"), tmp_path / "index"
+    ix.build_index(corpus, out, dense_model="fake", show_progress=False)
+    assert sum(encoded) == 3
+    ix.build_index(corpus, out, dense_model="fake", show_progress=False)
+    assert sum(encoded) == 3  # same weights: resumed, nothing encoded
+    weights[0] = "v2"
+    ix.build_index(corpus, out, dense_model="fake", show_progress=False)
+    assert sum(encoded) == 6
 
 
 def test_manifest_stores_local_dense_model_as_absolute_path(tmp_path, monkeypatch):
