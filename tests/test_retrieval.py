@@ -320,7 +320,7 @@ def test_bad_corpus_line_named(tmp_path):
 
 
 # ivfpq: training took ~150 s on the shared 2-core machine (unexplained; flat/hnsw take 0.1 s)
-@pytest.mark.parametrize("kind", ["flat", "hnsw", pytest.param("ivfpq", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["flat", "hnsw", "ivfpq"])
 def test_dense_index_kinds_and_shards(tmp_path, kind):
     import faiss
 

@@ -181,8 +181,6 @@ def test_spec_errors_at_construction():
         dense.DenseIndexSpec(shard_size=0)
 
 
-# ~20 s per shard here: faiss's index_factory IVF-PQ does polysemous training, slow on the shared cores
-@pytest.mark.slow
 def test_ivfpq_with_a_small_last_shard_builds(tmp_path):
     import faiss
 
