@@ -236,3 +236,45 @@ def test_weights_are_pushed_to_a_rollout_engine_after_each_update(tiny_policy_di
     rl_train(make_cfg("train.steps=1"), model, tok, retriever, QUESTIONS, tmp_path / "b", judge=varying_judge,
              sync_weights=lambda llm, state: calls.append(len(state)))
     assert calls and calls[0] == len(model.state_dict())
+
+
+def _synthetic_batch(tok, rows_roles, seed=0):
+    """A Batch of right-padded rows with the given role lists (0 prompt, 1 policy, 2 tool)."""
+    from training.batch import collate
+
+    g = torch.Generator().manual_seed(seed)
+    trajs = []
+    for i, roles in enumerate(rows_roles):
+        t = Trajectory("q", "q", group=i // 2)
+        ids = torch.randint(5, tok.vocab_size, (len(roles),), generator=g).tolist()
+        for tid, role in zip(ids, roles, strict=True):
+            t.append([tid], Role(role), 0 if role == 0 else 1)
+        trajs.append(t)
+    return collate(trajs, tok.pad_token_id)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_micro_batches_equal_full_batch_with_a_row_without_policy_tokens(agg, tiny_policy_dir):
+    """Gradient accumulation over one-row micro-batches equals the full-batch step for every aggregation, also
+    when a row has no policy token (a trajectory truncated inside its prompt): seq-mean-token-mean averages
+    over the rows that have policy tokens, so a micro-batch's weight must count those rows, not all rows."""
+    from training.trainer import update_policy
+
+    model, tok = load(tiny_policy_dir)
+    rows = [[0, 0, 1, 1, 1, 2, 2, 1, 1], [0, 0, 0, 0, 0, 0], [0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]
+    results = []
+    for mb in (64, 1):
+        m, _ = load(tiny_policy_dir)
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        tc = make_cfg(f"train.loss_agg={agg}").train.model_copy(
+            update={"micro_batch": mb, "micro_batch_tokens": None, "max_grad_norm": 1e9})
+        b = _synthetic_batch(tok, rows)
+        assert b.loss_mask[1].sum() == 0
+        b.advantages = torch.tensor([1.0, -2.0, -0.5, 0.7])
+        update_policy(m, None, opt, b, tc)
+        results.append(m.state_dict())
+    moved = 0
+    for k in results[0]:
+        torch.testing.assert_close(results[1][k], results[0][k], rtol=1e-4, atol=1e-6)
+        moved += int(not torch.equal(results[0][k], model.state_dict()[k]))
+    assert moved

@@ -248,6 +248,8 @@ def update_policy(
         ref = [LogprobModule(ref_model)(mb, False)[0] for mb in micro] if use_ref else None
     total_tokens = all_reduce_sum(float(batch.loss_mask.sum()))
     total_rows = all_reduce_sum(float(N))
+    # seq-mean-token-mean averages over the rows that have a policy token (training.losses.aggregate)
+    total_rows_with_tokens = all_reduce_sum(float((batch.loss_mask.sum(-1) > 0).sum()))
     stats_acc: dict[str, float] = {}
     count = 0
     for _ in range(cfg.ppo_epochs):
@@ -266,7 +268,12 @@ def update_policy(
                 optimizer.zero_grad(set_to_none=True)  # gradient reduction: all ranks skip at the norm check
                 raise FloatingPointError(f"non-finite policy loss ({float(loss)})")
             # weight micro-batches (and ranks: FSDP averages gradients) so the step is one full-batch step
-            share = float(mask.sum()) / max(total_tokens, 1.0) if cfg.loss_agg == "token-mean" else len(mb) / total_rows
+            if cfg.loss_agg == "token-mean":
+                share = float(mask.sum()) / max(total_tokens, 1.0)
+            elif cfg.loss_agg == "seq-mean-token-mean":
+                share = float((mask.sum(-1) > 0).sum()) / max(total_rows_with_tokens, 1.0)
+            else:
+                share = len(mb) / total_rows
             share = share if j < n_real else 0.0
             (loss * share * W).backward()
             for k, v in stats.items():
