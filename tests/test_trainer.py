@@ -278,3 +278,36 @@ def test_micro_batches_equal_full_batch_with_a_row_without_policy_tokens(agg, ti
         torch.testing.assert_close(results[1][k], results[0][k], rtol=1e-4, atol=1e-6)
         moved += int(not torch.equal(results[0][k], model.state_dict()[k]))
     assert moved
+
+
+def test_old_logprobs_are_computed_under_the_update_autocast(tiny_policy_dir, retriever, tmp_path, monkeypatch):
+    """rl_train's old (and reference) log-probs must run under the same autocast as update_policy's new ones:
+    on GPU with train.bf16 fp32 old log-probs against bf16 new ones make the first-epoch ratio != 1 (spurious
+    clipping). The autocast is faked on CPU: every policy/reference forward must happen inside it."""
+    import contextlib
+
+    import training.trainer as TR
+    from training.distributed import LogprobModule
+
+    active, seen = [0], []
+
+    @contextlib.contextmanager
+    def fake_autocast(device, enabled):
+        active[0] += 1
+        try:
+            yield
+        finally:
+            active[0] -= 1
+
+    real_forward = LogprobModule.forward
+
+    def forward(self, *a, **kw):
+        seen.append(active[0] > 0)
+        return real_forward(self, *a, **kw)
+
+    monkeypatch.setattr(TR, "_autocast", fake_autocast)
+    monkeypatch.setattr(LogprobModule, "forward", forward)
+    model, tok = load(tiny_policy_dir)
+    cfg = make_cfg("train.steps=1", "train.kl_coef=0.1", "train.kl_mode=reward")
+    TR.rl_train(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
+    assert seen and all(seen), seen

@@ -540,6 +540,7 @@ def rl_train(
     if W > 1:
         shard(fwd, mixed_precision=tc.bf16 and torch.cuda.is_available())
     params = [p for p in fwd.parameters() if p.requires_grad]
+    device = next(fwd.parameters()).device
     optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / tc.warmup_steps) if tc.warmup_steps else 1.0)
@@ -620,14 +621,17 @@ def rl_train(
         batch = collate(trajs, tokenizer.pad_token_id, cfg.agent.max_total_tokens)
         with torch.no_grad():
             idx, micro, _ = split_micro_batches(batch, tc)  # update_policy's split: old log-probs align
-            old = [fwd(mb, False)[0].detach() for mb in micro]
+            # the update's autocast (bf16 on GPU), so that the first epoch's ratio is exactly 1
+            with _autocast(device, tc.bf16):
+                old = [fwd(mb, False)[0].detach() for mb in micro]
             kl_tokens = values = gold = None
             if ref_model is not None and tc.kl_mode == "reward":
                 full_old = torch.zeros_like(batch.loss_mask)
                 full_ref = torch.zeros_like(batch.loss_mask)
                 for i, mb, o in zip(idx, micro, old, strict=True):
-                    full_old[i, : o.shape[1]] = o
-                    full_ref[i, : o.shape[1]] = LogprobModule(ref_model)(mb, False)[0]
+                    full_old[i, : o.shape[1]] = o.to(full_old.device)
+                    with _autocast(device, tc.bf16):
+                        full_ref[i, : o.shape[1]] = LogprobModule(ref_model)(mb, False)[0].to(full_ref.device)
                 kl_tokens = kl_penalty(full_old, full_ref, batch.loss_mask, tc.kl_type)
             if critic is not None:
                 values = torch.zeros_like(batch.loss_mask)
