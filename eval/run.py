@@ -14,6 +14,7 @@ never share a cache; judging a config that already has unjudged predictions reus
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -33,6 +34,7 @@ RECALL_K = (1, 3, 5, 10)
 JUDGE_DEFAULTS: dict[str, Any] = {"unparseable": "zero", "fallback_metric": "em", "max_new_tokens": 16}
 Judge = Callable[[list[dict[str, Any]]], None]
 CACHE_STAMP = ("method", "fingerprint", "benchmark")  # fields PredictionCache.append adds to every record
+log = logging.getLogger(__name__)
 
 
 def judge_records(records: list[dict[str, Any]], judge_llm: Any, unparseable: str = "zero",
@@ -109,6 +111,13 @@ def _live_postfix(done: list[dict[str, Any]]) -> dict[str, str]:
     return out
 
 
+def _same_question(record: dict[str, Any], example: QAExample) -> bool:
+    """Whether a cached record answers ``example``: same question text (when recorded) and golden answers."""
+    if record.get("question") is not None and record["question"] != example.question:
+        return False
+    return list(record.get("golden_answers") or []) == list(example.golden_answers)
+
+
 def evaluate_benchmark(
     benchmark: str,
     examples: Sequence[QAExample],
@@ -126,12 +135,22 @@ def evaluate_benchmark(
     and ``dataset``; then ``judge`` (if given, e.g. :func:`judge_records` bound to a judge LLM) scores the
     batch in place, so the cached records carry the verdicts. ``reuse`` (question id -> record, e.g. the
     unjudged predictions of the same config) supplies predictions without calling the method; they are judged
-    and cached like computed ones. Returns ``(records, n_computed)`` (questions the method computed).
+    and cached like computed ones. A cached or reused record whose question or golden answers differ from
+    its example's (the same id in other data: another data dir, an edited file) is recomputed, never scored.
+    Returns ``(records, n_computed)`` (questions the method computed).
     Raises ``RuntimeError`` if the method returns records that do not match its batch.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     cached = cache.load(benchmark)
+    stale = [e.id for e in examples if e.id in cached and not _same_question(cached[e.id], e)]
+    if stale:  # same benchmark name or path, other data (another --data-dir, an edited file): recompute
+        log.warning("%s: %d cached prediction(s) are of other questions under the same id (e.g. %r); "
+                    "recomputing them", benchmark, len(stale), stale[0])
+        for qid in stale:
+            del cached[qid]
+    if reuse:
+        reuse = {e.id: reuse[e.id] for e in examples if e.id in reuse and _same_question(reuse[e.id], e)}
     missing = [e for e in examples if e.id not in cached]
     done = [cached[e.id] for e in examples if e.id in cached]
     bar = tqdm(total=len(examples), initial=len(done), desc=f"{cache.method} {benchmark}", disable=not progress,

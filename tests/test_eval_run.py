@@ -152,3 +152,26 @@ def test_fingerprint_and_manifests(tmp_path):
     assert path_manifest(tmp_path / "idx")["manifest"] == {"fingerprint": "abc"}  # volatile keys dropped
     with pytest.raises(FileNotFoundError):
         path_manifest(tmp_path / "nope")
+
+
+def test_cached_predictions_of_other_questions_are_not_reused(tmp_path):
+    """The same benchmark name (or QA path) read from another data dir, or an edited file, can reuse
+    question ids for other questions: their cached predictions must be recomputed, not scored."""
+    def write(qa_dir, question, answer):
+        qa_dir.mkdir(parents=True, exist_ok=True)
+        (qa_dir / "qa.jsonl").write_text(
+            json.dumps({"id": "q1", "question": question, "golden_answers": [answer]}) + "\n"
+            + json.dumps({"id": "q2", "question": "Capital of Italy?", "golden_answers": ["Rome"]}) + "\n")
+        return str(qa_dir / "qa.jsonl")
+
+    qa = write(tmp_path / "data", "Capital of France?", "Paris")
+    first = CountingMethod()
+    s1 = run_benchmarks([qa], "rag", None, 0, tmp_path / "run", ScriptedLLM(), KeywordRetriever(PASSAGES),
+                        AgentConfig(), progress=False, method_fn=first)
+    assert s1["benchmarks"][qa]["em"] == 0.5
+    write(tmp_path / "data", "Capital of Germany?", "Berlin")  # same path and ids, another question
+    again = CountingMethod()
+    s2 = run_benchmarks([qa], "rag", None, 0, tmp_path / "run", ScriptedLLM(), KeywordRetriever(PASSAGES),
+                        AgentConfig(), progress=False, method_fn=again)
+    assert again.computed == ["q1"] and s2["benchmarks"][qa]["computed"] == 1
+    assert s2["benchmarks"][qa]["em"] == 0.0  # scored against Berlin, not the stale Paris record
