@@ -191,8 +191,20 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         key, sep, raw = ov.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {ov!r} is not of the form key=value")
-        _set_dotted(out, key.strip(), _scalar(raw))
+        try:
+            value = _scalar(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {ov!r}: the value is not valid YAML ({_yaml_problem(e)}); "
+                              "quote it to pass a string") from None
+        _set_dotted(out, key.strip(), value)
     return out
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A one-line description of a YAML error (its problem and position)."""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    mark = getattr(e, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
 
 
 def _scalar(raw: str) -> Any:
@@ -220,15 +232,20 @@ def _merge(base: dict[str, Any], upd: dict[str, Any]) -> dict[str, Any]:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a YAML config (or the defaults when ``path`` is None) and apply dotted overrides.
 
-    Raises :class:`ConfigError` naming each unknown key or invalid value, and ``FileNotFoundError`` for a
-    missing file.
+    Raises :class:`ConfigError` naming each unknown key or invalid value (or the file / override that is not
+    valid YAML), and ``FileNotFoundError`` for a missing file.
     """
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"config file not found: {path}")
-        raw = yaml.safe_load(path.read_text()) or {}
+        if not path.is_file():
+            raise ConfigError(f"config {path} is not a file (pass a YAML file, e.g. configs/quickstart.yaml)")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({_yaml_problem(e)})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a config must be a mapping, got {type(raw).__name__}")
     _merge(raw, parse_overrides(overrides or []))

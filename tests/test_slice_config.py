@@ -34,3 +34,14 @@ def test_override_syntax_errors():
 def test_missing_config_file():
     with pytest.raises(FileNotFoundError):
         load_config("does/not/exist.yaml")
+
+
+def test_malformed_yaml_is_a_config_error_naming_the_file(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("train:\n  lr: [1\n")
+    with pytest.raises(ConfigError, match="bad.yaml.*not valid YAML"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="override 'train.lr=\\[1'.*not valid YAML"):
+        load_config(None, ["train.lr=[1"])
+    with pytest.raises(ConfigError, match="not a file"):
+        load_config(tmp_path)
