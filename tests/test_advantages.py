@@ -62,6 +62,27 @@ def test_all_equal_group_and_single_trajectory_give_zero(name):
     assert torch.isfinite(one).all()
 
 
+@pytest.mark.parametrize("name", A.OUTCOME_ESTIMATORS)
+@pytest.mark.parametrize("value", [0.7, 0.1, 0.3, 0.9, 2.2])
+@pytest.mark.parametrize("n", [3, 7, 12])
+def test_all_equal_rewards_give_exactly_zero_whatever_the_value(name, value, n):
+    """A float32 mean of equal rewards is not always the reward itself (0.7 * 7 / 7 != 0.7): the rounding left in
+    ``r - mean`` was divided by ``std + eps`` with ``std`` of the same tiny size, giving every member of a
+    flat group the same advantage (up to 0.19) instead of 0."""
+    r = torch.full((n,), value)
+    adv = A.outcome_advantages(name, r, torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long))
+    assert torch.equal(adv, torch.zeros(n)), adv
+    # a flat group next to a varying one stays exactly 0, and the varying one is unchanged
+    r2 = torch.cat([r, torch.tensor([0.0, 1.0])])
+    g2 = torch.cat([torch.zeros(n, dtype=torch.long), torch.ones(2, dtype=torch.long)])
+    adv2 = A.outcome_advantages(name, r2, g2, torch.zeros(n + 2, dtype=torch.long))
+    if name != "reinforce_pp":  # batch-level: the flat group is not flat in the batch
+        assert torch.equal(adv2[:n], torch.zeros(n))
+    k = (A.igpo_turn_advantages(torch.full((n, 2), value), torch.ones(n, 2, dtype=torch.bool),
+                                torch.zeros(n, dtype=torch.long)))
+    assert torch.equal(k, torch.zeros(n, 2))
+
+
 def test_unknown_estimator():
     with pytest.raises(ValueError, match="unknown"):
         A.outcome_advantages("nope", R, G)

@@ -20,13 +20,18 @@ NEEDS_CRITIC = ("ppo",)
 
 
 def _segment_stats(values: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-element mean, unbiased std and count of the segment (equal ``keys``) it belongs to (all ``[N]``)."""
+    """Per-element mean, unbiased std and count of the segment (equal ``keys``) it belongs to (all ``[N]``).
+
+    The mean is taken of the values shifted by the segment's minimum (``lo + mean(v - lo)``): for a segment
+    of equal values the shifted values are exactly 0, so its mean is exactly the value and ``v - mean`` and
+    the std are exactly 0 (a float32 ``sum / n`` of equal values need not round back to the value)."""
     values = values.float()
     uniq, inv = torch.unique(keys, return_inverse=True)
     G = uniq.numel()
     count = torch.zeros(G, dtype=torch.float32).index_add_(0, inv, torch.ones_like(values))
-    total = torch.zeros(G, dtype=torch.float32).index_add_(0, inv, values)
-    mean = total / count
+    lo = torch.full((G,), float("inf")).scatter_reduce(0, inv, values, "amin")
+    total = torch.zeros(G, dtype=torch.float32).index_add_(0, inv, values - lo[inv])
+    mean = lo + total / count
     sq = torch.zeros(G, dtype=torch.float32).index_add_(0, inv, (values - mean[inv]) ** 2)
     std = torch.sqrt(sq / (count - 1).clamp(min=1.0))
     return mean[inv], std[inv], count[inv]
@@ -83,7 +88,8 @@ def reinforce_pp_advantages(rewards: torch.Tensor, groups: torch.Tensor | None =
     rewards = rewards.float()
     if rewards.numel() < 2:
         return torch.zeros_like(rewards)
-    return (rewards - rewards.mean()) / (rewards.std() + eps)
+    mean, std, _ = _segment_stats(rewards, torch.zeros_like(rewards, dtype=torch.long))  # exact 0 when all equal
+    return (rewards - mean) / (std + eps)
 
 
 def stratified_grpo_advantages(
