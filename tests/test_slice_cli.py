@@ -47,3 +47,37 @@ def test_simulated_search_is_wired_by_config(tiny_policy_dir, tmp_path):
     assert isinstance(sim, Retriever)
     (hits,) = sim.search(["capital of France"], 2)
     assert len(hits) == 2 and all(h.contents for h in hits)
+
+
+@pytest.mark.parametrize("bad", ["0", "-3", "x"])
+def test_eval_limit_must_be_a_positive_integer(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--limit", bad])
+    assert e.value.code == 2 and "--limit" in capsys.readouterr().err
+
+
+def test_eval_limit_config_key_is_validated_and_used(tmp_path, monkeypatch, capsys):
+    """`sleuth eval` evaluates at most eval.limit questions (the --limit default), as the quickstart does."""
+    from sleuth import pipeline
+
+    assert main(["eval", "eval.limit=0"]) == 2 and "eval.limit" in capsys.readouterr().err
+    seen = []
+
+    def fake_eval(llm, retriever, examples, cfg):
+        seen.append(len(examples))
+        return {"n": len(examples)}, []
+
+    monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: None)
+    monkeypatch.setattr(pipeline, "load_llm", lambda cfg, model=None: None)
+    monkeypatch.setattr(pipeline, "evaluate_agent", fake_eval)
+    monkeypatch.setattr(pipeline, "write_eval_outputs", lambda *a: None)
+    assert main(["eval", "eval.limit=7", "--out", str(tmp_path)]) == 0
+    assert main(["eval", "eval.limit=7", "--limit", "3", "--out", str(tmp_path)]) == 0
+    assert seen == [7, 3]
+
+
+def test_simulator_data_counts_must_be_positive(capsys):
+    for argv in (["simulator-data", "--limit", "-1"], ["simulator-data", "-k", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err

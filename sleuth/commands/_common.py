@@ -7,6 +7,17 @@ import argparse
 from sleuth.config import Config, load_config
 
 
+def positive_int(value: str) -> int:
+    """argparse type of a count that must be >= 1 (``--limit 0`` is an error, not "no limit")."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", default=None, help="YAML config (default: built-in defaults)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.lr=1e-4")

@@ -3,7 +3,7 @@ and with ``--judge-model`` (or ``eval.judge_model``) LLM-as-judge accuracy."""
 
 from __future__ import annotations
 
-from sleuth.commands._common import add_config_arguments, config_from_args
+from sleuth.commands._common import add_config_arguments, config_from_args, positive_int
 
 HELP = "evaluate the agent on a QA file: EM, F1, cover-EM, searches, turns, supporting-paragraph recall"
 
@@ -18,7 +18,8 @@ def add_arguments(p) -> None:
     p.add_argument("--judge-model", help="LLM-as-judge model directory or hub id, loaded like --model "
                    "(default: eval.judge_model; none = no judge); policy: eval.judge_unparseable")
     p.add_argument("--benchmarks", help="comma-separated benchmark names or 'all' (see eval.datasets)")
-    p.add_argument("--limit", type=int, help="evaluate at most this many questions (seeded sub-sample)")
+    p.add_argument("--limit", type=positive_int,
+                   help="evaluate at most this many questions (seeded sub-sample; default: eval.limit, else all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", help="root of the benchmark files (default ../shared/data)")
     p.add_argument("--out", help="output directory (default: <out_dir>/eval)")
@@ -39,6 +40,7 @@ def run(args) -> int:
     )
 
     cfg = config_from_args(args)
+    limit = args.limit if args.limit is not None else cfg.eval.limit
     out = Path(args.out or Path(cfg.out_dir) / "eval")
     retriever = open_retriever(cfg, args.index)  # first: a missing index is the commonest mistake
     llm = load_llm(cfg, args.model)
@@ -50,7 +52,7 @@ def run(args) -> int:
     if args.benchmarks:
         from eval.run import run_benchmarks
 
-        result = run_benchmarks(args.benchmarks.split(","), args.method, args.limit, args.seed, out, llm,
+        result = run_benchmarks(args.benchmarks.split(","), args.method, limit, args.seed, out, llm,
                                 retriever, cfg.agent, args.data_dir, top_k=cfg.retrieval.top_k,
                                 temperature=cfg.eval.temperature,
                                 index_dir=args.index or cfg.retrieval.index_dir,
@@ -63,10 +65,10 @@ def run(args) -> int:
         raise ValueError("--method other than 'agent' needs --benchmarks")
     qa = Path(args.qa) if args.qa else data_paths(cfg)["test"]
     examples = read_qa(qa)
-    if args.limit:
+    if limit is not None:
         from eval.datasets import subsample
 
-        examples = subsample(examples, args.limit, args.seed)
+        examples = subsample(examples, limit, args.seed)
     summary, trajs = evaluate_agent(llm, retriever, examples, cfg)
     if judge_llm is not None:
         from eval.methods import trajectory_record

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from sleuth.commands._common import add_config_arguments, config_from_args
+from sleuth.commands._common import add_config_arguments, config_from_args, positive_int
 
 HELP = "build the simulated-search (ZeroSearch) fine-tuning data from the real retriever"
 
@@ -24,8 +24,8 @@ def add_arguments(p) -> None:
     p.add_argument("--out", help="output JSONL (default: <out_dir>/simulator_sft.jsonl)")
     p.add_argument("--qa", help="QA file (default: data.train or the shipped sample's train split)")
     p.add_argument("--index", help="index directory (default: retrieval.index_dir)")
-    p.add_argument("-k", type=int, default=5, help="documents per query (default 5)")
-    p.add_argument("--limit", type=int, default=None, help="at most this many questions")
+    p.add_argument("-k", type=positive_int, default=5, help="documents per query (default 5)")
+    p.add_argument("--limit", type=positive_int, default=None, help="at most this many questions")
 
 
 def simulator_examples(examples: list[Any], retriever: Any, k: int, titles_by_id: dict[str, str] | None = None) -> list[dict]:
