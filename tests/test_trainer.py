@@ -311,3 +311,37 @@ def test_old_logprobs_are_computed_under_the_update_autocast(tiny_policy_dir, re
     cfg = make_cfg("train.steps=1", "train.kl_coef=0.1", "train.kl_mode=reward")
     TR.rl_train(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
     assert seen and all(seen), seen
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_nonfinite_value_loss_raises_before_any_weight_moves(shared, tiny_policy_dir, monkeypatch):
+    """A NaN value loss (PPO's critic) must raise FloatingPointError like a NaN policy loss, with neither the
+    policy nor the critic moved; before, the critic stepped on NaN gradients and silently became NaN."""
+    import training.critic as C
+    from training.critic import ValueModel
+    from training.trainer import update_policy
+
+    model, tok = load(tiny_policy_dir)
+    critic = ValueModel(model, shared=shared)
+    b = _synthetic_batch(tok, [[0, 0, 1, 1, 1, 2, 2, 1, 1], [0, 1, 1, 1, 1, 1, 1]])
+    b.token_advantages = torch.randn(b.loss_mask.shape) * b.loss_mask
+    b.old_values = torch.zeros_like(b.loss_mask)
+    b.returns = torch.ones_like(b.loss_mask) * b.loss_mask
+    real = C.value_loss
+
+    def nan_value_loss(*a, **kw):
+        loss, stats = real(*a, **kw)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(C, "value_loss", nan_value_loss)
+    tc = make_cfg("train.algorithm=ppo", "train.critic=separate").train
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    before_c = {k: v.clone() for k, v in critic.state_dict().items()}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    copt = torch.optim.AdamW(critic.trainable_parameters(), lr=1e-2)
+    with pytest.raises(FloatingPointError, match="value"):
+        update_policy(model, None, opt, b, tc, critic=critic, critic_optimizer=copt)
+    for k, v in model.state_dict().items():
+        assert torch.equal(before[k], v), k
+    for k, v in critic.state_dict().items():
+        assert torch.equal(before_c[k], v), k

@@ -226,8 +226,9 @@ def update_policy(
     the update is the on-policy policy gradient. Micro-batches follow ``cfg.micro_batch`` rows and
     ``cfg.micro_batch_tokens``; each is weighted so that the step equals one full-batch step, also across
     ranks (global token and sequence counts). A non-finite loss raises ``FloatingPointError`` before any
-    parameter moves: at once on one process; under torchrun after the backward (so no rank is left waiting
-    in the gradient reduction), when the NaN it spread makes every rank's gradient norm non-finite. With
+    parameter moves (a non-finite value loss of PPO's critic too: neither model steps): at once on one
+    process; under torchrun after the backward (so no rank is left waiting in the gradient reduction), when
+    the NaN it spread makes every rank's gradient norm non-finite. With
     ``cfg.packing`` the micro-batches are packed (:meth:`training.batch.Batch.select`); under torchrun they are
     padded to the same count on every rank (:func:`training.distributed.pad_micro_batches`, zero weight).
     """
@@ -285,25 +286,36 @@ def update_policy(
         if not torch.isfinite(grad_norm):
             optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError("non-finite gradient norm")
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        stats_acc["grad_norm"] = stats_acc.get("grad_norm", 0.0) + float(grad_norm)
-        count += 1
-        if critic is not None and batch.returns is not None:
+        use_critic = critic is not None and batch.returns is not None
+        if use_critic:  # the value loss's gradients (and its finiteness check) before either model steps
             from training.critic import value_loss
 
             critic_optimizer.zero_grad(set_to_none=True)
+            vl = vf_norm = torch.zeros(())
             for mb in micro[:n_real]:
                 v = critic(mb)
                 vl, vs = value_loss(v, mb.old_values.to(v.device), mb.returns.to(v.device),
                                     mb.loss_mask.to(v.device), cfg.vf_clip)
                 share = float(mb.loss_mask.sum()) / max(total_tokens, 1.0)
+                if not torch.isfinite(vl):
+                    break
                 (cfg.vf_coef * vl * share * W).backward()
                 for k, val in vs.items():
                     stats_acc[k] = stats_acc.get(k, 0.0) + val * share
-            torch.nn.utils.clip_grad_norm_(critic.trainable_parameters(), cfg.max_grad_norm)
+            else:
+                vf_norm = torch.nn.utils.clip_grad_norm_(critic.trainable_parameters(), cfg.max_grad_norm)
+            if not torch.isfinite(vl) or not torch.isfinite(vf_norm):
+                optimizer.zero_grad(set_to_none=True)
+                critic_optimizer.zero_grad(set_to_none=True)
+                raise FloatingPointError(f"non-finite value loss ({float(vl.detach())}) or value-model gradient norm "
+                                         f"({float(vf_norm)})")
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        if use_critic:
             critic_optimizer.step()
+        stats_acc["grad_norm"] = stats_acc.get("grad_norm", 0.0) + float(grad_norm)
+        count += 1
     out = {k: v / count for k, v in stats_acc.items()}
     out["lr"] = optimizer.param_groups[0]["lr"]
     return out
