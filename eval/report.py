@@ -40,6 +40,8 @@ def find_summaries(run_dirs: list[str | Path]) -> list[dict[str, Any]]:
             raise FileNotFoundError(f"no evaluation summary under {d} (expected {d}/<method>-<fingerprint>/summary.json "
                                     "written by `sleuth eval`)")
         for p in paths:
+            if any(Path(x["_path"]).resolve() == p.resolve() for x in out):
+                continue  # a run dir and one of its folders both given: each run once
             s = json.loads(p.read_text())
             s["_path"] = str(p)
             out.append(s)
@@ -47,7 +49,8 @@ def find_summaries(run_dirs: list[str | Path]) -> list[dict[str, Any]]:
 
 
 def _labels(summaries: list[dict[str, Any]]) -> list[str]:
-    """Column names: the method, with the fingerprint (and run dir) added where a method appears twice."""
+    """Column names: the method, with the fingerprint (and run dir) added where a method appears twice; the
+    run dir's whole path where its name is not enough, so that every run has its own column."""
     methods = [s["method"] for s in summaries]
     labels = []
     for s in summaries:
@@ -55,6 +58,9 @@ def _labels(summaries: list[dict[str, Any]]) -> list[str]:
         if methods.count(s["method"]) > 1:
             label = f"{s['method']} ({Path(s['_path']).parent.parent.name}/{s['fingerprint'][:6]})"
         labels.append(label)
+    for i, s in enumerate(summaries):
+        if labels.count(labels[i]) > 1:  # same config in two run dirs of one name
+            labels[i] = f"{s['method']} ({Path(s['_path']).parent.parent}/{s['fingerprint'][:6]})"
     return labels
 
 

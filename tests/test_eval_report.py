@@ -73,3 +73,16 @@ def test_report_without_runs_is_a_clear_error(tmp_path):
         write_report([tmp_path / "empty"], tmp_path / "o")
     with pytest.raises(FileNotFoundError, match="not found"):
         write_report([tmp_path / "missing"], tmp_path / "o")
+
+
+def test_same_config_in_two_run_dirs_of_one_name_is_not_merged(tmp_path):
+    """Two runs of one config (same fingerprint) in run dirs with the same base name must stay two columns,
+    each with its own numbers, not one label whose values come from whichever run was read last."""
+    for sub, right in (("a", True), ("b", False)):
+        run_benchmarks(["sample"], "rag", 4, 0, tmp_path / sub / "eval", ScriptedLLM(), KeywordRetriever(PASSAGES),
+                       AgentConfig(), progress=False, method_fn=_fake(right, 1), batch_size=4)
+    rep = build_report(find_summaries([tmp_path / "a" / "eval", tmp_path / "b" / "eval"]))
+    assert len(set(rep["methods"])) == 2
+    assert sorted(rep["em"]["sample"].values()) == [0.0, 0.5]
+    folder = next((tmp_path / "a" / "eval").iterdir())  # a run dir and its own folder: one run, one column
+    assert len(find_summaries([tmp_path / "a" / "eval", folder])) == 1
