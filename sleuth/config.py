@@ -256,10 +256,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         for err in e.errors():
             key = ".".join(str(p) for p in err["loc"])
             if err["type"] == "extra_forbidden":
-                msgs.append(f"unknown config key {key!r}")
+                msgs.append(f"unknown config key {key!r}{_suggest(err['loc'])}")
             else:
                 msgs.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
         raise ConfigError("; ".join(msgs)) from None
+
+
+def _suggest(loc: tuple[Any, ...]) -> str:
+    """``"; did you mean 'train.lr'?"`` for an unknown key at ``loc``: close matches among the keys of its
+    section (empty when there are none)."""
+    import difflib
+
+    model: Any = Config
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        model = getattr(field, "annotation", None)
+        if not isinstance(model, type) or not issubclass(model, Section):
+            return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=3, cutoff=0.6)
+    if not close:
+        return ""
+    prefix = "".join(f"{p}." for p in loc[:-1])
+    return "; did you mean " + " or ".join(repr(prefix + c) for c in close) + "?"
 
 
 def dump_config(cfg: Config, path: str | Path) -> None:

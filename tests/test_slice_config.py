@@ -45,3 +45,15 @@ def test_malformed_yaml_is_a_config_error_naming_the_file(tmp_path):
         load_config(None, ["train.lr=[1"])
     with pytest.raises(ConfigError, match="not a file"):
         load_config(tmp_path)
+
+
+def test_unknown_key_suggests_close_matches():
+    with pytest.raises(ConfigError, match=r"unknown config key 'train\.lrr'; did you mean 'train\.lr'\?"):
+        load_config(None, ["train.lrr=1e-4"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'agent\.max_turn'; did you mean 'agent\.max_turns'"):
+        load_config(None, ["agent.max_turn=2"])
+    with pytest.raises(ConfigError, match=r"'retreival'; did you mean 'retrieval'"):
+        load_config(None, ["retreival.top_k=2"])
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["zzzz=1"])
+    assert "did you mean" not in str(e.value)
