@@ -16,8 +16,8 @@ for the same conversation.
 
 A turn without a tool call is the final answer (the text inside ``<answer>...</answer>`` when present, else
 the whole turn). Malformed calls (bad JSON, unknown function, missing or over-long query, two calls in one
-turn, an unclosed ``<tool_call>``) become ``invalid`` actions whose reason is returned to the policy as the
-tool message, never an exception. Follows the Qwen2.5 function-calling format (Hermes-style template).
+turn, an unclosed ``<tool_call>``, a ``</tool_call>`` without one) become ``invalid`` actions whose reason
+is returned to the policy as the tool message, never an exception. Follows the Qwen2.5 function-calling format (Hermes-style template).
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ def parse_action(text: str, finish_reason: str = "stop", max_query_chars: int = 
     opened = text.count("<tool_call>")
     if opened > len(calls):
         return Action("invalid", error="unclosed <tool_call>")
+    if not calls and "</tool_call>" in text:
+        return Action("invalid", error="</tool_call> without <tool_call>")
     if len(calls) > 1:
         return Action("invalid", error=f"two tool calls in one turn ({len(calls)})")
     if calls:

@@ -42,3 +42,14 @@ def test_oversized_query_is_invalid():
 def test_format_docs_matches_search_r1_rendering():
     hits = [Hit("1", "Paris", "Paris\nCapital of France.", 3.0), Hit("2", "Lyon", "Lyon\nA city.", 1.0)]
     assert format_docs(hits) == "Doc 1(Title: Paris) Capital of France.\nDoc 2(Title: Lyon) A city."
+
+
+def test_function_call_stray_tool_call_closer_is_invalid_not_an_answer():
+    # the turn stops at </tool_call>: a call written without its opening tag is a malformed call,
+    # not a final answer made of JSON
+    from agent import function_call
+
+    a = function_call.parse_action('{"name": "search", "arguments": {"query": "x"}}</tool_call>')
+    assert a.kind == "invalid" and "</tool_call> without <tool_call>" in a.error
+    a = function_call.parse_action('<tool_call>{"name": "search", "arguments": {"query": "x"}}</tool_call></tool_call>')
+    assert a.kind == "search" and a.content == "x"  # text after the call stays trailing text
