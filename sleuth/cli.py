@@ -48,11 +48,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (FileNotFoundError, ValueError) as e:  # ConfigError, IndexNotFoundError, DataFormatError, ...
+    except (OSError, ValueError) as e:  # ConfigError, IndexNotFoundError, DataFormatError, IsADirectoryError, ...
         if os.environ.get("SLEUTH_DEBUG"):
             raise
-        print(f"sleuth {args.command}: error: {e}", file=sys.stderr)
+        print(f"sleuth {args.command}: error: {_describe(e)}", file=sys.stderr)
         return 2
+
+
+def _describe(e: BaseException) -> str:
+    """An error as one line: an OS error on a path as ``PATH: reason`` (not ``[Errno 21] ...``)."""
+    if isinstance(e, OSError) and e.strerror and e.filename is not None:
+        return f"{e.filename}: {e.strerror}" + (f" (-> {e.filename2})" if e.filename2 is not None else "")
+    return str(e)
 
 
 if __name__ == "__main__":

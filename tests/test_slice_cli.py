@@ -81,3 +81,14 @@ def test_simulator_data_counts_must_be_positive(capsys):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+
+
+def test_os_errors_on_user_paths_are_clear_messages(tmp_path, capsys):
+    """A directory where a file is expected (or a file where a directory is) is an error message, exit 2."""
+    (tmp_path / "adir").mkdir()
+    assert main(["corpus", "--from", str(tmp_path / "adir"), "--out", str(tmp_path / "c.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sleuth corpus: error:") and "Is a directory" in err and "adir" in err
+    (tmp_path / "afile").write_text("")
+    assert main(["report", str(tmp_path / "adir"), "--out", str(tmp_path / "afile")]) == 2
+    assert capsys.readouterr().err.startswith("sleuth report: error:")
