@@ -24,7 +24,7 @@ from langgraph.graph import END, START, StateGraph
 
 from agent import function_call, protocol
 from agent.judges import normalize_answer, rule_verdict
-from agent.llm import LLM, SamplingParams, encode
+from agent.llm import LLM, SamplingParams, decode, encode
 from agent.scheduler import Scheduler
 from agent.trajectory import Role, Trajectory, Turn
 from corpora.formats import QAExample
@@ -176,15 +176,19 @@ async def search(state: EpisodeState, config: RunnableConfig) -> EpisodeState:
 def _append_observation(ctx: AgentContext, state: EpisodeState, body: str) -> EpisodeState:
     """Append the tool result as tool tokens: ``\\n\\n<information>body</information>\\n\\n`` (Search-R1) or
     the chat template's tool message (function calling), cutting the body so that the observation fits
-    both ``max_obs_tokens`` and the episode's token budget (the closing text is kept). Only this delta is
-    tokenised; earlier tokens are never re-tokenised."""
+    both ``max_obs_tokens`` and the episode's token budget (the closing text is kept); ``Turn.observation``
+    is the body as appended (the cut text when it was cut). Only this delta is tokenised; earlier tokens
+    are never re-tokenised."""
     traj, cfg = state["traj"], ctx.agent_cfg
     head_text, tail_text = ctx.observation_frame(bool(state.get("eos")))
     head, tail = ctx.ids(head_text), ctx.ids(tail_text)
     room = min(cfg.max_obs_tokens, cfg.max_total_tokens - len(traj)) - len(head) - len(tail)
     if room <= 0:
         return {"finish": "max_tokens"}
-    body_ids = encode(ctx.tokenizer, body)[:room]
+    body_ids = encode(ctx.tokenizer, body)
+    if len(body_ids) > room:  # record the cut text: what the policy read (the self-judge is scored on it)
+        body_ids = body_ids[:room]
+        body = decode(ctx.tokenizer, body_ids)
     ids = head + body_ids + tail
     traj.append(ids, Role.TOOL, state["turn"])
     turn = traj.turns[-1]

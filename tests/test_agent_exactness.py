@@ -124,3 +124,23 @@ def test_self_judge_is_recorded_and_rewarded(tiny_llm, retriever, agent_cfg):
     assert t2.turns[1].judgement == "useful" and t2.verdict["self_judge_acc"] == 0.0
     assert t2.turns[2].action == "invalid" and "must be 'useful' or 'not useful'" in t2.turns[2].error
     assert t2.answer == "Dijon" and t2.reward == 1.0
+
+
+def test_a_cut_observation_is_recorded_as_the_policy_saw_it(tiny_llm, retriever, agent_cfg):
+    """An observation cut to ``max_obs_tokens`` is recorded as the cut text (what the policy read), so the
+    self-judge is scored against it: "not useful" for a block whose answer was cut off agrees."""
+    from agent.llm import encode
+
+    tok = tiny_llm.tokenizer
+    frame = len(encode(tok, "\n\n<information>")) + len(encode(tok, "</information>\n\n"))
+    cfg = agent_cfg.model_copy(update={"self_judge": True, "self_judge_reward": 0.5, "max_new_tokens": 64,
+                                     "max_obs_tokens": frame + 6})
+    llm = ScriptLLM(tok, {"Eiffel Tower": ["<search> Gustave Eiffel born </search>",
+                                           "<judge>not useful</judge><answer> Dijon </answer>"]})
+    (t,) = run_episodes([EIFFEL], llm, retriever, cfg, top_k=1)
+    turn = t.turns[0]
+    assert turn.hit_ids == ["p3"] and turn.n_tool_tokens == frame + 6
+    tool_ids = [i for i, r, k in zip(t.token_ids, t.roles, t.turn_ids, strict=True) if r == Role.TOOL and k == 1]
+    assert turn.observation == decode(tok, tool_ids[len(encode(tok, "\n\n<information>")):-len(encode(tok, "</information>\n\n"))])
+    assert "Dijon" not in turn.observation
+    assert t.verdict["self_judge_acc"] == 1.0 and t.reward == 1.5
