@@ -4,7 +4,7 @@
 directories (written by :func:`eval.run.run_benchmarks`) and writes to ``OUT``:
 
 * ``report.md``: EM (benchmarks x methods, in percent, with the average over benchmarks as in Search-R1's
-  Table 2), F1 in a second table, cover-EM, supporting-paragraph recall where defined, and efficiency per
+  Table 2, shown only for a method that has every benchmark of the table), F1 in a second table, cover-EM, supporting-paragraph recall where defined, and efficiency per
   method (mean search calls, turns, generated tokens, seconds per question); when some run was judged by an
   LLM (``sleuth eval --judge-model``), an LLM-judge accuracy table with the rate of unparseable verdicts;
 * ``em_vs_search_calls.png``: mean EM against mean search calls per question, one point per method;
@@ -70,7 +70,8 @@ def _bench_order(names: set[str]) -> list[str]:
 
 def build_report(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """Collect tables from summaries: ``{"methods", "benchmarks", "em": {bench: {method: value}}, "f1", ...,
-    "average": {metric: {method: mean over benchmarks}}, "efficiency": {method: {...}}, "by_hops":
+    "average": {metric: {method: mean over the benchmarks some method has a value for; None for a method
+    that lacks one of them}}, "efficiency": {method: {...}}, "by_hops":
     {bench: {method: {hops: em}}}, "runs": [...]}`` (scores in [0, 1])."""
     labels = _labels(summaries)
     benches = _bench_order({b for s in summaries for b in s.get("benchmarks", {})})
@@ -78,9 +79,11 @@ def build_report(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     for key in (*(k for k, _ in SCORE_TABLES), "judge_unparseable"):
         rep[key] = {b: {lab: s["benchmarks"].get(b, {}).get(key) for lab, s in zip(labels, summaries)} for b in benches}
         rep["average"][key] = {}
-        for lab, s in zip(labels, summaries):
-            vals = [s["benchmarks"][b][key] for b in benches if s["benchmarks"].get(b, {}).get(key) is not None]
-            rep["average"][key][lab] = sum(vals) / len(vals) if vals else None
+        scored = [b for b in benches if any(v is not None for v in rep[key][b].values())]
+        for lab in labels:
+            vals = [rep[key][b][lab] for b in scored]
+            # over the same benchmarks for every method: one that lacks some has no average
+            rep["average"][key][lab] = sum(vals) / len(vals) if vals and None not in vals else None
     for lab, s in zip(labels, summaries):
         eff: dict[str, Any] = {}
         total = sum(m.get("n", 0) for m in s["benchmarks"].values())

@@ -86,3 +86,15 @@ def test_same_config_in_two_run_dirs_of_one_name_is_not_merged(tmp_path):
     assert sorted(rep["em"]["sample"].values()) == [0.0, 0.5]
     folder = next((tmp_path / "a" / "eval").iterdir())  # a run dir and its own folder: one run, one column
     assert len(find_summaries([tmp_path / "a" / "eval", folder])) == 1
+
+
+def test_average_is_over_the_same_benchmarks_for_every_method(runs, tmp_path):
+    """A method that lacks a benchmark of the table has no average (an average over fewer benchmarks is not
+    comparable with the others'), instead of the mean over the benchmarks it has."""
+    run_dir, qa = runs
+    run_benchmarks(["sample"], "ircot", 4, 0, run_dir, ScriptedLLM(), KeywordRetriever(PASSAGES), AgentConfig(),
+                   progress=False, method_fn=_fake(True, 2), batch_size=4)
+    rep = build_report(find_summaries([run_dir]))
+    assert rep["em"]["sample"]["ircot"] == 0.5 and rep["em"][str(qa)]["ircot"] is None
+    assert rep["average"]["em"]["ircot"] is None
+    assert rep["average"]["em"]["rag"] is not None
