@@ -345,3 +345,40 @@ def test_nonfinite_value_loss_raises_before_any_weight_moves(shared, tiny_policy
         assert torch.equal(before[k], v), k
     for k, v in critic.state_dict().items():
         assert torch.equal(before_c[k], v), k
+
+
+def test_resume_loads_a_sharded_reference_model(tiny_policy_dir, retriever, tmp_path, monkeypatch):
+    """The KL reference saved in run_dir/reference must be what a resumed run compares with, also when
+    save_pretrained wrote it in shards (a large model): before, only model.safetensors was read and a sharded
+    reference was silently replaced by the resumed (already trained) weights, so the KL started from 0."""
+    import shutil
+
+    import training.trainer as TR
+    from agent.hf import load_model_and_tokenizer
+    from training.checkpoint import latest_checkpoint
+
+    cfg = make_cfg("train.steps=1", "train.kl_coef=0.1")
+    model, tok = load(tiny_policy_dir)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    TR.rl_train(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
+    ref_dir = tmp_path / "reference"
+    shutil.rmtree(ref_dir)
+    m0, _ = load(tiny_policy_dir)
+    m0.save_pretrained(ref_dir, max_shard_size="20KB")
+    assert not (ref_dir / "model.safetensors").exists() and len(list(ref_dir.glob("*.safetensors"))) > 1
+
+    seen = []
+    real = TR.update_policy
+
+    def spy(module, ref_model, *a, **kw):
+        seen.append({k: v.clone() for k, v in ref_model.state_dict().items()})
+        return real(module, ref_model, *a, **kw)
+
+    monkeypatch.setattr(TR, "update_policy", spy)
+    model, tok = load_model_and_tokenizer(str(latest_checkpoint(tmp_path)), device="cpu")
+    assert any(not torch.equal(initial[k], v) for k, v in model.state_dict().items())
+    TR.rl_train(make_cfg("train.steps=2", "train.kl_coef=0.1"), model, tok, retriever, QUESTIONS, tmp_path,
+                resume=True, judge=varying_judge)
+    assert seen
+    for k, v in initial.items():
+        torch.testing.assert_close(seen[0][k], v, rtol=0, atol=0)
