@@ -72,7 +72,8 @@ def build_report(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """Collect tables from summaries: ``{"methods", "benchmarks", "em": {bench: {method: value}}, "f1", ...,
     "average": {metric: {method: mean over the benchmarks some method has a value for; None for a method
     that lacks one of them}}, "efficiency": {method: {...}}, "by_hops":
-    {bench: {method: {hops: em}}}, "runs": [...]}`` (scores in [0, 1])."""
+    {bench: {method: {hops: em}}}, "same_questions": {bench: whether every run scored the same questions},
+    "runs": [...]}`` (scores in [0, 1])."""
     labels = _labels(summaries)
     benches = _bench_order({b for s in summaries for b in s.get("benchmarks", {})})
     rep: dict[str, Any] = {"methods": labels, "benchmarks": benches, "average": {}, "efficiency": {}, "by_hops": {}}
@@ -99,6 +100,11 @@ def build_report(summaries: list[dict[str, Any]]) -> dict[str, Any]:
         multihop = spec.multihop if spec else any(s["benchmarks"].get(b, {}).get("multihop") for s in summaries)
         if multihop and any(hops.values()):
             rep["by_hops"][b] = {lab: {h: v["em"] for h, v in hp.items()} for lab, hp in hops.items()}
+    rep["same_questions"] = {}  # False where the runs' question sets of a benchmark differ (limit, seed)
+    for b in benches:
+        sets = {tuple(m["question_ids"]) if m.get("question_ids") is not None else ("n", m.get("n"))
+                for s in summaries if (m := s["benchmarks"].get(b))}
+        rep["same_questions"][b] = len(sets) <= 1
     rep["runs"] = [
         {"method": s["method"], "fingerprint": s["fingerprint"], "summary": s["_path"],
          "benchmarks": {b: {k: v for k, v in m.items() if k != "question_ids"} for b, m in s["benchmarks"].items()}}
@@ -115,7 +121,10 @@ def to_markdown(rep: dict[str, Any]) -> str:
     """The report's tables as markdown."""
     methods = rep["methods"]
     parts = ["# Evaluation report", ""]
-    ns = {b: max((r["benchmarks"].get(b, {}).get("n", 0) for r in rep["runs"]), default=0) for b in rep["benchmarks"]}
+    ns = {}
+    for b in rep["benchmarks"]:
+        counts = sorted({r["benchmarks"][b].get("n", 0) for r in rep["runs"] if b in r["benchmarks"]})
+        ns[b] = "/".join(map(str, counts)) + ("" if rep.get("same_questions", {}).get(b, True) else "*")
     for key, title in SCORE_TABLES:
         if key in OPTIONAL_TABLES and all(v is None for row in rep[key].values() for v in row.values()):
             continue
@@ -133,6 +142,9 @@ def to_markdown(rep: dict[str, Any]) -> str:
     for m in methods:
         e = rep["efficiency"][m]
         parts.append(f"| {m} | {e['n']} | " + " | ".join("-" if e[k] is None else f"{e[k]:.2f}" for k, _ in EFFICIENCY) + " |")
+    if not all(rep.get("same_questions", {}).values()):
+        parts += ["", ("\\* the methods were scored on different questions of this benchmark (another --limit or "
+                       "--seed): their numbers are not directly comparable.")]
     parts += ["", "Runs: " + "; ".join(f"{r['method']} `{r['fingerprint']}` ({r['summary']})" for r in rep["runs"]), ""]
     return "\n".join(parts)
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from eval.report import build_report, find_summaries, write_report
+from eval.report import build_report, find_summaries, to_markdown, write_report
 from eval.run import run_benchmarks
 from sleuth.commands import report as report_cmd
 from sleuth.config import AgentConfig
@@ -98,3 +98,21 @@ def test_average_is_over_the_same_benchmarks_for_every_method(runs, tmp_path):
     assert rep["em"]["sample"]["ircot"] == 0.5 and rep["em"][str(qa)]["ircot"] is None
     assert rep["average"]["em"]["ircot"] is None
     assert rep["average"]["em"]["rag"] is not None
+
+
+def test_runs_over_different_questions_are_flagged(runs, tmp_path):
+    """Columns scored on different questions of a benchmark (another --limit or seed) are not silently shown
+    under one n: the n cell lists each run's n and is marked."""
+    run_dir, _ = runs
+    run_benchmarks(["sample"], "ircot", 6, 0, run_dir, ScriptedLLM(), KeywordRetriever(PASSAGES), AgentConfig(),
+                   progress=False, method_fn=_fake(True, 2), batch_size=4)
+    rep = build_report(find_summaries([run_dir]))
+    assert rep["same_questions"]["sample"] is False
+    md = to_markdown(rep)
+    assert "| sample | 4/6* |" in md and "different questions" in md
+    run_dir2 = tmp_path / "only"
+    for method in ("direct", "rag"):
+        run_benchmarks(["sample"], method, 4, 0, run_dir2, ScriptedLLM(), KeywordRetriever(PASSAGES), AgentConfig(),
+                       progress=False, method_fn=_fake(True, 1), batch_size=4)
+    md = to_markdown(build_report(find_summaries([run_dir2])))
+    assert "| sample | 4 |" in md and "different questions" not in md
