@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -62,6 +63,10 @@ class VLLMBackend:
         self.eos_ids: set[int] = {eos} if isinstance(eos, int) else set(eos or [])
         self.weight_version = 0
         self._weights_dir: str | None = None
+        # vLLM's offline LLM is not thread-safe: generate() steps the one engine until it is idle and returns
+        # every request that finished, another thread's too (the LLM judge runs in a worker thread beside
+        # the scheduler's); one call at a time
+        self._lock = threading.Lock()
 
     def _params(self, params: SamplingParams, i: int) -> Any:
         from vllm import SamplingParams as VParams
@@ -80,14 +85,18 @@ class VLLMBackend:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """One continuation per prompt (see :class:`agent.llm.LLM`); ``logprobs`` are the engine's
-        log-probabilities of the sampled tokens (natural log, float)."""
+        log-probabilities of the sampled tokens (natural log, float). Thread-safe: calls from several
+        threads run one at a time."""
         if not prompts:
             return []
         from vllm.inputs import TokensPrompt
 
         reqs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         sps = [self._params(params, i) for i in range(len(prompts))]
-        outs = self.engine.generate(reqs, sps, use_tqdm=False)
+        with self._lock:
+            outs = self.engine.generate(reqs, sps, use_tqdm=False)
+        if len(outs) != len(prompts):
+            raise RuntimeError(f"vLLM returned {len(outs)} outputs for {len(prompts)} prompts")
         gens = []
         for o in outs:
             c = o.outputs[0]
@@ -130,9 +139,10 @@ class VLLMBackend:
         path = os.path.join(self._weights_dir, "model.safetensors")
         save_file(tensors, path + ".tmp")
         os.replace(path + ".tmp", path)
-        self.engine.collective_rpc("reload_weights", kwargs={"weights_path": self._weights_dir})
-        self.engine.reset_prefix_cache()
-        self.weight_version += 1
+        with self._lock:
+            self.engine.collective_rpc("reload_weights", kwargs={"weights_path": self._weights_dir})
+            self.engine.reset_prefix_cache()
+            self.weight_version += 1
 
     def close(self) -> None:
         """Remove the shared-memory weights directory (the engine shuts down with the object)."""

@@ -92,3 +92,60 @@ def test_config_judge_llm_uses_the_policy_backend(tiny_llm, retriever, agent_cfg
     cfg = agent_cfg.model_copy(update={"judge": "llm"})
     (t,) = run_episodes([FRANCE], both, retriever, cfg)
     assert t.verdict["em"] == 1.0 and t.verdict["llm_verdict"] == "incorrect" and t.reward == 0.0
+
+
+def test_vllm_backend_serialises_calls_from_the_judge_and_the_scheduler(tiny_llm, monkeypatch):
+    """``agent.judge: llm`` judges with the policy backend in a worker thread while the scheduler's thread
+    generates. vLLM's offline ``LLM`` is not thread-safe: ``generate`` steps the one engine until it is
+    idle and returns *every* request that finished, its own and another thread's. The fake engine below
+    does the same; each caller must still get exactly its own continuations."""
+    import sys
+    import threading
+    import time
+    import types
+
+    from agent.llm import SamplingParams, decode
+
+    tok = tiny_llm.tokenizer
+
+    class Engine:  # vllm.LLM: one shared request pool
+        def __init__(self, **kw):
+            self.pending = []
+
+        def get_tokenizer(self):
+            return tok
+
+        def generate(self, reqs, sps, use_tqdm=False):
+            self.pending.extend(reqs)
+            time.sleep(0.2)  # the engine steps; another thread may add requests meanwhile
+            done, self.pending = self.pending, []
+            out = types.SimpleNamespace
+            return [out(outputs=[out(token_ids=list(r["prompt_token_ids"]), logprobs=None, finish_reason="length")])
+                    for r in done]
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams = Engine, lambda **kw: kw
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    from agent.vllm_backend import VLLMBackend
+
+    backend = VLLMBackend("fake")
+    prompts = {name: [encode(tok, f"{name} prompt {i}") for i in range(n)] for name, n in (("judge", 1), ("policy", 3))}
+    got: dict[str, list] = {}
+
+    def call(name):
+        try:
+            got[name] = backend.generate(prompts[name], SamplingParams(max_new_tokens=16, stop=()))
+        except Exception as e:  # noqa: BLE001
+            got[name] = e
+
+    threads = [threading.Thread(target=call, args=(name,)) for name in prompts]
+    for th in threads:
+        th.start()
+        time.sleep(0.05)
+    for th in threads:
+        th.join()
+    for name, ps in prompts.items():
+        assert [decode(tok, g.token_ids) for g in got[name]] == [decode(tok, p) for p in ps], name
