@@ -177,8 +177,8 @@ def evaluate_benchmark(
             if judge is not None:
                 judge(recs)
             cache.append(benchmark, recs)
-            for r in recs:
-                cached[r["id"]] = r
+            for r, e in zip(recs, batch, strict=True):
+                cached[e.id] = r
             done.extend(recs)
             bar.update(len(batch))
             bar.set_postfix(_live_postfix(done))

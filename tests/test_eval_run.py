@@ -175,3 +175,17 @@ def test_cached_predictions_of_other_questions_are_not_reused(tmp_path):
                         AgentConfig(), progress=False, method_fn=again)
     assert again.computed == ["q1"] and s2["benchmarks"][qa]["computed"] == 1
     assert s2["benchmarks"][qa]["em"] == 0.0  # scored against Berlin, not the stale Paris record
+
+
+def test_a_method_may_return_non_string_ids(tmp_path):
+    """Records are matched to their batch by str(id); a method that returns int ids must not crash the run."""
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("".join(json.dumps({"id": str(i), "question": f"q{i}?", "golden_answers": ["Paris"]}) + "\n"
+                          for i in range(3)))
+
+    def int_ids(examples):
+        return [{"id": int(e.id), "prediction": "Paris", "golden_answers": e.golden_answers} for e in examples]
+
+    s = run_benchmarks([str(qa)], "rag", None, 0, tmp_path / "run", ScriptedLLM(), KeywordRetriever(PASSAGES),
+                       AgentConfig(), progress=False, method_fn=int_ids, batch_size=2)
+    assert s["benchmarks"][str(qa)]["n"] == 3 and s["benchmarks"][str(qa)]["em"] == 1.0
