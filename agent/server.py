@@ -203,8 +203,13 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
         if not user:
             raise HTTPError(422, "no user message")
         content = user[-1].get("content")
-        if isinstance(content, list):  # content parts
-            content = " ".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if isinstance(content, list):  # content parts: the text parts are the question
+            if not all(isinstance(p, dict) and (p.get("type") != "text" or isinstance(p.get("text"), str))
+                       for p in content):
+                raise HTTPError(422, "message content parts must be objects; a text part needs a string 'text'")
+            content = " ".join(p["text"] for p in content if p.get("type") == "text")
+        elif not isinstance(content, str):
+            raise HTTPError(422, "message content must be a string or a list of content parts")
         q = check_question(content)
         cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         model = obj.get("model") or model_name

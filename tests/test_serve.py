@@ -307,3 +307,14 @@ def test_client_disconnect_cancels_the_streamed_episode(tiny_llm, retriever, age
 
 def test_threads_are_not_leaked_after_streaming():
     assert threading.active_count() < 50
+
+
+def test_malformed_chat_content_parts_get_422_not_500(server):
+    url = server.url + "/v1/chat/completions"
+    for content in ([{"type": "text", "text": 3}], [{"type": "text", "text": None}], ["plain string part"], {"text": "q"}):
+        r = httpx2.post(url, headers=_h(), json={"messages": [{"role": "user", "content": content}]})
+        assert r.status_code == 422, (content, r.status_code, r.text)
+        assert "content" in r.json()["error"]["message"] or "string" in r.json()["error"]["message"]
+    r = httpx2.post(url, headers=_h(), json={"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]}]})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Paris"
