@@ -92,3 +92,14 @@ def test_os_errors_on_user_paths_are_clear_messages(tmp_path, capsys):
     (tmp_path / "afile").write_text("")
     assert main(["report", str(tmp_path / "adir"), "--out", str(tmp_path / "afile")]) == 2
     assert capsys.readouterr().err.startswith("sleuth report: error:")
+
+
+def test_eval_checks_benchmarks_and_method_before_loading_anything(tmp_path, capsys):
+    """A typo in --benchmarks or --method is reported at once, not after loading the index and the model."""
+    nope = f"retrieval.index_dir={tmp_path / 'nope'}"
+    assert main(["eval", "--benchmarks", "hotpot-qa", nope]) == 2
+    assert "unknown benchmark 'hotpot-qa'" in capsys.readouterr().err
+    assert main(["eval", "--benchmarks", "sample", "--method", "reflexion", nope]) == 2
+    assert "unknown method 'reflexion'" in capsys.readouterr().err
+    assert main(["eval", "--benchmarks", "nq", "--data-dir", str(tmp_path), nope]) == 2
+    assert "file not found" in capsys.readouterr().err

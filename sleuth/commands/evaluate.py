@@ -42,6 +42,8 @@ def run(args) -> int:
     cfg = config_from_args(args)
     limit = args.limit if args.limit is not None else cfg.eval.limit
     out = Path(args.out or Path(cfg.out_dir) / "eval")
+    if args.benchmarks:  # names, method and files first: a typo should not wait for the index and the model
+        _check_benchmarks(args.benchmarks, args.method, args.data_dir)
     retriever = open_retriever(cfg, args.index)  # first: a missing index is the commonest mistake
     llm = load_llm(cfg, args.model)
     judge_model = args.judge_model or cfg.eval.judge_model
@@ -89,3 +91,19 @@ def run(args) -> int:
               f"(unparseable verdicts: {100 * (summary['judge_unparseable'] or 0):.1f}%)")
     print(f"\nwrote {out / (name + '.json')}, {out / (name + '.md')} and the trajectories")
     return 0
+
+
+def _check_benchmarks(benchmarks: str, method: str, data_dir: str | None) -> None:
+    """Raise the error ``run_benchmarks`` would, before anything is loaded: an unknown benchmark or method
+    (``ValueError`` listing the known ones) or a missing benchmark file (``FileNotFoundError``)."""
+    from pathlib import Path
+
+    from eval.datasets import REGISTRY, benchmark_path, expand_benchmarks, resolve_data_dir
+    from eval.methods import get_method
+
+    get_method(method)
+    for name in expand_benchmarks(benchmarks.split(",")):
+        path = benchmark_path(name, data_dir) if name in REGISTRY else Path(name)
+        if not path.exists():
+            where = f" (data dir {resolve_data_dir(data_dir)}; set SLEUTH_DATA_DIR or --data-dir)" if name in REGISTRY else ""
+            raise FileNotFoundError(f"benchmark {name!r}: file not found: {path}{where}")
