@@ -4,6 +4,7 @@ sampling refills, and a long trajectory is truncated with its mask intact."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -143,6 +144,28 @@ def test_resume_is_exact(tiny_policy_dir, retriever, tmp_path):
         torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=1e-6)
     steps = [int(line.split('"step": ')[1].split(",")[0]) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
+
+
+def test_resume_rewrites_the_sample_trajectories_of_redone_steps(tiny_policy_dir, retriever, tmp_path):
+    """A run that dies after logging a step it had not checkpointed redoes that step on resume: its metrics
+    record and its sample trajectories are written once, not twice."""
+    import shutil
+
+    from agent.hf import load_model_and_tokenizer
+    from training.checkpoint import latest_checkpoint
+    from training.trainer import rl_train
+
+    cfg = make_cfg("train.steps=2")
+    model, tok = load(tiny_policy_dir)
+    rl_train(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge, llm_factory=SeededLLM)
+    shutil.rmtree(tmp_path / "checkpoints" / "step_000002")  # as if killed after logging step 2, before saving it
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt.name == "step_000001"
+    model, tok = load_model_and_tokenizer(str(ckpt), device="cpu")
+    rl_train(cfg, model, tok, retriever, QUESTIONS, tmp_path, resume=True, judge=varying_judge, llm_factory=SeededLLM)
+    lines = (tmp_path / "trajectories.jsonl").read_text().splitlines()
+    assert [json.loads(ln)["metadata"]["step"] for ln in lines] == [1, 1, 2, 2]  # group_size 2 per step
+    assert [json.loads(ln)["step"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
 def test_nonfinite_loss_is_skipped_then_stops(tiny_policy_dir, retriever, tmp_path, monkeypatch):

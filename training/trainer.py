@@ -89,6 +89,15 @@ class DataStream:
         return out
 
 
+def drop_steps_after(path: Path, step: int, step_of: Callable[[dict], int]) -> None:
+    """Keep only the records of ``path`` (JSONL) whose ``step_of(record)`` is at most ``step``: a resumed run
+    rewrites the steps after its checkpoint, so their records from before the interruption must go."""
+    if path.exists():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        keep = [ln for ln in lines if ln.strip() and step_of(json.loads(ln)) <= step]
+        path.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
+
+
 class MetricsLogger:
     """Appends one JSON record per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
 
@@ -96,10 +105,8 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, truncate_after: int | None = None, tensorboard: bool = True):
         self.path = run_dir / "metrics.jsonl"
-        if truncate_after is not None and self.path.exists():
-            keep = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= truncate_after]
-            self.path.write_text("".join(ln + "\n" for ln in keep))
+        if truncate_after is not None:
+            drop_steps_after(self.path, truncate_after, lambda r: r.get("step", 0))
         self.tb = None
         if tensorboard:
             try:
@@ -609,6 +616,8 @@ def rl_train(
     gen_model = rollout_model if rollout_model is not None else policy
     llm = (llm_factory or TransformersLLM)(gen_model, tokenizer)
     logger = MetricsLogger(run_dir, truncate_after=start, tensorboard=rank == 0) if rank == 0 else None
+    if rank == 0:  # each step's sample trajectories carry it (metadata["step"]), as metrics records do
+        drop_steps_after(run_dir / "trajectories.jsonl", start, lambda r: r.get("metadata", {}).get("step", 0))
     alarms = Alarms(tc.alarm_min_format_ok, tc.alarm_min_entropy, tc.alarm_patience, tc.alarm_action)
     nonfinite = 0
     last: dict[str, Any] = {}
@@ -709,6 +718,8 @@ def rl_train(
             record["alarms"] = fired
         if logger is not None:
             logger.log(step + 1, record)
+            for t in trajs[: tc.group_size]:
+                t.metadata["step"] = step + 1
             save_trajectories(run_dir / "trajectories.jsonl", trajs[: tc.group_size], append=True)
         last = record
         if on_step is not None:
