@@ -62,9 +62,18 @@ class Scheduler:
 
     async def _submit(self, kind: str, payload: Any) -> Any:
         fut = asyncio.get_running_loop().create_future()
-        self._queues[kind].append((payload, fut))
+        item = (payload, fut)
+        self._queues[kind].append(item)
         self._poke()
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:  # the episode was cancelled: its request leaves the queue unrun
+            q = self._queues[kind]
+            for i, queued in enumerate(q):
+                if queued is item:
+                    del q[i]
+                    break
+            raise
 
     # -- batching -------------------------------------------------------------------------------------
     def _poke(self) -> None:

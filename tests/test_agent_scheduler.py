@@ -95,3 +95,43 @@ def test_per_request_budgets_are_cut_back_exactly():
     a, b = asyncio.run(main(llm))
     assert llm.seen == [5]  # one call at the batch maximum
     assert a.token_ids == [0, 1, 2, 3, 4] and b.token_ids == [0, 1] and b.finish_reason == "length"
+
+
+def test_a_cancelled_request_leaves_the_queue_and_is_never_run():
+    """An episode cancelled while its request waits for the batch (a server timeout, a client that went
+    away) takes the request with it: the backend never runs it, and it does not count as a waiting episode."""
+
+    class Seen:
+        tokenizer = None
+
+        def __init__(self):
+            self.prompts = []
+
+        def generate(self, prompts, params):
+            self.prompts.extend(prompts)
+            return [Generation([9], "x") for _ in prompts]
+
+    async def main(llm):
+        sched = Scheduler(llm)
+
+        async def episode(prompt, wait=None):
+            async with sched.episode():
+                if wait is not None:
+                    await wait.wait()
+                return await sched.generate(prompt, SamplingParams())
+
+        go = asyncio.Event()
+        b = asyncio.create_task(episode([2], go))
+        c = asyncio.create_task(episode([3], go))
+        await asyncio.sleep(0)  # b and c are live episodes, not yet asking
+        a = asyncio.create_task(episode([1]))
+        await asyncio.sleep(0.01)  # a waits in the queue for b and c
+        a.cancel()
+        await asyncio.sleep(0.01)
+        assert sched._queues["generate"] == [] and llm.prompts == []
+        go.set()
+        return await asyncio.gather(b, c)
+
+    llm = Seen()
+    outs = asyncio.run(main(llm))
+    assert llm.prompts == [[2], [3]] and [o.token_ids for o in outs] == [[9], [9]]
