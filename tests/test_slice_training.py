@@ -46,6 +46,27 @@ def test_sft_on_oracle_trajectories_lowers_the_loss(tiny_llm, retriever, agent_c
     assert hist[-1]["loss"] < 0.7 * hist[0]["loss"]
 
 
+def test_sft_non_finite_gradient_raises_before_any_weight_moves(tiny_llm, retriever, agent_cfg):
+    """A finite loss whose gradient is not (an overflow in backward) is a FloatingPointError, and no weight
+    moves: clipping an inf norm would otherwise step with NaN gradients."""
+    import pytest
+
+    from training.sft import oracle_trajectories, sft_train
+
+    titles = {p.id: p.title for p in PASSAGES}
+    trajs = oracle_trajectories(QUESTIONS[:2], tiny_llm.tokenizer, retriever, agent_cfg, titles, top_k=1)
+    cfg = load_config(None, ["sft.epochs=1", "sft.batch_size=2"]).sft
+    before = _params(tiny_llm.model)
+    param = next(p for p in tiny_llm.model.parameters() if p.requires_grad)
+    hook = param.register_hook(lambda g: g * float("inf"))
+    try:
+        with pytest.raises(FloatingPointError, match="gradient norm"):
+            sft_train(tiny_llm.model, tiny_llm.tokenizer, trajs, cfg)
+    finally:
+        hook.remove()
+    assert all(torch.equal(v, before[k]) for k, v in _params(tiny_llm.model).items())
+
+
 def test_interrupted_run_resumes_from_last_checkpoint(tiny_policy_dir, retriever, tmp_path):
     from agent.hf import TransformersLLM
     from training.checkpoint import latest_checkpoint

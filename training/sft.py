@@ -30,7 +30,7 @@ def sft_train(model: Any, tokenizer: Any, trajs: list[Trajectory], cfg: Any, see
               max_len: int | None = None, progress: Any = None) -> list[dict[str, float]]:
     """Train ``model`` in place on ``trajs`` for ``cfg.epochs`` epochs (AdamW, ``cfg.lr``, ``cfg.batch_size``
     trajectories per step). Returns per-epoch ``{"epoch", "loss", "tokens"}``; raises ``FloatingPointError``
-    on a non-finite loss."""
+    on a non-finite loss or gradient norm, before that step changes any weight."""
     if not trajs:
         raise ValueError("SFT needs at least one trajectory")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -53,7 +53,9 @@ def sft_train(model: Any, tokenizer: Any, trajs: list[Trajectory], cfg: Any, see
                 raise FloatingPointError(f"non-finite SFT loss at epoch {epoch}")
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if not torch.isfinite(grad_norm):  # clipping an inf norm leaves NaN gradients: do not step on them
+                raise FloatingPointError(f"non-finite SFT gradient norm at epoch {epoch}; the weights were not updated")
             opt.step()
             sched.step()
             tot += float(loss.detach()) * float(n)
