@@ -76,6 +76,26 @@ def test_eval_limit_config_key_is_validated_and_used(tmp_path, monkeypatch, caps
     assert seen == [7, 3]
 
 
+def test_eval_subsample_seed_defaults_to_the_config_seed_and_qa_excludes_benchmarks(tmp_path, monkeypatch, capsys):
+    """`sleuth eval --limit N` draws its sub-sample with the config's seed unless --seed is given; --qa with
+    --benchmarks (which read their own files) is an error, not a silently ignored flag."""
+    from eval import datasets
+    from sleuth import pipeline
+
+    seeds = []
+    real = datasets.subsample
+    monkeypatch.setattr(datasets, "subsample", lambda ex, limit, seed: seeds.append(seed) or real(ex, limit, seed))
+    monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: None)
+    monkeypatch.setattr(pipeline, "load_llm", lambda cfg, model=None: None)
+    monkeypatch.setattr(pipeline, "evaluate_agent", lambda llm, r, ex, cfg: ({"n": len(ex)}, []))
+    monkeypatch.setattr(pipeline, "write_eval_outputs", lambda *a: None)
+    assert main(["eval", "seed=5", "--limit", "3", "--out", str(tmp_path)]) == 0
+    assert main(["eval", "seed=5", "--limit", "3", "--seed", "2", "--out", str(tmp_path)]) == 0
+    assert seeds == [5, 2]
+    assert main(["eval", "--qa", "q.jsonl", "--benchmarks", "nq"]) == 2
+    assert "--qa" in capsys.readouterr().err
+
+
 def test_simulator_data_counts_must_be_positive(capsys):
     for argv in (["simulator-data", "--limit", "-1"], ["simulator-data", "-k", "0"]):
         with pytest.raises(SystemExit) as e:

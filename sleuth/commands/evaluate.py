@@ -20,7 +20,7 @@ def add_arguments(p) -> None:
     p.add_argument("--benchmarks", help="comma-separated benchmark names or 'all' (see eval.datasets)")
     p.add_argument("--limit", type=positive_int,
                    help="evaluate at most this many questions (seeded sub-sample; default: eval.limit, else all)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, help="seed of the --limit sub-sample (default: the config's seed)")
     p.add_argument("--data-dir", help="root of the benchmark files (default ../shared/data)")
     p.add_argument("--out", help="output directory (default: <out_dir>/eval)")
 
@@ -40,7 +40,11 @@ def run(args) -> int:
     )
 
     cfg = config_from_args(args)
+    if args.qa and args.benchmarks:
+        raise ValueError("--qa and --benchmarks exclude each other: the benchmarks read their own files "
+                         "(--data-dir); give one of them")
     limit = args.limit if args.limit is not None else cfg.eval.limit
+    seed = args.seed if args.seed is not None else cfg.seed
     out = Path(args.out or Path(cfg.out_dir) / "eval")
     if args.benchmarks:  # names, method and files first: a typo should not wait for the index and the model
         _check_benchmarks(args.benchmarks, args.method, args.data_dir)
@@ -54,7 +58,7 @@ def run(args) -> int:
     if args.benchmarks:
         from eval.run import run_benchmarks
 
-        result = run_benchmarks(args.benchmarks.split(","), args.method, limit, args.seed, out, llm,
+        result = run_benchmarks(args.benchmarks.split(","), args.method, limit, seed, out, llm,
                                 retriever, cfg.agent, args.data_dir, top_k=cfg.retrieval.top_k,
                                 temperature=cfg.eval.temperature,
                                 index_dir=args.index or cfg.retrieval.index_dir,
@@ -70,7 +74,7 @@ def run(args) -> int:
     if limit is not None:
         from eval.datasets import subsample
 
-        examples = subsample(examples, limit, args.seed)
+        examples = subsample(examples, limit, seed)
     summary, trajs = evaluate_agent(llm, retriever, examples, cfg)
     if judge_llm is not None:
         from eval.methods import trajectory_record
