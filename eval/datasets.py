@@ -24,7 +24,8 @@ Formats read (detected from the file suffix and the first record's fields, or fo
 
 Every loader returns :class:`corpora.formats.QAExample` with ``metadata["dataset"]``, ``metadata["hops"]``
 (int where derivable: HotpotQA and Bamboogle 2; MuSiQue from the ``2hop__`` id prefix or the number of
-decomposition steps; 2Wiki from its question type) and, where the source has them,
+decomposition steps; 2Wiki from its question type, which only the official JSON has: the registered Search-R1
+parquet has none, so EM by hops skips it) and, where the source has them,
 ``metadata["supporting_titles"]``. A malformed record raises :class:`corpora.formats.DataFormatError` naming
 the file, line (or row) and field.
 """
