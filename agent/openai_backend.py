@@ -157,7 +157,7 @@ class OpenAICompatibleLLM:
                 logprobs = [float(x) if x is not None else 0.0 for x in raw]
         else:
             self.stats["inexact"] += 1
-            ids = encode(self.tokenizer, text)
+            ids = encode(self.tokenizer, restore_stop(text, choice, params.stop))
         cut, cut_text, reason = truncate_at_stop(self.tokenizer, ids, params.stop, self.eos_ids)
         if reason == "length" and choice.get("finish_reason") == "stop":
             reason = "stop"
@@ -165,3 +165,26 @@ class OpenAICompatibleLLM:
             logprobs = logprobs[: len(cut)]
         return Generation(cut, cut_text if exact else decode(self.tokenizer, cut), reason, logprobs,
                           meta={"exact": exact})
+
+
+def restore_stop(text: str, choice: dict, stop: tuple[str, ...]) -> str:
+    """``text`` with the stop string a text-only server left out put back (OpenAI's API always leaves it
+    out; vLLM's ``include_stop_str_in_output`` is its own extension). The protocol needs it: ``<search> q``
+    without ``</search>`` is an unclosed tag, so an agent could never search through such a server.
+
+    The string the server names (vLLM ``stop_reason``, SGLang ``matched_stop``; ``None`` or a token id: it
+    stopped at EOS, nothing is added); a server that names none stopped at one of ``stop`` or at EOS, and a
+    closing tag ``</x>`` of ``stop`` whose ``<x>`` is open at the end of ``text`` is taken as the one it
+    matched (after EOS inside an open tag this adds a tag the model did not write; such a server's
+    trajectories are inexact anyway). Only for ``finish_reason`` ``"stop"`` and a text not already ending in
+    a stop string.
+    """
+    if choice.get("finish_reason") != "stop" or any(text.endswith(s) for s in stop):
+        return text
+    if "stop_reason" in choice or "matched_stop" in choice:
+        named = choice.get("stop_reason", choice.get("matched_stop"))
+        return text + named if isinstance(named, str) and named in stop else text
+    for s in stop:
+        if s.startswith("</") and s.endswith(">") and text.rfind("<" + s[2:]) > text.rfind(s):
+            return text + s
+    return text

@@ -112,7 +112,9 @@ def fake_openai_completions_app(llm, mode: dict):
 
     ``mode`` (mutable) steers it: ``{"fail_first": n}`` answers 503 to the first n requests,
     ``{"garbage": True}`` answers 200 with a non-JSON body, ``{"sleep": s}`` stalls s seconds,
-    ``{"text_only": True}`` omits token ids (a hosted API). ``mode["seen"]`` collects request bodies."""
+    ``{"text_only": True}`` omits token ids (a hosted API); ``{"drop_stop": True}`` leaves the stop string
+    out of the text, as OpenAI's API does, and ``{"stop_reason": True}`` then names it as vLLM does
+    (``stop_reason``: the string, or ``None`` for EOS). ``mode["seen"]`` collects request bodies."""
     import asyncio
 
     app = FastAPI()
@@ -133,6 +135,11 @@ def fake_openai_completions_app(llm, mode: dict):
                                 stop=tuple(body.get("stop") or ()), seed=body.get("seed"))
         (g,) = await asyncio.to_thread(llm.generate, [body["prompt"]], params)
         choice = {"index": 0, "text": g.text, "finish_reason": g.finish_reason}
+        matched = next((x for x in params.stop if g.text.endswith(x)), None) if g.finish_reason == "stop" else None
+        if mode.get("drop_stop") and matched:
+            choice["text"] = g.text[: -len(matched)]
+        if mode.get("stop_reason"):
+            choice["stop_reason"] = matched
         if not mode.get("text_only"):
             choice["logprobs"] = {"tokens": [f"token_id:{i}" for i in g.token_ids],
                                   "token_logprobs": [-1.0] * len(g.token_ids)}

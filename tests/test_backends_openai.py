@@ -74,6 +74,32 @@ def test_unreachable_server(scripted):
         llm.generate([[1]], SamplingParams())
 
 
+@pytest.mark.parametrize("mode", [{"drop_stop": True}, {"drop_stop": True, "stop_reason": True}])
+def test_text_only_server_that_leaves_out_the_stop_string(scripted, retriever, agent_cfg, mode):
+    """A hosted API leaves the matched stop string out of the text (vLLM names it in ``stop_reason``); the
+    backend puts it back, so ``<search> q`` is a search, not an unclosed tag, and the episode answers."""
+    with ServerThread(fake_openai_completions_app(scripted, {"text_only": True, **mode})) as srv:
+        llm = _client(srv.url, scripted.tokenizer)
+        (g,) = llm.generate([encode(scripted.tokenizer, "Question: capital of France?\n")],
+                            SamplingParams(max_new_tokens=40, stop=("</search>", "</answer>")))
+        (t,) = run_episodes([FRANCE], llm, retriever, agent_cfg)
+    assert g.text == "<search> capital of France </search>" and g.finish_reason == "stop"
+    assert t.num_search_calls == 1 and t.answer == "Paris" and t.stop_reason != "error"
+
+
+def test_restore_stop_only_adds_what_the_server_stopped_at():
+    from agent.openai_backend import restore_stop
+
+    stop = ("</search>", "</answer>")
+    assert restore_stop("<search> q", {"finish_reason": "stop"}, stop) == "<search> q</search>"
+    assert restore_stop("<answer> a", {"finish_reason": "stop", "stop_reason": "</answer>"}, stop) == "<answer> a</answer>"
+    # vLLM says it stopped at EOS (stop_reason None): nothing was left out, even with a tag open
+    assert restore_stop("<search> q", {"finish_reason": "stop", "stop_reason": None}, stop) == "<search> q"
+    assert restore_stop("<search> q", {"finish_reason": "length"}, stop) == "<search> q"
+    assert restore_stop("<search> q </search>", {"finish_reason": "stop"}, stop) == "<search> q </search>"
+    assert restore_stop("just text", {"finish_reason": "stop"}, stop) == "just text"
+
+
 def test_text_only_server_is_marked_inexact(scripted):
     with ServerThread(fake_openai_completions_app(scripted, {"text_only": True})) as srv:
         llm = _client(srv.url, scripted.tokenizer)
