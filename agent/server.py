@@ -180,7 +180,7 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
         if not isinstance(golds, list) or not all(isinstance(g, str) for g in golds):
             raise HTTPError(422, "golden_answers must be a list of strings")
         k = obj.get("top_k")
-        if k is not None and (not isinstance(k, int) or not 1 <= k <= limits.max_top_k):
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= limits.max_top_k):
             raise HTTPError(422, f"top_k must be an integer in [1, {limits.max_top_k}]")
         traj = await episode(q, golds, k)
         return {"answer": traj.answer, "stop_reason": traj.stop_reason, "evidence": evidence_of(traj),

@@ -86,6 +86,7 @@ def test_bad_requests_get_4xx_with_reasons_and_the_server_keeps_serving(server):
         (httpx2.post(url + "/ask", headers=_h(), json={"question": "x" * 100_000}), 413, "exceeds"),
         (httpx2.post(url + "/ask", headers=_h(), json={"question": "x" * 5_000}), 422, "limit is"),
         (httpx2.post(url + "/ask", headers=_h(), json={"question": "q", "top_k": 1000}), 422, "top_k"),
+        (httpx2.post(url + "/ask", headers=_h(), json={"question": "q", "top_k": True}), 422, "top_k"),
         (httpx2.post(url + "/ask", json={"question": "q"}), 401, "API key"),
         (httpx2.post(url + "/v1/chat/completions", headers=_h(), json={"messages": []}), 422, "messages"),
         (httpx2.post(url + "/v1/chat/completions", headers=_h(), json={"messages": [{"role": "system", "content": "x"}]}), 422, "user"),
