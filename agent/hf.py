@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from agent.llm import Generation, SamplingParams, encode, truncate_at_stop
+from agent.llm import Generation, SamplingParams, encode, end_of_turn_ids, truncate_at_stop
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -75,8 +75,8 @@ class TransformersLLM:
     def __init__(self, model: Any, tokenizer: Any):
         self.model = model
         self.tokenizer = tokenizer
-        eos = tokenizer.eos_token_id
-        self.eos_ids: set[int] = {eos} if isinstance(eos, int) else set(eos or [])
+        gen_cfg = getattr(model, "generation_config", None)
+        self.eos_ids: set[int] = end_of_turn_ids(tokenizer, getattr(gen_cfg, "eos_token_id", None))
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: str = "float32", device: str = "auto") -> TransformersLLM:

@@ -8,7 +8,9 @@ protocol.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -68,6 +70,25 @@ def complete(llm: LLM, prompts: list[str], params: SamplingParams) -> list[str]:
     """Text in, text out: for simulated search and LLM-as-judge, where token-exactness does not matter."""
     outs = llm.generate([encode(llm.tokenizer, p) for p in prompts], params)
     return [o.text for o in outs]
+
+
+def end_of_turn_ids(tokenizer: Any, generation_eos: Any = None) -> set[int]:
+    """The token ids that end a turn: the tokenizer's ``eos_token_id`` and the model's generation config
+    ``eos_token_id`` (an int or a list: Qwen2.5-Instruct lists ``<|im_end|>`` and ``<|endoftext|>``, and
+    transformers and vLLM stop at every one of them).
+
+    ``generation_eos`` is that config value, or a model directory whose ``generation_config.json`` holds it
+    (a missing or unreadable file adds nothing).
+    """
+    if isinstance(generation_eos, (str, Path)):
+        try:
+            generation_eos = json.loads((Path(generation_eos) / "generation_config.json").read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            generation_eos = None
+    ids: set[int] = set()
+    for eos in (getattr(tokenizer, "eos_token_id", None), generation_eos):
+        ids |= {eos} if isinstance(eos, int) else {e for e in (eos or []) if isinstance(e, int)}
+    return ids
 
 
 def truncate_at_stop(tokenizer: Any, ids: list[int], stop: tuple[str, ...], eos_ids: set[int]) -> tuple[list[int], str, str]:

@@ -24,7 +24,7 @@ from langgraph.graph import END, START, StateGraph
 
 from agent import function_call, protocol
 from agent.judges import normalize_answer, rule_verdict
-from agent.llm import LLM, SamplingParams, decode, encode
+from agent.llm import LLM, SamplingParams, decode, encode, end_of_turn_ids
 from agent.scheduler import Scheduler
 from agent.trajectory import Role, Trajectory, Turn
 from corpora.formats import QAExample
@@ -72,8 +72,9 @@ class AgentContext:
 
     @property
     def eos_ids(self) -> set[int]:
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        return {eos} if isinstance(eos, int) else set(eos or [])
+        """The backend's end-of-turn ids (:func:`agent.llm.end_of_turn_ids`), else the tokenizer's EOS."""
+        ids = getattr(getattr(self.scheduler, "llm", None), "eos_ids", None)
+        return set(ids) if ids else end_of_turn_ids(self.tokenizer)
 
     def observation_frame(self, ended_with_eos: bool) -> tuple[str, str]:
         """The text written before and after a tool result: ``<information>`` tags (Search-R1), or the

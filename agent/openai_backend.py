@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx2
 
-from agent.llm import Generation, SamplingParams, decode, encode, truncate_at_stop
+from agent.llm import Generation, SamplingParams, decode, encode, end_of_turn_ids, truncate_at_stop
 
 
 class BackendError(RuntimeError):
@@ -67,8 +67,7 @@ class OpenAICompatibleLLM:
         self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
         self.timeout_s, self.max_retries, self.max_concurrency = timeout_s, max_retries, max_concurrency
         self.backoff_s = backoff_s
-        eos = getattr(tokenizer, "eos_token_id", None)
-        self.eos_ids: set[int] = {eos} if isinstance(eos, int) else set(eos or [])
+        self.eos_ids: set[int] = end_of_turn_ids(tokenizer, getattr(tokenizer, "name_or_path", None))
         self.stats = {"requests": 0, "retries": 0, "inexact": 0}
 
     # -- LLM protocol ---------------------------------------------------------------------------------

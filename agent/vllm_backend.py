@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from agent.llm import Generation, SamplingParams, truncate_at_stop
+from agent.llm import Generation, SamplingParams, end_of_turn_ids, truncate_at_stop
 
 
 def vllm_available() -> bool:
@@ -59,8 +59,7 @@ class VLLMBackend:
         self.engine = Engine(model=str(model), dtype=dtype, seed=seed, enforce_eager=enforce_eager,
                              gpu_memory_utilization=gpu_memory_utilization, **engine_kwargs)
         self.tokenizer = self.engine.get_tokenizer()
-        eos = self.tokenizer.eos_token_id
-        self.eos_ids: set[int] = {eos} if isinstance(eos, int) else set(eos or [])
+        self.eos_ids: set[int] = end_of_turn_ids(self.tokenizer, model)  # vLLM stops at all of them too
         self.weight_version = 0
         self._weights_dir: str | None = None
         # vLLM's offline LLM is not thread-safe: generate() steps the one engine until it is idle and returns

@@ -45,3 +45,41 @@ def test_eos_is_kept_in_ids_but_not_in_text(tiny_llm):
     ids = encode(tok, "<answer> Paris </answer>") + [tok.eos_token_id, tok.pad_token_id, tok.pad_token_id]
     kept, text, reason = truncate_at_stop(tok, ids, (), {tok.eos_token_id})
     assert kept == ids[:-2] and text == "<answer> Paris </answer>" and reason == "stop"
+
+
+def test_generation_config_end_tokens_end_the_turn(tiny_llm):
+    """The model's generation config may list more end tokens than the tokenizer's EOS (Qwen2.5-Instruct:
+    ``<|im_end|>`` and ``<|endoftext|>``): the backend stops at each, and the loop sees the turn end there."""
+    from agent.hf import TransformersLLM
+    from agent.loop import make_context
+    from sleuth.config import AgentConfig
+
+    tok = tiny_llm.tokenizer
+    prompt = encode(tok, "Question: capital?\n<answer>")
+    free = tiny_llm.generate([prompt], SamplingParams(max_new_tokens=6, temperature=0.0, stop=()))[0]
+    assert free.token_ids[0] != tok.eos_token_id
+    cfg = tiny_llm.model.generation_config
+    old = cfg.eos_token_id
+    cfg.eos_token_id = [tok.eos_token_id, free.token_ids[0]]
+    try:
+        llm = TransformersLLM(tiny_llm.model, tok)
+        g = llm.generate([prompt], SamplingParams(max_new_tokens=6, temperature=0.0, stop=()))[0]
+    finally:
+        cfg.eos_token_id = old
+    assert g.finish_reason == "stop" and g.token_ids == free.token_ids[:1]
+    assert make_context(llm, None, AgentConfig()).eos_ids == {tok.eos_token_id, free.token_ids[0]}
+
+
+def test_end_of_turn_ids_reads_a_model_directory(tiny_llm, tmp_path):
+    import json
+
+    from agent.llm import end_of_turn_ids
+
+    tok = tiny_llm.tokenizer
+    assert end_of_turn_ids(tok, tmp_path) == {tok.eos_token_id}  # no generation_config.json
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    assert end_of_turn_ids(tok, tmp_path) == {tok.eos_token_id, 5, 7}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
+    assert end_of_turn_ids(tok, str(tmp_path)) == {tok.eos_token_id, 9}
+    (tmp_path / "generation_config.json").write_text("{broken")
+    assert end_of_turn_ids(tok, tmp_path) == {tok.eos_token_id}
