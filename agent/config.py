@@ -13,8 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, assignments are validated."""
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """Base of every config section: unknown keys are errors, assignments are validated, a number given to a
+    text field is its text (``out_dir=2024``), and NaN or infinity is no number field's value."""
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True,
+                              allow_inf_nan=False)
 
 
 class BackendConfig(Section):

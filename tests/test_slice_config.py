@@ -57,3 +57,13 @@ def test_unknown_key_suggests_close_matches():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["zzzz=1"])
     assert "did you mean" not in str(e.value)
+
+
+def test_numbers_given_to_text_fields_are_text_and_nan_is_an_error():
+    """An override or YAML value that reads as a number (``out_dir=2024``, a model named ``1.5``) is the text
+    the user wrote in a text field; NaN and infinity are not values of any numeric field."""
+    cfg = load_config(None, ["out_dir=2024", "policy.model=1.5"])
+    assert cfg.out_dir == "2024" and cfg.policy.model == "1.5"
+    for bad in ("train.lr=nan", "train.lr=inf", "train.clip_high=-inf"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            load_config(None, [bad])
