@@ -391,7 +391,8 @@ def make_context(llm: LLM, retriever: Retriever | None, cfg: Any, *, temperature
                  top_k: int = 3, judge: Judge | None = None, scheduler: Scheduler | None = None) -> AgentContext:
     """An :class:`AgentContext` for :func:`arun_episodes` / :func:`run_episode` (e.g. inside a server's
     event loop, where one scheduler is shared by all requests). With ``cfg.judge == "llm"`` and no
-    ``judge`` given, the policy backend itself judges the answers (:func:`agent.llm_judge.llm_judge`)."""
+    ``judge`` given, the policy backend itself judges the answers (:func:`agent.llm_judge.llm_judge`).
+    Raises ``ValueError`` when ``cfg.max_obs_tokens`` cannot hold an observation's framing and one token."""
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens,
                             temperature=cfg.temperature if temperature is None else temperature,
                             top_p=cfg.top_p, stop=stop_strings(cfg))
@@ -401,7 +402,12 @@ def make_context(llm: LLM, retriever: Retriever | None, cfg: Any, *, temperature
 
         jc = cfg.llm_judge
         judge = llm_judge(llm, jc.unparseable, cfg.reward, cfg.format_reward, jc.max_new_tokens)
-    return AgentContext(sched, llm.tokenizer, cfg, params, top_k=top_k, judge=judge)
+    ctx = AgentContext(sched, llm.tokenizer, cfg, params, top_k=top_k, judge=judge)
+    frame = max(len(ctx.ids(head)) + len(ctx.ids(tail)) for head, tail in map(ctx.observation_frame, (False, True)))
+    if cfg.max_obs_tokens <= frame:  # else every episode would end at its first tool result, as max_tokens
+        raise ValueError(f"agent.max_obs_tokens={cfg.max_obs_tokens} leaves no room for a tool result: its framing "
+                         f"({ctx.protocol} protocol) takes {frame} tokens; use more than {frame}")
+    return ctx
 
 
 def run_episodes(

@@ -126,6 +126,19 @@ def test_self_judge_is_recorded_and_rewarded(tiny_llm, retriever, agent_cfg):
     assert t2.answer == "Dijon" and t2.reward == 1.0
 
 
+def test_max_obs_tokens_must_leave_room_past_the_observation_framing(tiny_llm, agent_cfg):
+    """``max_obs_tokens`` no larger than the ``<information>`` framing would end every episode at its first
+    search (as ``max_tokens``); making the context says so instead."""
+    from agent.llm import encode
+    from agent.loop import make_context
+
+    tok = tiny_llm.tokenizer
+    frame = len(encode(tok, "\n\n<information>")) + len(encode(tok, "</information>\n\n"))
+    with pytest.raises(ValueError, match=f"max_obs_tokens={frame} leaves no room.*takes {frame} tokens"):
+        make_context(tiny_llm, None, agent_cfg.model_copy(update={"max_obs_tokens": frame}))
+    assert make_context(tiny_llm, None, agent_cfg.model_copy(update={"max_obs_tokens": frame + 1})).top_k == 3
+
+
 def test_a_cut_observation_is_recorded_as_the_policy_saw_it(tiny_llm, retriever, agent_cfg):
     """An observation cut to ``max_obs_tokens`` is recorded as the cut text (what the policy read), so the
     self-judge is scored against it: "not useful" for a block whose answer was cut off agrees."""
