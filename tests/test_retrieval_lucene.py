@@ -127,3 +127,15 @@ def test_server_row_path_serves_lucene(lucene):
         assert [[d["document"]["contents"] for d in q] for q in result] == [[h.contents for h in q] for q in local]
         assert result[1][0]["score"] == pytest.approx(local[1][0].score, rel=1e-6)
     assert results[0][2] == []  # stopwords only: no hits
+
+
+def test_query_with_more_terms_than_lucenes_clause_limit(lucene):
+    # the bag-of-words query has one clause per distinct term; Lucene's default limit is 1024 clauses, and a
+    # query over it (a policy's runaway query, CJK text: one term per character) raised TooManyClauses and,
+    # in a batch, failed every query of the batch
+    long_q = " ".join(f"w{i}q" for i in range(1500)) + " zebrafish"
+    (hit,) = lucene.search([long_q], 1)[0]
+    assert hit.id == "x:odd/1"
+    rows, _ = lucene.search_rows([long_q, "zebrafish", "Big Stone Gap film"], 2)
+    assert rows[0, 0] == rows[1, 0] == N and rows[2, 0] >= 0
+    assert lucene.search_rows(["".join(chr(0x4E00 + i) for i in range(1200))], 2)[0].shape == (1, 2)
