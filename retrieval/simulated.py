@@ -21,7 +21,7 @@ import hashlib
 import random
 from collections.abc import Callable
 
-from retrieval.base import Hit
+from retrieval.base import Hit, check_queries
 
 USEFUL, NOISY = "useful", "noisy"
 
@@ -84,8 +84,9 @@ class SimulatedSearch:
 
     Each :class:`~retrieval.base.Hit` has ``id = "sim:<useful|noisy>:<query hash>:<rank>"`` (the label is in
     the id so evaluation can count useful documents), the first line of the completion as title, and a
-    descending pseudo-score. ``last_labels`` holds the labels of the latest call. Raises ``ValueError`` for
-    ``k < 1``; an exception from ``generate`` propagates (the agent loop fails the episode with it).
+    descending pseudo-score. ``last_labels`` holds the labels of the latest call. Raises ``TypeError`` /
+    ``ValueError`` for malformed queries or ``k`` not an integer >= 1 (:func:`retrieval.base.check_queries`);
+    an exception from ``generate`` propagates (the agent loop fails the episode with it).
     """
 
     def __init__(self, generate: Callable[[list[str]], list[str]], noise_start: float = 0.0,
@@ -115,8 +116,7 @@ class SimulatedSearch:
         return NOISY if random.Random(h).random() < p else USEFUL
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
+        check_queries(queries, k)
         p = self.noise_probability
         labels = [[self._label(q, r, p) for r in range(k)] for q in queries]
         prompts = [simulator_prompt(q, lab) for q, labs in zip(queries, labels) for lab in labs]

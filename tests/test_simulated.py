@@ -88,3 +88,21 @@ def test_simulator_data_labels_documents_by_the_gold_answer(retriever, tiny_data
                f"retrieval.index_dir={bm25_index}", "--out", str(out), "-k", "2"])
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert rc == 0 and lines and {x["label"] for x in lines} <= {USEFUL, NOISY}
+
+
+def test_search_arguments_are_checked_like_every_retriever():
+    prompts_seen = []
+
+    def gen(prompts):
+        prompts_seen.extend(prompts)
+        return _fake_generate(prompts)
+
+    sim = SimulatedSearch(gen)
+    with pytest.raises(TypeError, match="one string"):
+        sim.search("capital of France", 2)  # was searched character by character: 17 queries, 34 LLM calls
+    with pytest.raises(TypeError, match="expected str"):
+        sim.search([None], 2)
+    for k in (2.0, 0):
+        with pytest.raises(ValueError, match="k must be"):
+            sim.search(["x"], k)
+    assert prompts_seen == []
