@@ -511,3 +511,22 @@ def test_available_false_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is visible")
     assert K.available() is False
+
+
+@pytest.mark.parametrize("h_dtype,w_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_masked_logprobs_reference_takes_mixed_dtypes_as_the_kernel_does(h_dtype, w_dtype):
+    """bf16 activations with an fp32 LM head (or the reverse): the documented contract computes in the lower
+    precision of the two; the reference path (CPU, or ``auto`` without the extension) must not raise."""
+    torch.manual_seed(0)
+    N, H, V = 5, 8, 13
+    h = torch.randn(N, H).to(h_dtype).requires_grad_()
+    w = torch.randn(V, H).to(w_dtype).requires_grad_()
+    t, m = torch.randint(0, V, (N,)), torch.tensor([1, 0, 1, 1, 0], dtype=torch.bool)
+    lp, ent = K.masked_logprobs(h, w, t, m, 4, impl="reference")
+    lp_b, ent_b = masked_lm_head_logprobs(h.detach().bfloat16(), w.detach().bfloat16(), t, m, 4)
+    assert lp.dtype == ent.dtype == torch.float32
+    torch.testing.assert_close(lp.detach(), lp_b)
+    torch.testing.assert_close(ent.detach(), ent_b)
+    (lp.sum() + ent.sum()).backward()
+    assert h.grad.dtype == h_dtype and w.grad.dtype == w_dtype
+    assert torch.all(h.grad[~m] == 0) and h.grad[m].abs().sum() > 0

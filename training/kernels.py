@@ -302,6 +302,8 @@ def masked_logprobs(
     else:
         use_kernel = _use_cuda(impl, hidden, weight, targets, mask)
     if not use_kernel:
+        if h2.dtype != weight.dtype:  # as the kernel (and autocast): the lower precision, differentiably
+            h2, weight = h2.to(low), weight.to(low)
         lp, ent = masked_lm_head_logprobs(h2, weight, tgt, keep, chunk_size, with_entropy=with_entropy)
         return lp.reshape(lead), ent.reshape(lead)
     h2, weight = h2.to(low), weight.to(low)
