@@ -84,9 +84,9 @@ class SimulatedSearch:
 
     Each :class:`~retrieval.base.Hit` has ``id = "sim:<useful|noisy>:<query hash>:<rank>"`` (the label is in
     the id so evaluation can count useful documents), the first line of the completion as title, and a
-    descending pseudo-score. ``last_labels`` holds the labels of the latest call. Raises ``TypeError`` /
-    ``ValueError`` for malformed queries or ``k`` not an integer >= 1 (:func:`retrieval.base.check_queries`);
-    an exception from ``generate`` propagates (the agent loop fails the episode with it).
+    descending pseudo-score; a blank query gets no hits. ``last_labels`` holds the labels of the latest call.
+    Raises ``TypeError`` / ``ValueError`` for malformed queries or ``k`` not an integer >= 1
+    (:func:`retrieval.base.check_queries`); an exception from ``generate`` propagates (the agent loop fails the episode with it).
     """
 
     def __init__(self, generate: Callable[[list[str]], list[str]], noise_start: float = 0.0,
@@ -118,7 +118,8 @@ class SimulatedSearch:
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:
         check_queries(queries, k)
         p = self.noise_probability
-        labels = [[self._label(q, r, p) for r in range(k)] for q in queries]
+        # blank queries get no hits (as from every other retriever) and cost no simulator calls
+        labels = [[self._label(q, r, p) for r in range(k)] if q.strip() else [] for q in queries]
         prompts = [simulator_prompt(q, lab) for q, labs in zip(queries, labels) for lab in labs]
         outs = self.generate(prompts) if prompts else []
         if len(outs) != len(prompts):

@@ -106,3 +106,18 @@ def test_search_arguments_are_checked_like_every_retriever():
         with pytest.raises(ValueError, match="k must be"):
             sim.search(["x"], k)
     assert prompts_seen == []
+
+
+def test_blank_queries_get_no_hits_and_no_simulator_calls():
+    prompts_seen = []
+
+    def gen(prompts):
+        prompts_seen.extend(prompts)
+        return _fake_generate(prompts)
+
+    sim = SimulatedSearch(gen)
+    res = sim.search(["", "capital of France", " \n "], 2)
+    assert res[0] == res[2] == [] and len(res[1]) == 2 and len(prompts_seen) == 2
+    assert all("capital of France" in p for p in prompts_seen)
+    assert sim.last_labels[0] == sim.last_labels[2] == [] and len(sim.last_labels[1]) == 2
+    assert sim.search(["  "], 3) == [[]] and len(prompts_seen) == 2
