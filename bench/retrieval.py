@@ -227,6 +227,7 @@ def quality(args, out: dict, lucene) -> None:
     methods = ["bm25"] + ([] if args.no_dense else ["dense", "hybrid"])
     for m in methods:
         r = load_retriever(idx, m)
+        r.search(questions[:1], 10)  # warm-up: numba's JIT (or loading its cache), the encoder's first call
         t = time.perf_counter()
         hits = r.search(questions, 10)
         dt = time.perf_counter() - t
