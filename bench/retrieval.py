@@ -66,11 +66,14 @@ def recall_at(ranked: list[list[str]], gold: list[list[str]], ks=(1, 5, 10)) -> 
 
 
 def _lat(ts: list[float], n_queries: int) -> dict[str, float]:
+    """q/s and p50/p99 latency of timed calls ``ts``; ``calls`` is how many: of fewer than 100, the p99 is
+    (interpolated towards) the slowest call."""
     a = np.asarray(ts)
     return {
         "qps": round(n_queries / a.sum(), 1),
         "p50_ms": round(float(np.percentile(a, 50)) * 1000, 2),
         "p99_ms": round(float(np.percentile(a, 99)) * 1000, 2),
+        "calls": len(a),
     }
 
 
@@ -358,6 +361,22 @@ def table(out: dict) -> str:
             "| passages | backend | path | batch 1 | batch 256 |",
             "|---|---|---|---|---|",
         ]
+        calls = {
+            b: sorted({v["calls"] for r in out["speed"] for key, v in r.items()
+                       if key.endswith(f"_b{b}") and isinstance(v, dict) and "calls" in v})
+            for b in (1, 256)
+        }
+        if calls[1] or calls[256]:
+            n1, n256 = ("/".join(map(str, calls[b])) or "-" for b in (1, 256))
+            lines[-3:-3] = [
+                "",
+                f"Timed calls per cell: {n1} calls at batch 1 and {n256} at batch 256"
+                + (
+                    "; a p99 of fewer than 100 calls is (interpolated towards) the slowest call."
+                    if min(calls[1] + calls[256]) < 100
+                    else "."
+                ),
+            ]
         for row in out["speed"]:
             for be, path in [(b, p) for b in NAMES.values() for p in ("inproc", "server")] + [("pyserini", "inproc")]:
                 if f"{be}_{path}_b1" not in row:

@@ -43,3 +43,12 @@ def test_retrieval_quality_search_time_excludes_the_first_call(rb, monkeypatch):
     assert calls[-1] == out["quality"]["questions"] == 400
     assert out["quality"]["bm25"]["search_s_all_questions"] < 0.4
 
+
+def test_retrieval_latency_reports_its_sample_size(rb):
+    s = rb._lat([0.01] * 39 + [0.5], 40 * 256)
+    assert s["calls"] == 40 and s["p99_ms"] > 300  # of 40 calls, the p99 is (nearly) the slowest one
+    row = {"passages": 10_000, "sleuth-maxscore_inproc_b1": rb._lat([0.001] * 200, 200),
+           "sleuth-maxscore_inproc_b256": s}
+    text = rb.table({"speed": [row]})
+    assert "| 10,000 | sleuth-maxscore | inproc |" in text
+    assert "200 calls at batch 1 and 40 at batch 256" in text and "fewer than 100" in text
