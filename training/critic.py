@@ -19,6 +19,15 @@ from torch import nn
 from training.batch import Batch
 
 
+def _is_sharded(module: nn.Module) -> bool:
+    """True when ``module`` holds FSDP2-sharded (DTensor) parameters."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
 class ValueModel(nn.Module):
     """``forward(batch) -> values [N, T-1]`` float32: the value of the state before each *target* token
     (aligned with ``batch.loss_mask``), zero where the mask is 0."""
@@ -26,6 +35,12 @@ class ValueModel(nn.Module):
     def __init__(self, policy: Any, shared: bool = False):
         super().__init__()
         backbone = getattr(policy, policy.base_model_prefix)
+        if _is_sharded(backbone):
+            # separate: FSDP refuses deepcopy; shared: the backbone run outside its root FSDP unit meets a
+            # DTensor embedding at the first value forward (after a whole rollout). Neither layout gets its
+            # gradients reduced over ranks, so build the critic before sharding and shard it on its own.
+            raise ValueError("the value model cannot be built on an FSDP-sharded policy (train.algorithm=ppo "
+                             "under torchrun): build it before the policy is sharded")
         self.shared = shared
         if shared:
             object.__setattr__(self, "_backbone", backbone)  # not a submodule: not trained or saved here
