@@ -173,6 +173,8 @@ def run_one(name: str, retriever, train, test, res: dict) -> None:
     model, tok = load_model_and_tokenizer(str(ckpt or WORK / "sft"), device="cpu")
     torch.manual_seed(seed)
     t0 = time.time()
+    # wall time of earlier sessions of this run, up to its last checkpoint (saved with its evaluation)
+    before = res["runs"].get(name, {}).get("wall_s_before", 0.0) if ckpt else 0.0
     curve: list[dict] = []
     prev = res["runs"].get(name, {}).get("partial_curve", []) if ckpt else []
     curve.extend(c for c in prev if c["step"] <= (json.loads((ckpt / "trainer_state.json").read_text())["step"] if ckpt else 0))
@@ -184,7 +186,7 @@ def run_one(name: str, retriever, train, test, res: dict) -> None:
         if "eval_em" in rec:
             curve.append({"step": step, "em": rec["eval_em"], "train_reward": rec["reward"],
                           "search_calls": rec["eval_search_calls"]})
-            res["runs"].setdefault(name, {})["partial_curve"] = curve
+            res["runs"].setdefault(name, {}).update(partial_curve=curve, wall_s_before=before + time.time() - t0)
             save_results(res)
             log(f"{name}: step {step} test EM {100 * rec['eval_em']:.1f} reward {rec['reward']:.3f} "
                 f"entropy {rec.get('entropy', float('nan')):.2f}")
@@ -194,7 +196,7 @@ def run_one(name: str, retriever, train, test, res: dict) -> None:
     final = ev(model)
     res["runs"][name] = {"algorithm": algorithm, "seed": seed, "extra": extra, "sft_em": res["sft"]["em"],
                          "rl_em": final["em"], "final": final, "curve": curve, "best_eval_em": out["best_eval_em"],
-                         "wall_s": time.time() - t0 + res["runs"].get(name, {}).get("wall_s_before", 0.0),
+                         "wall_s": before + time.time() - t0,
                          "steps": cfg.train.steps}
     save_results(res)
     log(f"{name}: test EM {100 * res['sft']['em']:.1f} (SFT) -> {100 * final['em']:.1f} (RL), "

@@ -52,3 +52,36 @@ def test_retrieval_latency_reports_its_sample_size(rb):
     text = rb.table({"speed": [row]})
     assert "| 10,000 | sleuth-maxscore | inproc |" in text
     assert "200 calls at batch 1 and 40 at batch 256" in text and "fewer than 100" in text
+
+
+def test_learning_resumed_run_counts_the_time_before_the_interruption(tmp_path, monkeypatch):
+    import agent.hf
+    import training.checkpoint
+    import training.trainer
+
+    lb = _load("learning")
+    monkeypatch.setattr(lb, "WORK", tmp_path / "work")
+    monkeypatch.setattr(lb, "JSON_PATH", tmp_path / "learning.json")
+    monkeypatch.setattr(lb, "RESULTS", tmp_path)
+    monkeypatch.setattr(lb, "evaluate", lambda *a, **kw: {"em": 0.5, "search_calls": 1.0})
+    monkeypatch.setattr(agent.hf, "load_model_and_tokenizer", lambda *a, **kw: (None, None))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text('{"step": 10}')
+    have_ckpt = {"v": False}
+    monkeypatch.setattr(training.checkpoint, "latest_checkpoint", lambda d: ckpt if have_ckpt["v"] else None)
+
+    def first_session(cfg, model, tok, retriever, train, run_dir, resume, on_step, evaluate):
+        time.sleep(0.4)  # steps 1-10
+        have_ckpt["v"] = True  # checkpoint of step 10, saved with its evaluation
+        on_step(10, {"eval_em": 0.4, "reward": 0.1, "eval_search_calls": 1.0})
+        raise KeyboardInterrupt  # the sweep is stopped
+
+    res = {"runs": {}, "sft": {"em": 0.2}}
+    monkeypatch.setattr(training.trainer, "rl_train", first_session)
+    with pytest.raises(KeyboardInterrupt):
+        lb.run_one("grpo_s0", None, [], [], res)
+    monkeypatch.setattr(training.trainer, "rl_train", lambda *a, **kw: {"best_eval_em": 0.5})
+    lb.run_one("grpo_s0", None, [], [], lb.load_results() | {"sft": {"em": 0.2}})
+    done = lb.load_results()["runs"]["grpo_s0"]
+    assert done["wall_s"] >= 0.4 and [c["step"] for c in done["curve"]] == [10]
