@@ -182,10 +182,15 @@ def load_policy(model: str | None, tmp: Path):
 
 def update_markdown(res: dict) -> None:
     path = ROOT / "bench/RESULTS.md"
+    if "argv" in res:
+        args = " ".join(res["argv"])
+    else:  # a result from before the command line was recorded: what it holds of it
+        args = (f"--questions {res['questions']} --repeats {res['repeats']}"
+                + " --main-thread" * bool(res.get("handwritten_main_thread")) + " --markdown")
     lines = [
         "## Rollout", "",
-        (f"{res['date']}, {res['machine']}. `python bench/rollout.py --questions {res['questions']} --repeats "
-         f"{res['repeats']} --main-thread --markdown`; raw numbers in `bench/results/rollout.json`."), "",
+        (f"{res['date']}, {res['machine']}. `python bench/rollout.py {args}`; raw numbers in "
+         "`bench/results/rollout.json`."), "",
         (f"Model: {res['model']}; backend: transformers on CPU (torch threads: {res['threads']}); greedy; "
          f"{res['questions']} HotpotQA sample questions, max_turns={res['agent']['max_turns']}, "
          f"max_new_tokens={res['agent']['max_new_tokens']}; episodes token-identical between the loops: "
@@ -312,7 +317,7 @@ def main() -> int:
     serving = serving_latency(llm, retriever, acfg, questions, args.concurrency, args.per_client, top_k)
 
     out = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:],
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared), Python {platform.python_version()}",
         "threads": torch.get_num_threads(), "model": model_desc, "questions": len(examples), "repeats": args.repeats,
         "agent": {k: getattr(acfg, k) for k in ("max_turns", "max_new_tokens", "max_total_tokens", "max_obs_tokens")},

@@ -85,3 +85,24 @@ def test_learning_resumed_run_counts_the_time_before_the_interruption(tmp_path, 
     lb.run_one("grpo_s0", None, [], [], lb.load_results() | {"sft": {"em": 0.2}})
     done = lb.load_results()["runs"]["grpo_s0"]
     assert done["wall_s"] >= 0.4 and [c["step"] for c in done["curve"]] == [10]
+
+
+def _rollout_result(**kw) -> dict:
+    tp = {"episodes_per_s": 1.0, "gen_tokens_per_s": 100.0, "pooled_gen_tokens_per_s": 100.0, "backend_calls": 4}
+    return {"date": "d", "machine": "m", "threads": 1, "model": "tiny", "questions": 8, "repeats": 3,
+            "agent": {"max_turns": 4, "max_new_tokens": 8, "max_total_tokens": 160, "max_obs_tokens": 40},
+            "identical": True, "throughput": {"handwritten": tp, "langgraph": tp}, "ratio": 1.0, "ratios": [1.0],
+            "pooled_ratio": 1.0, "serving": {"1": {"requests": 4, "p50_ms": 1, "p99_ms": 2, "requests_per_s": 1}},
+            "handwritten_main_thread": None, "overhead": {"langgraph_s": 0.2, "handwritten_s": 0.1}, **kw}
+
+
+def test_rollout_markdown_names_the_command_that_was_run(tmp_path, monkeypatch):
+    ro = _load("rollout")
+    monkeypatch.setattr(ro, "ROOT", tmp_path)
+    (tmp_path / "bench").mkdir()
+    ro.update_markdown(_rollout_result(argv=["--questions", "8", "--repeats", "3", "--concurrency", "1"]))
+    text = (tmp_path / "bench/RESULTS.md").read_text()
+    assert "`python bench/rollout.py --questions 8 --repeats 3 --concurrency 1`" in text
+    ro.update_markdown(_rollout_result())  # a result written before argv was recorded
+    text = (tmp_path / "bench/RESULTS.md").read_text()
+    assert "--main-thread" not in text and text.count("## Rollout") == 1
