@@ -244,3 +244,24 @@ def test_update_policy_with_packing_equals_padded(policy):
     assert moved > 0
     for k in states[0]:
         torch.testing.assert_close(states[1][k], states[0][k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_logprobs_are_of_the_rollout_temperature(policy, packed):
+    """With ``batch.temperature`` T (the rollout's sampling temperature), log-probs and entropy are those of
+    ``softmax(logits / T)``, the distribution the tokens were drawn from (verl divides the logits by the
+    rollout temperature), on the padded and the packed path alike."""
+    import dataclasses
+
+    model, tok = policy
+    b = dataclasses.replace(make_batch(tok), temperature=0.7)
+    lp, ent = policy_logprobs(model, b, packed=packed)
+    with torch.no_grad():
+        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1].float() / 0.7
+    ref = torch.log_softmax(logits, -1)
+    want_lp = ref.gather(-1, b.input_ids[:, 1:, None])[..., 0]
+    want_ent = -(ref.exp() * ref).sum(-1)
+    m = b.loss_mask.bool()
+    torch.testing.assert_close(lp[m], want_lp[m], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ent[m], want_ent[m], rtol=1e-4, atol=1e-5)
+    assert b.select(slice(0, 2)).temperature == 0.7  # micro-batches keep it

@@ -168,6 +168,25 @@ def test_resume_rewrites_the_sample_trajectories_of_redone_steps(tiny_policy_dir
     assert [json.loads(ln)["step"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
+def test_log_probs_are_scored_at_the_rollout_temperature(tiny_policy_dir, retriever, tmp_path, monkeypatch):
+    """rl_train scores old, new (and reference) log-probs at agent.temperature, the temperature the rollout
+    sampled at; greedy rollouts (temperature 0) are refused before anything runs."""
+    import training.batch as B
+    from training.trainer import rl_train
+
+    seen = []
+    real = B._tempered
+    monkeypatch.setattr(B, "_tempered", lambda h, t: seen.append(t) or real(h, t))
+    model, tok = load(tiny_policy_dir)
+    with pytest.raises(ValueError, match="agent.temperature must be > 0"):
+        rl_train(make_cfg("train.steps=1", "agent.temperature=0"), model, tok, retriever, QUESTIONS, tmp_path / "greedy",
+                 judge=varying_judge, llm_factory=SeededLLM)
+    assert seen == []
+    rl_train(make_cfg("train.steps=1", "agent.temperature=0.5"), model, tok, retriever, QUESTIONS, tmp_path / "t05",
+             judge=varying_judge, llm_factory=SeededLLM)
+    assert seen and set(seen) == {0.5}
+
+
 def test_nonfinite_loss_is_skipped_then_stops(tiny_policy_dir, retriever, tmp_path, monkeypatch):
     import training.kernels as K
     from training.trainer import rl_train

@@ -29,7 +29,10 @@ class Batch:
       ``loss_mask`` (set by the trainer: per-token advantages, PPO value targets and values);
     * ``packed``: compute strategy for :func:`policy_logprobs` (set by :meth:`select`): run the backbone on
       the rows' real tokens packed into one row instead of the padded ``[N, T]``. It changes no shape: every
-      output stays ``[N, T-1]``. The value model (:mod:`training.critic`) ignores it (padded path).
+      output stays ``[N, T-1]``. The value model (:mod:`training.critic`) ignores it (padded path);
+    * ``temperature``: the rollout's sampling temperature (set by the trainer): :func:`policy_logprobs`
+      scores ``softmax(logits / temperature)``, the distribution the tokens were drawn from, so ratios, KL
+      and entropy refer to it (as verl divides the logits by the rollout temperature).
     """
 
     input_ids: torch.Tensor
@@ -44,6 +47,7 @@ class Batch:
     returns: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     packed: bool = False
+    temperature: float = 1.0
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -144,6 +148,17 @@ def collate(trajs: list[Trajectory], pad_id: int, max_len: int | None = None) ->
     )
 
 
+def _tempered(hidden: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``hidden / temperature``: the bias-free LM head then gives ``logits / temperature`` (and its gradient)
+    with no change to the fused kernel. Raises ``ValueError`` for a temperature <= 0 (greedy rollouts have no
+    sampling distribution to score)."""
+    if temperature == 1.0:
+        return hidden
+    if not temperature > 0:
+        raise ValueError(f"log-probs need a sampling temperature > 0, got {temperature}")
+    return hidden / temperature
+
+
 def _backbone_and_head(model):
     backbone = getattr(model, model.base_model_prefix)
     head = model.get_output_embeddings()
@@ -190,8 +205,8 @@ def policy_logprobs(
     """Log-prob of each target token and next-token entropy, at loss-mask positions only.
 
     ``model``: a Hugging Face causal LM (possibly peft-wrapped) with a bias-free linear LM head. Returns
-    ``(logprobs, entropy)``, both ``[N, T-1]`` float32 on the model's device, zero where ``batch.loss_mask``
-    is 0; ``entropy`` is all zeros when ``with_entropy=False`` (the reference skips that work; the CUDA
+    ``(logprobs, entropy)``, both ``[N, T-1]`` float32 on the model's device, of ``softmax(logits /
+    batch.temperature)``, zero where ``batch.loss_mask`` is 0; ``entropy`` is all zeros when ``with_entropy=False`` (the reference skips that work; the CUDA
     kernel computes it in the same pass anyway, see :func:`training.kernels.masked_logprobs`). Uses the
     fused CUDA kernel on GPU when built (:mod:`training.kernels`), else the PyTorch reference.
 
@@ -211,6 +226,7 @@ def policy_logprobs(
     N, T = batch.input_ids.shape
     if packed if packed is not None else batch.packed:
         hidden, valid = _packed_hidden(backbone, batch, device)  # [P, H], [N, T-1]
+        hidden = _tempered(hidden, batch.temperature)
         if bool((batch.loss_mask.bool() & ~valid.to(batch.loss_mask.device)).any()):
             raise ValueError("loss_mask is nonzero at a padding target; cannot pack this batch")
         valid = valid.to(device)
@@ -223,7 +239,7 @@ def policy_logprobs(
     out = backbone(
         input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device), use_cache=False
     )
-    hidden = out.last_hidden_state[:, :-1]  # [N, T-1, H]
+    hidden = _tempered(out.last_hidden_state[:, :-1], batch.temperature)  # [N, T-1, H]
     Tm1, H = hidden.shape[1], hidden.shape[2]
     targets = batch.input_ids[:, 1:].to(device).reshape(-1)
     mask = batch.loss_mask.to(device).reshape(-1)

@@ -524,6 +524,8 @@ def rl_train(
     from agent.hf import TransformersLLM
 
     tc = cfg.train
+    if not cfg.agent.temperature > 0:  # log-probs are scored at the rollout temperature (Batch.temperature)
+        raise ValueError(f"RL needs sampled rollouts: agent.temperature must be > 0, got {cfg.agent.temperature}")
     if tc.algorithm in A.NEEDS_CRITIC and tc.critic == "none":  # also enforced by the config schema
         raise ValueError(f"train.algorithm={tc.algorithm} needs train.critic (separate or shared)")
     # torchrun: one process group over every rank (no-op on one process, or when the caller made it)
@@ -663,6 +665,7 @@ def rl_train(
         trajs, ds_stats = rollout(per_rank, llm, retriever, cfg, data, judge)
         t_roll = time.time() - t0
         batch = collate(trajs, tokenizer.pad_token_id, cfg.agent.max_total_tokens)
+        batch.temperature = cfg.agent.temperature  # score the distribution the rollout sampled from
         with torch.no_grad():
             idx, micro, _ = split_micro_batches(batch, tc)  # update_policy's split: old log-probs align
             # the update's autocast (bf16 on GPU), so that the first epoch's ratio is exactly 1
