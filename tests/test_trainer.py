@@ -187,6 +187,28 @@ def test_log_probs_are_scored_at_the_rollout_temperature(tiny_policy_dir, retrie
     assert seen and set(seen) == {0.5}
 
 
+def test_a_retriever_with_a_curriculum_follows_the_training_step(tiny_policy_dir, retriever, tmp_path):
+    """A retriever with ``set_step`` (ZeroSearch's simulated search: its noise curriculum) is told each
+    step before that step's rollout, with the run's total steps."""
+    from training.trainer import rl_train
+
+    class Curriculum:
+        def __init__(self, inner):
+            self.inner, self.steps = inner, []
+
+        def set_step(self, step, total_steps=None):
+            self.steps.append((step, total_steps))
+
+        def search(self, queries, k):
+            return self.inner.search(queries, k)
+
+    cur = Curriculum(retriever)
+    model, tok = load(tiny_policy_dir)
+    rl_train(make_cfg("train.steps=2"), model, tok, cur, QUESTIONS, tmp_path, judge=varying_judge,
+             llm_factory=SeededLLM)
+    assert cur.steps == [(0, 2), (1, 2)]
+
+
 def test_nonfinite_loss_is_skipped_then_stops(tiny_policy_dir, retriever, tmp_path, monkeypatch):
     import training.kernels as K
     from training.trainer import rl_train

@@ -662,6 +662,8 @@ def rl_train(
         questions = data.next(tc.questions_per_step)
         per_rank = questions[rank::W] if W > 1 else questions
         policy.eval()
+        if callable(getattr(retriever, "set_step", None)):  # ZeroSearch's noise curriculum follows training
+            retriever.set_step(step, tc.steps)
         trajs, ds_stats = rollout(per_rank, llm, retriever, cfg, data, judge)
         t_roll = time.time() - t0
         batch = collate(trajs, tokenizer.pad_token_id, cfg.agent.max_total_tokens)
