@@ -61,11 +61,11 @@ def check_queries(queries: list[str], k: int) -> None:
     """The checks every retriever makes of a search's arguments (:meth:`Retriever.search`).
 
     Raises ``TypeError`` for one string instead of a list of them or for a query that is not a ``str``, and
-    ``ValueError`` for ``k`` not an integer >= 1.
+    ``ValueError`` for ``k`` not an integer >= 1 (a bool is not one).
     """
     if isinstance(queries, str):
         raise TypeError("queries must be a list of strings, got one string")
-    if not isinstance(k, int) or k < 1:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an integer >= 1, got {k!r}")
     for i, q in enumerate(queries):
         if not isinstance(q, str):

@@ -340,3 +340,13 @@ def test_dense_index_kinds_and_shards(tmp_path, kind):
     assert (rows[:, 0] == np.arange(20)).mean() >= (1.0 if kind == "flat" else 0.9)
     if kind == "flat":
         assert (rows == exact).all()
+
+
+def test_check_queries_rejects_a_bool_k():
+    """``k=True`` is not a top-k (a bool is an int in Python): every retriever's argument check says so."""
+    from retrieval.base import check_queries
+
+    for k in (True, False, 0, 2.0):
+        with pytest.raises(ValueError, match="k must be an integer >= 1"):
+            check_queries(["q"], k)
+    check_queries(["q"], 1)
