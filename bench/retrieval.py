@@ -176,11 +176,15 @@ class _Server:
                 time.sleep(0.1)
             if self.proc.poll() is not None:
                 raise RuntimeError("retrieval server process exited")
-        raise RuntimeError("retrieval server did not start")
+        self.__exit__()  # (a with-block whose __enter__ raises never calls __exit__)
+        raise RuntimeError("retrieval server did not start in 120 s")
 
     def __exit__(self, *exc):
         self.proc.terminate()
-        self.proc.wait(10)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
 def synthetic_corpus(path: Path, n: int, seed: int = 0, vocab: int = 50_000, words: int = 60) -> list[str]:
