@@ -141,3 +141,23 @@ def test_config_rejects_critic_estimator_without_critic():
     with pytest.raises(ConfigError, match="group_size"):
         load_config(None, ["train.algorithm=grpo", "train.group_size=1"])
     assert load_config(None, ["train.algorithm=reinforce_pp", "train.group_size=1"]).train.group_size == 1
+
+
+@pytest.mark.parametrize("name", ["reinforce_pp", "stratified_grpo", "grpo"])
+def test_outcome_advantages_under_torchrun_equal_one_process_on_the_whole_batch(name, monkeypatch):
+    """REINFORCE++ normalises over the batch and Stratified GRPO blends in batch statistics: on W ranks each
+    rank must get its rows of the advantages one process computes on every rank's trajectories (group ids
+    are per rank, so they are kept apart), not statistics of its own share. Two ranks simulated."""
+    import training.trainer as T
+
+    g = torch.Generator().manual_seed(0)
+    r = [torch.rand(6, generator=g), torch.rand(4, generator=g) * 3]  # the two ranks' rewards: other scales
+    groups = [torch.tensor([0, 0, 0, 1, 1, 1]), torch.tensor([0, 0, 1, 1])]
+    strata = [torch.tensor([0, 1, 2, 0, 1, 1]), torch.tensor([2, 2, 0, 1])]
+    whole = A.outcome_advantages(name, torch.cat(r), torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 3, 3]), torch.cat(strata))
+    for rank in (0, 1):
+        parts = [(r[i].tolist(), groups[i].tolist(), strata[i].tolist()) for i in (0, 1)]
+        monkeypatch.setattr(T, "world", lambda rank=rank: (rank, 2))
+        monkeypatch.setattr(T, "gather_objects", lambda obj, parts=parts: parts)
+        got = T.batch_outcome_advantages(name, r[rank], groups[rank], strata[rank], 0.5)
+        torch.testing.assert_close(got, whole[:6] if rank == 0 else whole[6:])

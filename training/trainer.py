@@ -142,6 +142,27 @@ def rollout_stats(trajs: list[Trajectory]) -> dict[str, float]:
 
 
 # -- advantages ---------------------------------------------------------------------------------------
+def batch_outcome_advantages(name: str, rewards: torch.Tensor, groups: torch.Tensor, strata: torch.Tensor,
+                             alpha: float) -> torch.Tensor:
+    """:func:`training.advantages.outcome_advantages` over the whole batch: under torchrun every rank's
+    ``[N_r]`` rewards, groups and strata are gathered (each rank's group ids moved past the previous ranks'),
+    so batch statistics (REINFORCE++'s normalisation, Stratified GRPO's global term) are those of one process
+    on the whole batch; returns this rank's ``[N_r]`` rows. One process: the estimator itself."""
+    rank, W = world()
+    if W == 1:
+        return A.outcome_advantages(name, rewards, groups, strata, alpha)
+    R: list[float] = []
+    G: list[int] = []
+    S: list[int] = []
+    for i, (r, g, s) in enumerate(gather_objects((rewards.tolist(), groups.tolist(), strata.tolist()))):
+        if i == rank:
+            start = len(R)
+        base = max(G, default=-1) + 1
+        R, G, S = R + r, G + [base + x for x in g], S + s
+    adv = A.outcome_advantages(name, torch.tensor(R, dtype=torch.float32), torch.tensor(G), torch.tensor(S), alpha)
+    return adv[start : start + len(rewards)]
+
+
 def compute_advantages(
     tc: Any,
     batch: Batch,
@@ -168,7 +189,7 @@ def compute_advantages(
     target_turns = batch.turn_ids[:, 1:]
     if name in A.OUTCOME_ESTIMATORS:
         strata = torch.tensor([t.num_search_calls for t in trajs], dtype=torch.long)
-        adv = A.outcome_advantages(name, rewards - tc.kl_coef * kl_seq, batch.groups, strata, tc.stratified_alpha)
+        adv = batch_outcome_advantages(name, rewards - tc.kl_coef * kl_seq, batch.groups, strata, tc.stratified_alpha)
         tok = A.to_token_advantages(adv, mask)
         if tc.search_cost > 0:
             tok = tok + A.turns_to_tokens(A.search_cost_to_go(is_search, valid, tc.search_cost), target_turns, mask)
