@@ -141,6 +141,21 @@ def test_span_mask_dispatch_on_cpu_is_reference():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_span_mask_with_more_markers_than_the_kernel_takes_falls_back_under_auto(monkeypatch):
+    """Under ``auto`` (the default) on CUDA tensors, more than 16 open or close ids go to the reference
+    instead of raising; only a forced kernel (``impl="cuda"``) refuses them. The CUDA side is faked: the
+    extension must not even be asked for."""
+    monkeypatch.setattr(K, "_use_cuda", lambda impl, *t: True)
+    monkeypatch.setattr(K, "load_extension", lambda: pytest.fail("the kernel was called with 17 open ids"))
+    opens, closes = list(range(100, 117)), [7]
+    ids = torch.tensor([[1, 100, 5, 7, 116, 6, 7, 3]])
+    args = (ids, opens, closes, torch.tensor([8]), torch.tensor([1]))
+    got, want = K.span_mask(*args), span_mask_reference(*args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[0].any()
+    with pytest.raises(ValueError, match="at most 16"):
+        K.span_mask(*args, impl="cuda")
+
+
 # ---- masked LM-head log-probs --------------------------------------------------------------------------
 
 

@@ -156,7 +156,8 @@ def span_mask(
 
     ``token_ids``: ``[B, T]`` int64 (right-padded); ``lengths``/``prompt_lengths``: ``[B]`` int64. Returns
     ``(mask [B, T] bool, turn [B, T] int32)`` on the device of ``token_ids``. The kernel accepts at most 16
-    open and 16 close ids. Raises ``ValueError`` on bad shapes or ids that both open and close.
+    open and 16 close ids: more go to the reference, or raise ``ValueError`` when the kernel is forced
+    (``impl="cuda"``). Raises ``ValueError`` on bad shapes or ids that both open and close.
     """
     if token_ids.dim() != 2:
         raise ValueError(f"token_ids must be [B, T], got {tuple(token_ids.shape)}")
@@ -166,11 +167,12 @@ def span_mask(
     B = token_ids.shape[0]
     if lengths.numel() != B or prompt_lengths.numel() != B:
         raise ValueError(f"lengths and prompt_lengths must be [B={B}]")
-    if not _use_cuda(impl, token_ids):
+    too_many = len(set(opens)) > MAX_MARKERS or len(set(closes)) > MAX_MARKERS
+    if too_many and _impl(impl) == "cuda":
+        raise ValueError(f"the span-mask kernel takes at most {MAX_MARKERS} open and {MAX_MARKERS} close ids")
+    if too_many or not _use_cuda(impl, token_ids):  # (auto: more markers than the kernel takes -> reference)
         mask, turn = span_mask_reference(token_ids.cpu(), opens, closes, lengths.cpu(), prompt_lengths.cpu())
         return mask.to(token_ids.device), turn.to(token_ids.device)
-    if len(set(opens)) > MAX_MARKERS or len(set(closes)) > MAX_MARKERS:
-        raise ValueError(f"the span-mask kernel takes at most {MAX_MARKERS} open and {MAX_MARKERS} close ids")
     dev = token_ids.device
     ext = load_extension()
     mask, turn = ext.span_mask(
