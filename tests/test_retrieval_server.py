@@ -200,32 +200,51 @@ def test_concurrent_requests_are_batched():
     assert h["batches"] < 8 and max(slow.calls) > 1  # requests arriving together shared an index pass
 
 
-def _post_together(url: str, payloads: list[dict]) -> list[httpx2.Response]:
-    """POST ``payloads`` to ``url``/retrieve at once, one thread each; the responses in order."""
-    out = [None] * len(payloads)
+def _post_together(app, url: str, rec, payloads: list[dict]) -> list[httpx2.Response]:
+    """POST ``payloads`` to ``url``/retrieve so that they form one batch, whatever the machine's load: a
+    lead request holds the batcher's search (``rec`` blocks on it) until every payload is queued. Returns
+    the payloads' responses in order."""
+    out = [None] * (len(payloads) + 1)
 
-    def post(i):
-        out[i] = httpx2.post(url + "/retrieve", json=payloads[i], timeout=10)
+    def post(i, payload):
+        out[i] = httpx2.post(url + "/retrieve", json=payload, timeout=30)
 
-    threads = [threading.Thread(target=post, args=(i,)) for i in range(len(payloads))]
+    lead = threading.Thread(target=post, args=(len(payloads), {"queries": ["lead"], "topk": 1}))
+    lead.start()
+    queue = app.state.batcher._queue
+    _wait(lambda: rec.calls and rec.calls[0][0] == ["lead"])  # the lead's search holds the batcher
+    threads = [threading.Thread(target=post, args=(i, p)) for i, p in enumerate(payloads)]
     for t in threads:
         t.start()
-    for t in threads:
+    _wait(lambda: queue.qsize() == len(payloads))
+    rec.gate.set()
+    for t in [lead, *threads]:
         t.join()
-    return out
+    assert out[-1].status_code == 200
+    return out[:-1]
+
+
+def _wait(cond, timeout: float = 20.0) -> None:
+    end = time.time() + timeout
+    while not cond():
+        if time.time() > end:
+            raise TimeoutError("condition not met")
+        time.sleep(0.01)
 
 
 class _Recorder:
-    """A retriever that sleeps 0.2 s per search (so requests pile up into batches), records each call's
-    ``(queries, k)``, raises ``ValueError`` on the query ``"bad"`` and answers hits whose ids name the ``k``
-    they were searched with, as a search whose top hits depend on its depth (hybrid fusion, HNSW) would."""
+    """A retriever that records each call's ``(queries, k)``, holds a search of ``"lead"`` until ``gate`` is
+    set (so the requests behind it pile up into one batch), raises ``ValueError`` on the query ``"bad"`` and
+    answers hits whose ids name the ``k`` they were searched with, as a search whose top hits depend on its
+    depth (hybrid fusion, HNSW) would."""
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.gate = [], threading.Event()
 
     def search(self, queries, k):
         self.calls.append((list(queries), k))
-        time.sleep(0.2)
+        if queries == ["lead"]:
+            self.gate.wait(30)
         if "bad" in queries:
             raise ValueError("the encoder rejects 'bad'")
         return [[Hit(f"{q}@{k}#{i}", q, q, float(k - i)) for i in range(k)] for q in queries]
@@ -235,29 +254,31 @@ def test_a_bad_request_fails_only_itself_in_a_batch():
     """A request that makes the shared search fail gets its 400; the requests batched with it are searched
     again without it and answered."""
     rec = _Recorder()
-    with _Server(create_app(rec)) as s:
+    app = create_app(rec)
+    with _Server(app) as s:
         payloads = [{"queries": [f"q{i}"], "topk": 1} for i in range(6)]
         payloads[3] = {"queries": ["bad"], "topk": 1}
-        rs = _post_together(s.url, payloads)
+        rs = _post_together(app, s.url, rec, payloads)
         assert rs[3].status_code == 400 and "the encoder rejects 'bad'" in rs[3].json()["error"]
         for i, r in enumerate(rs):
             if i != 3:
                 assert r.status_code == 200 and r.json()["result"][0][0]["id"] == f"q{i}@1#0"
-    assert any("bad" in qs and len(qs) > 1 for qs, _ in rec.calls)  # the bad request did share a batch
+    assert sorted(rec.calls[1][0]) == sorted(p["queries"][0] for p in payloads)  # one batch, which failed
+    assert sorted(qs[0] for qs, _ in rec.calls[2:]) == sorted(p["queries"][0] for p in payloads)  # each alone
 
 
 def test_requests_with_different_topk_are_searched_at_their_own_depth():
     """Requests batched together but asking different ``topk`` each get the hits of a search at their own
-    depth, not the first ``topk`` of a deeper search."""
+    depth, not the first ``topk`` of a deeper search; requests of one ``topk`` still share a pass."""
     rec = _Recorder()
-    with _Server(create_app(rec)) as s:
+    app = create_app(rec)
+    with _Server(app) as s:
         payloads = [{"queries": [f"q{i}"], "topk": 1 + i % 3} for i in range(6)]
-        rs = _post_together(s.url, payloads)
+        rs = _post_together(app, s.url, rec, payloads)
     for p, r in zip(payloads, rs):
         q, k = p["queries"][0], p["topk"]
         assert [d["id"] for d in r.json()["result"][0]] == [f"{q}@{k}#{i}" for i in range(k)]
-    assert sorted(q for qs, _ in rec.calls for q in qs) == sorted(p["queries"][0] for p in payloads)
-    assert any(len(qs) > 1 for qs, _ in rec.calls)  # requests of one topk still shared a pass
+    assert sorted((sorted(qs), k) for qs, k in rec.calls[1:]) == [(["q0", "q3"], 1), (["q1", "q4"], 2), (["q2", "q5"], 3)]
 
 
 def test_a_retriever_answering_the_wrong_number_of_queries_is_a_500_and_server_survives():
