@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class Section(BaseModel):
@@ -81,3 +81,8 @@ class AgentConfig(Section):
     llm_judge: LLMJudgeConfig = LLMJudgeConfig()
     backend: BackendConfig = BackendConfig()
     simulator: SimulatorConfig = SimulatorConfig()
+
+    @field_validator("chat_template", mode="before")
+    @classmethod
+    def _on_off(cls, v):  # YAML 1.1 reads an unquoted on/off as a bool (agent.chat_template=off)
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v

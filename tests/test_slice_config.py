@@ -67,3 +67,11 @@ def test_numbers_given_to_text_fields_are_text_and_nan_is_an_error():
     for bad in ("train.lr=nan", "train.lr=inf", "train.clip_high=-inf"):
         with pytest.raises(ConfigError, match=bad.split("=")[0]):
             load_config(None, [bad])
+
+
+def test_chat_template_on_off_unquoted():
+    """YAML reads an unquoted ``on``/``off`` as a bool; ``agent.chat_template=off`` still means "off"."""
+    assert load_config(None, ["agent.chat_template=off"]).agent.chat_template == "off"
+    assert load_config(None, ["agent.chat_template=on"]).agent.chat_template == "on"
+    with pytest.raises(ConfigError, match="chat_template"):
+        load_config(None, ["agent.chat_template=maybe"])
