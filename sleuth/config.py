@@ -92,6 +92,8 @@ class TrainConfig(Section):
     warmup_steps: int = Field(0, ge=0, description="linear LR warm-up (optimizer steps)")
     clip_low: float = Field(0.2, ge=0.0)
     clip_high: float = Field(0.2, ge=0.0, description="DAPO clip-higher when > clip_low")
+    clip_ratio_c: float | None = Field(None, gt=1.0, description="dual-clip bound for negative advantages "
+                                       "(Ye et al. 2020; verl's clip_ratio_c, 3 there); None = off")
     ppo_epochs: int = Field(1, ge=1)
     micro_batch: int = Field(16, ge=1, description="most trajectories per micro-batch")
     micro_batch_tokens: int | None = Field(

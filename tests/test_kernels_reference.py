@@ -10,6 +10,7 @@ The kernels themselves run in tests/test_kernels_gpu.py.
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -520,6 +521,32 @@ def test_policy_loss_dispatch_on_cpu_and_switch(monkeypatch):
     monkeypatch.setenv(K.ENV_VAR, "fast")
     with pytest.raises(ValueError, match="unknown kernel implementation"):
         K.policy_loss(lp, old, adv, mask)
+
+
+def test_dual_clip_bounds_negative_advantages():
+    """Dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c): a token with A < 0 and a ratio beyond c has the
+    constant loss -A c (no gradient: its ratio cannot push the loss up without bound); A > 0, or a ratio
+    under c, is the plain clipped loss. The dispatcher takes it on the reference path and a forced kernel
+    refuses it."""
+    old = torch.zeros(1, 4, dtype=torch.float64)
+    lp = torch.tensor([[math.log(5.0), math.log(5.0), math.log(2.0), math.log(0.5)]], dtype=torch.float64,
+                      requires_grad=True)
+    adv = torch.tensor([[-1.0, 1.0, -1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 4, dtype=torch.float64)
+    loss, stats = ppo_clip_loss(lp, old, adv, mask, clip_ratio_c=3.0)
+    plain = torch.tensor([5.0, -1.2, 2.0, 0.8], dtype=torch.float64)  # max(-A r, -A clip(r, 0.8, 1.2))
+    want = torch.tensor([3.0, -1.2, 2.0, 0.8], dtype=torch.float64)  # token 0: min(5, 3)
+    assert float(ppo_clip_loss(lp, old, adv, mask)[0].detach()) == pytest.approx(float(plain.mean()))
+    assert float(loss.detach()) == pytest.approx(float(want.mean())) and stats["clip_frac_lower"] == 0.25
+    loss.backward()
+    assert lp.grad[0, 0] == 0 and lp.grad[0, 2] != 0
+    with pytest.raises(ValueError, match="clip_ratio_c > 1"):
+        ppo_clip_loss(lp, old, adv, mask, clip_ratio_c=1.0)
+    args = (lp.detach().float(), old.float(), adv.float(), mask.float())
+    got, got_stats = K.policy_loss(*args, clip_ratio_c=3.0)
+    assert float(got) == pytest.approx(float(want.mean())) and got_stats["clip_frac_lower"] == 0.25
+    with pytest.raises(ValueError, match="no dual-clip"):
+        K.policy_loss(*args, clip_ratio_c=3.0, impl="cuda")
 
 
 def test_available_false_without_cuda():

@@ -75,3 +75,10 @@ def test_chat_template_on_off_unquoted():
     assert load_config(None, ["agent.chat_template=on"]).agent.chat_template == "on"
     with pytest.raises(ConfigError, match="chat_template"):
         load_config(None, ["agent.chat_template=maybe"])
+
+
+def test_dual_clip_bound_must_exceed_one():
+    assert load_config(None, ["train.clip_ratio_c=3"]).train.clip_ratio_c == 3.0
+    assert load_config(None, []).train.clip_ratio_c is None  # off by default
+    with pytest.raises(ConfigError, match="train.clip_ratio_c"):
+        load_config(None, ["train.clip_ratio_c=1"])

@@ -70,6 +70,7 @@ def load(tiny_policy_dir):
     ("reinforce_pp", ["train.kl_coef=0.1", "train.kl_mode=reward"]), ("stratified_grpo", []),
     ("ppo", ["train.critic=separate"]), ("ppo", ["train.critic=shared"]), ("igpo", ["train.search_cost=0.05"]),
     ("grpo", ["train.kl_coef=0.1", "train.entropy_coef=0.01", "train.micro_batch_tokens=150"]),
+    ("grpo", ["train.clip_ratio_c=3"]),
 ])
 def test_every_estimator_moves_the_weights(algo, extra, tiny_policy_dir, retriever, tmp_path):
     from training.trainer import rl_train
@@ -86,6 +87,7 @@ def test_every_estimator_moves_the_weights(algo, extra, tiny_policy_dir, retriev
         assert key in rec
     if algo == "ppo":
         assert rec["vf_loss"] > 0
+    assert ("clip_frac_lower" in rec) == ("train.clip_ratio_c=3" in extra)  # dual-clip reaches the loss
     if "train.kl_coef=0.1" in extra and "train.kl_mode=reward" not in extra:
         assert "kl" in rec
 

@@ -386,9 +386,12 @@ def policy_loss(
     kl_type: str = "k3",
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    clip_ratio_c: float | None = None,
     impl: str | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The masked PPO-clip loss; same signature, semantics and stats as :func:`training.losses.ppo_clip_loss`.
+    Dual-clip (``clip_ratio_c``) is not in the kernel: with it, ``auto`` uses the reference and ``cuda``
+    raises ``ValueError``.
 
     All per-token tensors ``[B, T]``; the kernel computes in float32 and differentiates w.r.t.
     ``logprobs`` and ``entropy`` only (old log-probs, advantages and reference log-probs are constants, as
@@ -418,13 +421,17 @@ def policy_loss(
         "kl_type": kl_type,
         "entropy": entropy,
         "entropy_coef": entropy_coef,
+        "clip_ratio_c": clip_ratio_c,
     }
     tensors = [t for t in (logprobs, old_logprobs, advantages, mask, ref_logprobs, entropy) if t is not None]
     const_grad = any(t is not None and t.requires_grad for t in (old_logprobs, advantages, ref_logprobs))
     mode = _impl(impl)
     if mode == "cuda" and const_grad:
         raise RuntimeError("the policy-loss kernel treats old_logprobs/advantages/ref_logprobs as constants")
-    if logprobs.dim() != 2 or shape[0] == 0 or const_grad or not _use_cuda(impl, *tensors):
+    if mode == "cuda" and clip_ratio_c is not None:
+        raise ValueError("the policy-loss kernel has no dual-clip (clip_ratio_c); use the reference (auto)")
+    dual = clip_ratio_c is not None
+    if logprobs.dim() != 2 or shape[0] == 0 or const_grad or dual or not _use_cuda(impl, *tensors):
         if mode == "cuda" and (logprobs.dim() != 2 or shape[0] == 0):
             raise ValueError(f"the policy-loss kernel needs [B, T] inputs with B > 0, got {tuple(shape)}")
         return ppo_clip_loss(logprobs, old_logprobs, advantages, mask, **ref_kw)

@@ -136,13 +136,19 @@ def ppo_clip_loss(
     kl_type: str = "k3",
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The masked PPO-clip policy loss with DAPO clip-higher, optional KL-to-reference loss and entropy bonus.
+    """The masked PPO-clip policy loss with DAPO clip-higher, optional dual-clip, KL-to-reference loss and
+    entropy bonus.
 
     Per token: ``r = exp(logp - old_logp)``; ``pg = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``;
+    with ``clip_ratio_c`` (> 1; dual-clip PPO, Ye et al. 2020, verl's ``clip_ratio_c``) a token with ``A < 0``
+    has ``pg = min(pg, -A c)``, so a large ratio on a negative advantage cannot grow the loss without bound;
     plus ``kl_coef * KL`` when ``ref_logprobs`` is given and minus ``entropy_coef * H`` when ``entropy`` is
     given; reduced by :func:`aggregate`. All inputs ``[B, T]`` float. Returns ``(loss, stats)`` with
-    ``stats`` = pg_loss, clip_frac, approx_kl (vs. old policy), kl (vs. reference), entropy, ratio_mean.
+    ``stats`` = pg_loss, clip_frac, approx_kl (vs. old policy), kl (vs. reference), entropy, ratio_mean, and
+    with dual-clip clip_frac_lower (the share of tokens the bound caps). Raises ``ValueError`` for
+    ``clip_ratio_c <= 1``.
     """
     mask = mask.to(logprobs.dtype)
     log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)
@@ -150,6 +156,13 @@ def ppo_clip_loss(
     pg1 = -advantages * ratio
     pg2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     pg = torch.maximum(pg1, pg2)
+    lower = None
+    if clip_ratio_c is not None:
+        if not clip_ratio_c > 1.0:
+            raise ValueError(f"dual-clip needs clip_ratio_c > 1, got {clip_ratio_c}")
+        pg3 = -advantages * clip_ratio_c
+        lower = (advantages < 0) & (pg3 < pg)
+        pg = torch.where(lower, pg3, pg)
     pg_loss = aggregate(pg, mask, loss_agg)
     loss = pg_loss
     n = mask.sum().clamp(min=1.0)
@@ -159,6 +172,8 @@ def ppo_clip_loss(
         "approx_kl": float(((-log_ratio) * mask).sum().detach() / n),
         "ratio_mean": float((ratio.detach() * mask).sum() / n),
     }
+    if lower is not None:
+        stats["clip_frac_lower"] = float((lower.to(mask.dtype) * mask).sum() / n)
     if ref_logprobs is not None and kl_coef > 0:
         kl = aggregate(kl_estimate(logprobs, ref_logprobs, kl_type), mask, loss_agg)
         loss = loss + kl_coef * kl

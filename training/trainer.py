@@ -290,7 +290,7 @@ def update_policy(
             adv = mb.token_advantages.to(lp.device)
             loss, stats = policy_loss(
                 lp, old[j].to(lp.device), adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                loss_agg=cfg.loss_agg, ref_logprobs=ref[j] if ref is not None else None, kl_coef=cfg.kl_coef,
+                clip_ratio_c=cfg.clip_ratio_c, loss_agg=cfg.loss_agg, ref_logprobs=ref[j] if ref is not None else None, kl_coef=cfg.kl_coef,
                 kl_type=cfg.kl_type, entropy=ent, entropy_coef=cfg.entropy_coef,
             )
             if not torch.isfinite(loss) and W == 1:  # under torchrun the NaN reaches every rank through the
