@@ -141,6 +141,28 @@ def benchmark_path(name: str, data_dir: str | Path | None = None) -> Path:
     return p if p.is_absolute() else resolve_data_dir(data_dir) / p
 
 
+def locate_benchmark(name: str, data_dir: str | Path | None = None) -> tuple[Path, Benchmark | None]:
+    """The existing QA file of a registry name (or alias), or of a path, and its registry entry (``None`` for
+    a path); cheap, so callers can check every benchmark before loading anything.
+
+    Raises :class:`UnknownBenchmarkError` (lists the known names) and ``FileNotFoundError`` (says where the
+    data dir is and how to change it).
+    """
+    if _is_file_name(name):
+        path = Path(name)
+        if not path.exists():
+            raise FileNotFoundError(f"QA file not found: {path}")
+        return path, None
+    b = get_benchmark(name)
+    path = benchmark_path(name, data_dir)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"benchmark {b.name!r}: file not found: {path} (data dir {resolve_data_dir(data_dir)}; set "
+            "SLEUTH_DATA_DIR or --data-dir to the folder holding the benchmark files)"
+        )
+    return path, b
+
+
 def load_benchmark(
     name: str, data_dir: str | Path | None = None, limit: int | None = None, seed: int = 0
 ) -> list[QAExample]:
@@ -149,18 +171,7 @@ def load_benchmark(
     Raises :class:`UnknownBenchmarkError` (lists the known names), ``FileNotFoundError`` (says where the
     data dir is and how to change it) and :class:`DataFormatError` (file, line, field).
     """
-    if _is_file_name(name):
-        path, b = Path(name), None
-        if not path.exists():
-            raise FileNotFoundError(f"QA file not found: {path}")
-    else:
-        b = get_benchmark(name)
-        path = benchmark_path(name, data_dir)
-        if not path.exists():
-            raise FileNotFoundError(
-                f"benchmark {b.name!r}: file not found: {path} (data dir {resolve_data_dir(data_dir)}; set "
-                "SLEUTH_DATA_DIR or --data-dir to the folder holding the benchmark files)"
-            )
+    path, b = locate_benchmark(name, data_dir)
     examples = read_qa_file(
         path,
         fmt=b.fmt if b else "auto",

@@ -100,14 +100,9 @@ def run(args) -> int:
 def _check_benchmarks(benchmarks: str, method: str, data_dir: str | None) -> None:
     """Raise the error ``run_benchmarks`` would, before anything is loaded: an unknown benchmark or method
     (``ValueError`` listing the known ones) or a missing benchmark file (``FileNotFoundError``)."""
-    from pathlib import Path
-
-    from eval.datasets import REGISTRY, benchmark_path, expand_benchmarks, resolve_data_dir
+    from eval.datasets import expand_benchmarks, locate_benchmark
     from eval.methods import get_method
 
     get_method(method)
     for name in expand_benchmarks(benchmarks.split(",")):
-        path = benchmark_path(name, data_dir) if name in REGISTRY else Path(name)
-        if not path.exists():
-            where = f" (data dir {resolve_data_dir(data_dir)}; set SLEUTH_DATA_DIR or --data-dir)" if name in REGISTRY else ""
-            raise FileNotFoundError(f"benchmark {name!r}: file not found: {path}{where}")
+        locate_benchmark(name, data_dir)
