@@ -155,19 +155,21 @@ class BM25Index:
         return cls(model, tok, params, n_threads=n_threads, backend=backend)
 
     def tokenize(self, queries: list[str]) -> list[list[int]]:
-        """Token ids of each query; unknown words and stopwords are dropped, so such a query has none.
+        """Token ids of each query that are terms of the index; unknown words and stopwords are dropped, so
+        such a query has none.
 
         bm25s gives a query with no known term its empty token, which every passage that tokenised to nothing
         also carries; that id is removed here, so such a query matches no passage (as in Lucene).
         """
         with self._tok_lock:
             ids = self.tokenizer.tokenize(queries, update_vocab=False, return_as="ids", show_progress=False)
-        empty = self.tokenizer.word_to_id.get("")
-        return [[t for t in q if t != empty] for q in ids]
+        known, empty = self.model.unique_token_ids_set, self.tokenizer.word_to_id.get("")
+        return [[t for t in q if t != empty and t in known] for q in ids]
 
     def search_rows(self, queries: list[str], k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` rows and BM25 scores for each query; see the class docstring for shapes. A query with no
-        known term (only unknown words or stopwords, or blank) gets no hits. Raises ``ValueError`` for ``k < 1``."""
+        known term (only unknown words or stopwords, or blank) gets no hits. Raises ``ValueError`` for
+        ``k < 1``."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         k = min(k, self.num_docs)
@@ -177,8 +179,6 @@ class BM25Index:
         if self._backend == "maxscore":
             from retrieval import maxscore
 
-            known = self.model.unique_token_ids_set
-            ids = [[t for t in q if t in known] for q in ids]
             s = self.model.scores
             return maxscore.search(s["data"], s["indices"], s["indptr"], self._maxs, ids, k, self._threads, self._pool)
         rows = np.full((len(queries), k), -1, dtype=np.int64)
