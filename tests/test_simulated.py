@@ -90,14 +90,19 @@ def test_simulator_data_labels_documents_by_the_gold_answer(retriever, tiny_data
     assert rc == 0 and lines and {x["label"] for x in lines} <= {USEFUL, NOISY}
 
 
-def test_search_arguments_are_checked_like_every_retriever():
-    prompts_seen = []
+def _recording_search() -> tuple[SimulatedSearch, list[str]]:
+    """A simulated search over :func:`_fake_generate` and the list of every prompt it sends the LLM."""
+    prompts_seen: list[str] = []
 
     def gen(prompts):
         prompts_seen.extend(prompts)
         return _fake_generate(prompts)
 
-    sim = SimulatedSearch(gen)
+    return SimulatedSearch(gen), prompts_seen
+
+
+def test_search_arguments_are_checked_like_every_retriever():
+    sim, prompts_seen = _recording_search()
     with pytest.raises(TypeError, match="one string"):
         sim.search("capital of France", 2)  # was searched character by character: 17 queries, 34 LLM calls
     with pytest.raises(TypeError, match="expected str"):
@@ -109,13 +114,7 @@ def test_search_arguments_are_checked_like_every_retriever():
 
 
 def test_blank_queries_get_no_hits_and_no_simulator_calls():
-    prompts_seen = []
-
-    def gen(prompts):
-        prompts_seen.extend(prompts)
-        return _fake_generate(prompts)
-
-    sim = SimulatedSearch(gen)
+    sim, prompts_seen = _recording_search()
     res = sim.search(["", "capital of France", " \n "], 2)
     assert res[0] == res[2] == [] and len(res[1]) == 2 and len(prompts_seen) == 2
     assert all("capital of France" in p for p in prompts_seen)
