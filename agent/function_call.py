@@ -17,7 +17,8 @@ for the same conversation.
 A turn without a tool call is the final answer (the text inside ``<answer>...</answer>`` when present, else
 the whole turn). Malformed calls (bad JSON, unknown function, missing or over-long query, two calls in one
 turn, an unclosed ``<tool_call>``, a ``</tool_call>`` without one) become ``invalid`` actions whose reason
-is returned to the policy as the tool message, never an exception. Follows the Qwen2.5 function-calling format (Hermes-style template).
+is returned to the policy as the tool message, never an exception. Follows the Qwen2.5 function-calling
+format (Hermes-style template).
 """
 
 from __future__ import annotations

@@ -82,7 +82,8 @@ def end_of_turn_ids(tokenizer: Any, generation_eos: Any = None) -> set[int]:
     """
     if isinstance(generation_eos, (str, Path)):
         try:
-            generation_eos = json.loads((Path(generation_eos) / "generation_config.json").read_text()).get("eos_token_id")
+            config = json.loads((Path(generation_eos) / "generation_config.json").read_text())
+            generation_eos = config.get("eos_token_id")
         except (OSError, ValueError, AttributeError):
             generation_eos = None
     ids: set[int] = set()

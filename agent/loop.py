@@ -74,7 +74,7 @@ class AgentContext:
     def eos_ids(self) -> set[int]:
         """The backend's end-of-turn ids (:func:`agent.llm.end_of_turn_ids`), else the tokenizer's EOS."""
         ids = getattr(getattr(self.scheduler, "llm", None), "eos_ids", None)
-        return set(ids) if ids else end_of_turn_ids(self.tokenizer)
+        return ids if ids else end_of_turn_ids(self.tokenizer)
 
     def observation_frame(self, ended_with_eos: bool) -> tuple[str, str]:
         """The text written before and after a tool result: ``<information>`` tags (Search-R1), or the
@@ -403,10 +403,11 @@ def make_context(llm: LLM, retriever: Retriever | None, cfg: Any, *, temperature
         jc = cfg.llm_judge
         judge = llm_judge(llm, jc.unparseable, cfg.reward, cfg.format_reward, jc.max_new_tokens)
     ctx = AgentContext(sched, llm.tokenizer, cfg, params, top_k=top_k, judge=judge)
-    frame = max(len(ctx.ids(head)) + len(ctx.ids(tail)) for head, tail in map(ctx.observation_frame, (False, True)))
+    frames = map(ctx.observation_frame, (False, True))  # after a turn that did / did not end with EOS
+    frame = max(len(ctx.ids(head)) + len(ctx.ids(tail)) for head, tail in frames)
     if cfg.max_obs_tokens <= frame:  # else every episode would end at its first tool result, as max_tokens
-        raise ValueError(f"agent.max_obs_tokens={cfg.max_obs_tokens} leaves no room for a tool result: its framing "
-                         f"({ctx.protocol} protocol) takes {frame} tokens; use more than {frame}")
+        raise ValueError(f"agent.max_obs_tokens={cfg.max_obs_tokens} leaves no room for a tool result: its "
+                         f"framing ({ctx.protocol} protocol) takes {frame} tokens; use more than {frame}")
     return ctx
 
 

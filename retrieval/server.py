@@ -103,7 +103,8 @@ def parse_request(body: bytes, limits: ServerLimits) -> tuple[list[str], int, bo
             try:
                 q.encode()
             except UnicodeEncodeError as e:  # JSON may escape a lone surrogate; no encoder takes one
-                raise RequestError(f"query {i} is not valid Unicode ({e.reason} at character {e.start})") from None
+                raise RequestError(
+                    f"query {i} is not valid Unicode ({e.reason} at character {e.start})") from None
     topk = obj.get("topk", limits.default_topk)
     if topk is None:
         topk = limits.default_topk
@@ -216,7 +217,10 @@ class Batcher:
             raise RuntimeError(f"the retriever answered {n} queries of {sum(sizes)}")
         at, out = 0, []
         for m in sizes:
-            out.append((res[0][at : at + m, :k], res[1][at : at + m, :k]) if self.rows else [h[:k] for h in res[at : at + m]])
+            if self.rows:
+                out.append((res[0][at : at + m, :k], res[1][at : at + m, :k]))
+            else:
+                out.append([h[:k] for h in res[at : at + m]])
             at += m
         return out
 

@@ -86,7 +86,8 @@ class SimulatedSearch:
     the id so evaluation can count useful documents), the first line of the completion as title, and a
     descending pseudo-score; a blank query gets no hits. ``last_labels`` holds the labels of the latest call.
     Raises ``TypeError`` / ``ValueError`` for malformed queries or ``k`` not an integer >= 1
-    (:func:`retrieval.base.check_queries`); an exception from ``generate`` propagates (the agent loop fails the episode with it).
+    (:func:`retrieval.base.check_queries`); an exception from ``generate`` propagates (the agent loop fails
+    the episode with it).
     """
 
     def __init__(self, generate: Callable[[list[str]], list[str]], noise_start: float = 0.0,

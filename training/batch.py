@@ -206,8 +206,9 @@ def policy_logprobs(
 
     ``model``: a Hugging Face causal LM (possibly peft-wrapped) with a bias-free linear LM head. Returns
     ``(logprobs, entropy)``, both ``[N, T-1]`` float32 on the model's device, of ``softmax(logits /
-    batch.temperature)``, zero where ``batch.loss_mask`` is 0; ``entropy`` is all zeros when ``with_entropy=False`` (the reference skips that work; the CUDA
-    kernel computes it in the same pass anyway, see :func:`training.kernels.masked_logprobs`). Uses the
+    batch.temperature)``, zero where ``batch.loss_mask`` is 0; ``entropy`` is all zeros when
+    ``with_entropy=False`` (the reference skips that work; the CUDA kernel computes it in the same pass
+    anyway, see :func:`training.kernels.masked_logprobs`). Uses the
     fused CUDA kernel on GPU when built (:mod:`training.kernels`), else the PyTorch reference.
 
     ``packed`` (``None``: ``batch.packed``) packs the rows' real tokens into one ``[1, sum(lengths)]`` row

@@ -430,8 +430,8 @@ def policy_loss(
         raise RuntimeError("the policy-loss kernel treats old_logprobs/advantages/ref_logprobs as constants")
     if mode == "cuda" and clip_ratio_c is not None:
         raise ValueError("the policy-loss kernel has no dual-clip (clip_ratio_c); use the reference (auto)")
-    dual = clip_ratio_c is not None
-    if logprobs.dim() != 2 or shape[0] == 0 or const_grad or dual or not _use_cuda(impl, *tensors):
+    no_kernel = logprobs.dim() != 2 or shape[0] == 0 or const_grad or clip_ratio_c is not None
+    if no_kernel or not _use_cuda(impl, *tensors):
         if mode == "cuda" and (logprobs.dim() != 2 or shape[0] == 0):
             raise ValueError(f"the policy-loss kernel needs [B, T] inputs with B > 0, got {tuple(shape)}")
         return ppo_clip_loss(logprobs, old_logprobs, advantages, mask, **ref_kw)

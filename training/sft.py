@@ -55,7 +55,8 @@ def sft_train(model: Any, tokenizer: Any, trajs: list[Trajectory], cfg: Any, see
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             if not torch.isfinite(grad_norm):  # clipping an inf norm leaves NaN gradients: do not step on them
-                raise FloatingPointError(f"non-finite SFT gradient norm at epoch {epoch}; the weights were not updated")
+                raise FloatingPointError(
+                    f"non-finite SFT gradient norm at epoch {epoch}; the weights were not updated")
             opt.step()
             sched.step()
             tot += float(loss.detach()) * float(n)

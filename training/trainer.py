@@ -157,8 +157,10 @@ def batch_outcome_advantages(name: str, rewards: torch.Tensor, groups: torch.Ten
     for i, (r, g, s) in enumerate(gather_objects((rewards.tolist(), groups.tolist(), strata.tolist()))):
         if i == rank:
             start = len(R)
-        base = max(G, default=-1) + 1
-        R, G, S = R + r, G + [base + x for x in g], S + s
+        base = max(G, default=-1) + 1  # this rank's groups after the previous ranks'
+        R.extend(r)
+        G.extend(base + x for x in g)
+        S.extend(s)
     adv = A.outcome_advantages(name, torch.tensor(R, dtype=torch.float32), torch.tensor(G), torch.tensor(S), alpha)
     return adv[start : start + len(rewards)]
 
@@ -189,7 +191,8 @@ def compute_advantages(
     target_turns = batch.turn_ids[:, 1:]
     if name in A.OUTCOME_ESTIMATORS:
         strata = torch.tensor([t.num_search_calls for t in trajs], dtype=torch.long)
-        adv = batch_outcome_advantages(name, rewards - tc.kl_coef * kl_seq, batch.groups, strata, tc.stratified_alpha)
+        adv = batch_outcome_advantages(name, rewards - tc.kl_coef * kl_seq, batch.groups, strata,
+                                       tc.stratified_alpha)
         tok = A.to_token_advantages(adv, mask)
         if tc.search_cost > 0:
             tok = tok + A.turns_to_tokens(A.search_cost_to_go(is_search, valid, tc.search_cost), target_turns, mask)
@@ -290,7 +293,8 @@ def update_policy(
             adv = mb.token_advantages.to(lp.device)
             loss, stats = policy_loss(
                 lp, old[j].to(lp.device), adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                clip_ratio_c=cfg.clip_ratio_c, loss_agg=cfg.loss_agg, ref_logprobs=ref[j] if ref is not None else None, kl_coef=cfg.kl_coef,
+                clip_ratio_c=cfg.clip_ratio_c, loss_agg=cfg.loss_agg,
+                ref_logprobs=ref[j] if ref is not None else None, kl_coef=cfg.kl_coef,
                 kl_type=cfg.kl_type, entropy=ent, entropy_coef=cfg.entropy_coef,
             )
             if not torch.isfinite(loss) and W == 1:  # under torchrun the NaN reaches every rank through the
