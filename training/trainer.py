@@ -91,7 +91,8 @@ class DataStream:
 
 def drop_steps_after(path: Path, step: int, step_of: Callable[[dict], int]) -> None:
     """Keep only the records of ``path`` (JSONL) whose ``step_of(record)`` is at most ``step``: a resumed run
-    rewrites the steps after its checkpoint, so their records from before the interruption must go."""
+    rewrites the steps after its checkpoint, so their records from before the interruption must go. A line
+    that is not JSON raises ``json.JSONDecodeError`` before anything is written (the file is left as it was)."""
     if path.exists():
         lines = path.read_text(encoding="utf-8").splitlines()
         keep = [ln for ln in lines if ln.strip() and step_of(json.loads(ln)) <= step]
