@@ -646,3 +646,43 @@ def test_resume_takes_the_learning_rate_of_the_config(tiny_policy_dir, retriever
                  resume=True, judge=varying_judge)
     lrs = [json.loads(ln)["lr"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lrs == pytest.approx([1e-3, 1e-5])
+
+
+def test_resume_restores_the_rng_after_building_the_rollout_backend(tiny_policy_dir, retriever, tmp_path,
+                                                                     monkeypatch):
+    """vLLM's engine seeds the global Python/NumPy/torch RNGs when it starts. The checkpoint's RNG states were
+    restored before ``llm_factory`` ran, so a resumed run continued from the backend's seed instead of the
+    saved streams; they are now restored after it. Each step draws once from Python's ``random`` here, and the
+    draw of step 3 must be the same straight and resumed."""
+    import random
+
+    import training.trainer as T
+    from agent.hf import load_model_and_tokenizer
+    from training.checkpoint import latest_checkpoint
+
+    draws: list[float] = []
+
+    class DrawingStream(T.DataStream):
+        def next(self, n):
+            draws.append(random.random())
+            return super().next(n)
+
+    def seeding_factory(model, tok):  # what vLLM's engine start does to the global RNGs
+        random.seed(1234)
+        torch.manual_seed(1234)
+        return SeededLLM(model, tok)
+
+    monkeypatch.setattr(T, "DataStream", DrawingStream)
+    cfg3 = make_cfg("train.steps=3")
+    model, tok = load(tiny_policy_dir)
+    T.rl_train(cfg3, model, tok, retriever, QUESTIONS, tmp_path / "straight", judge=varying_judge,
+               llm_factory=seeding_factory)
+    straight, draws[:] = list(draws), []
+    model, tok = load(tiny_policy_dir)
+    T.rl_train(make_cfg("train.steps=2"), model, tok, retriever, QUESTIONS, tmp_path / "split",
+               judge=varying_judge, llm_factory=seeding_factory)
+    draws.clear()
+    model, tok = load_model_and_tokenizer(str(latest_checkpoint(tmp_path / "split")), device="cpu")
+    T.rl_train(cfg3, model, tok, retriever, QUESTIONS, tmp_path / "split", resume=True, judge=varying_judge,
+               llm_factory=seeding_factory)
+    assert len(straight) == 3 and draws == [straight[2]]

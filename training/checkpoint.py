@@ -144,14 +144,16 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def load_trainer_state(ckpt: str | Path, optimizer: Any | None = None, scheduler: Any | None = None, *,
-                       rank: int = 0, world_size: int = 1) -> dict[str, Any]:
+                       rank: int = 0, world_size: int = 1, rng: bool = True) -> dict[str, Any]:
     """Restore scheduler and RNG states (and a plain ``optimizer``'s, when ``trainer.pt`` has one) from
-    ``ckpt``; return its ``trainer_state.json`` plus ``extra`` and ``rng_exact``.
+    ``ckpt``; return its ``trainer_state.json`` plus ``extra``, ``rng_states`` (one dict per saving rank) and
+    ``rng_exact``.
 
-    Rank ``rank`` of ``world_size`` gets its own saved RNG states when the checkpoint was written by as
-    many ranks (``rng_exact=True``); otherwise rank 0 gets rank 0's states and every other rank a seed
-    derived from them and its rank (deterministic, but not the stream an uninterrupted run would have
-    used). The name-keyed optimizer state of ``optimizer.pt`` is read by :func:`load_optimizer_state`."""
+    With ``rng=False`` the RNG states are returned but not restored, for a caller that must restore them
+    later with :func:`restore_rng` (the trainer does so after building the rollout backend, whose start may
+    seed the global RNGs, as vLLM's engine does). ``rng_exact`` tells whether :func:`restore_rng` gives
+    rank ``rank`` its own saved streams. The name-keyed optimizer state of ``optimizer.pt`` is read by
+    :func:`load_optimizer_state`."""
     ckpt = Path(ckpt)
     blob = torch.load(ckpt / "trainer.pt", weights_only=False)
     if optimizer is not None and blob.get("optimizer"):
@@ -159,22 +161,32 @@ def load_trainer_state(ckpt: str | Path, optimizer: Any | None = None, scheduler
     if scheduler is not None and blob.get("scheduler"):
         scheduler.load_state_dict(blob["scheduler"])
     rngs = blob.get("rng_per_rank") or [blob["rng"]]
-    exact = len(rngs) == world_size
-    if exact:
-        _set_rng_state(rngs[rank])
-    else:
-        _set_rng_state(rngs[0])
-        if rank > 0:
-            g = torch.Generator()
-            g.set_state(rngs[0]["torch"])
-            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=g)) + 1000003 * rank
-            random.seed(seed)
-            np.random.seed(seed % 2**32)
-            torch.manual_seed(seed)
+    exact = restore_rng(rngs, rank, world_size) if rng else len(rngs) == world_size
     state = json.loads((ckpt / "trainer_state.json").read_text())
     state["extra"] = blob.get("extra") or {}
+    state["rng_states"] = rngs
     state["rng_exact"] = exact
     return state
+
+
+def restore_rng(rngs: list[dict[str, Any]], rank: int = 0, world_size: int = 1) -> bool:
+    """Set this process's Python, NumPy, torch (and CUDA) RNGs from ``rngs``, the states saved by each rank
+    (:func:`rng_state`). Rank ``rank`` of ``world_size`` gets its own saved states when as many ranks saved
+    them (returns ``True``); otherwise rank 0 gets rank 0's states and every other rank a seed derived from
+    them and its rank (deterministic, but not the stream an uninterrupted run would have used; returns
+    ``False``)."""
+    if len(rngs) == world_size:
+        _set_rng_state(rngs[rank])
+        return True
+    _set_rng_state(rngs[0])
+    if rank > 0:
+        g = torch.Generator()
+        g.set_state(rngs[0]["torch"])
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=g)) + 1000003 * rank
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+    return False
 
 
 def load_optimizer_state(ckpt: str | Path) -> dict[str, Any] | None:

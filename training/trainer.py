@@ -46,6 +46,7 @@ from training.checkpoint import (
     load_optimizer_state,
     load_trainer_state,
     read_extra,
+    restore_rng,
     rng_state,
     save_best,
     save_checkpoint,
@@ -653,13 +654,14 @@ def rl_train(
     start, best, best_step = 0, None, None
     if ckpt is not None:
         # the full, name-keyed optimizer state (rank 0 reads it and broadcasts; any world size), then the
-        # scheduler and this rank's RNG streams
+        # scheduler (this rank's RNG streams once the rollout backend is built)
         if (ckpt / "optimizer.pt").exists():
             load_full_optimizer_state(fwd, optimizer, load_optimizer_state(ckpt) if rank == 0 else {})
         elif W > 1:
             warnings.warn(f"{ckpt} has no optimizer.pt: the optimizer restarts from zero moments", stacklevel=1)
         # (a checkpoint of the older one-process format keeps optimizer.state_dict() in trainer.pt)
-        state = load_trainer_state(ckpt, optimizer if W == 1 else None, scheduler, rank=rank, world_size=W)
+        state = load_trainer_state(ckpt, optimizer if W == 1 else None, scheduler, rank=rank, world_size=W,
+                                   rng=False)  # the RNG streams: after llm_factory (below)
         start, data.position, best = state["step"], state["data_position"], state.get("best")
         best_step = state.get("best_step")
         if rank == 0 and best_step == start and best is not None and best_source(run_dir) != ckpt.name:
@@ -678,6 +680,8 @@ def rl_train(
 
     gen_model = rollout_model if rollout_model is not None else policy
     llm = (llm_factory or TransformersLLM)(gen_model, tokenizer)
+    if ckpt is not None:  # after the backend's start, which may seed the global RNGs (vLLM's engine does)
+        restore_rng(state["rng_states"], rank, W)
     logger = MetricsLogger(run_dir, truncate_after=start, tensorboard=rank == 0) if rank == 0 else None
     if rank == 0:  # each step's sample trajectories carry it (metadata["step"]), as metrics records do
         drop_steps_after(run_dir / "trajectories.jsonl", start, lambda r: r.get("metadata", {}).get("step", 0))
