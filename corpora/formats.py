@@ -211,20 +211,22 @@ def write_jsonl(path: str | Path, records: Iterable[Any]) -> int:
 def json_records(path: str | Path, on_torn: Callable[[str], None] | None = None) -> Iterator[tuple[str, Any]]:
     """``(line, record)`` for each non-blank line of a JSONL file written by this project (UTF-8), split at
     ``\n`` only (a record may hold raw U+2028 or U+0085, which ``str.splitlines`` would also split at). A last
-    line with no newline after it that is not JSON (a writer killed mid-append, or one still writing) is
-    skipped after ``on_torn(line)``; any other line that is not JSON raises ``json.JSONDecodeError``, a missing
-    file ``FileNotFoundError``."""
-    lines = Path(path).read_text(encoding="utf-8").split("\n")
-    for n, line in enumerate(lines):
-        if not line.strip():
-            continue
+    line with no newline after it that is not JSON or not UTF-8 (a writer killed mid-append, perhaps inside a
+    multi-byte character, or one still writing) is skipped after ``on_torn(line)`` (undecodable bytes
+    replaced by U+FFFD); any other line that is not JSON raises ``json.JSONDecodeError``, not UTF-8
+    ``UnicodeDecodeError``, a missing file ``FileNotFoundError``."""
+    lines = Path(path).read_bytes().split(b"\n")
+    for n, raw in enumerate(lines):
         try:
+            line = raw.decode("utf-8")
+            if not line.strip():
+                continue
             rec = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             if n < len(lines) - 1:
                 raise
             if on_torn is not None:
-                on_torn(line)
+                on_torn(raw.decode("utf-8", "replace"))
             continue
         yield line, rec
 

@@ -290,3 +290,17 @@ def test_raw_answer_null_or_a_number_does_not_crash_the_pool(tmp_path):
     assert stats["passages"] == 3 and stats["questions"] == 2
     assert [(q.id, q.golden_answers) for q in read_qa(tmp_path / "qa.jsonl")] == [("q1", ["1912"]),
                                                                                   ("q2", ["x", "3"])]
+
+
+def test_json_records_skips_a_torn_last_line_cut_inside_a_utf8_character(tmp_path):
+    # trajectories.jsonl is written with ensure_ascii=False: a kill mid-append can cut a multi-byte character
+    from corpora.formats import json_records
+
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(('{"step": 1, "t": "é"}\n' + '{"step": 2, "t": "日本').encode()[:-1])
+    torn = []
+    assert [r for _, r in json_records(path, on_torn=torn.append)] == [{"step": 1, "t": "é"}]
+    assert len(torn) == 1
+    path.write_bytes(b'{"step": 1}\n\xff\n{"step": 2}\n')  # not UTF-8 inside the file: still an error
+    with pytest.raises(UnicodeDecodeError):
+        list(json_records(path))
