@@ -117,12 +117,27 @@ def _param_checksum(model: Any) -> str:
     return h.hexdigest()[:16]
 
 
+SERVER_KEYS = ("index", "method", "num_passages", "bm25_backend")  # what a server's /health says it searches
+
+
 def describe_retriever(retriever: Any, index_dir: str | Path | None = None) -> dict[str, Any]:
     """Identity of a retriever: its class and its index manifest (``index_dir`` if given, else found through
-    a ``index_dir`` attribute or a doc store's ``path``; the manifest carries the corpus sha256)."""
+    a ``index_dir`` attribute or a doc store's ``path``; the manifest carries the corpus sha256). A retrieval
+    server's client (an ``endpoint`` attribute, :class:`retrieval.client.RemoteRetriever`) is identified by
+    its URL and what the server's ``/health`` reports of its index (:data:`SERVER_KEYS`; nothing from a
+    server without ``/health``, like Search-R1's), not by a local ``index_dir``, which it does not search."""
     if retriever is None:
         return {"class": None}
     out: dict[str, Any] = {"class": f"{type(retriever).__module__}.{type(retriever).__qualname__}"}
+    endpoint = getattr(retriever, "endpoint", None)
+    if endpoint is not None:
+        out["url"] = str(endpoint)
+        try:
+            health = retriever.health()
+        except ValueError:  # no /health route (HTTP 404)
+            health = {}
+        out["server"] = {k: health[k] for k in SERVER_KEYS if isinstance(health, dict) and k in health}
+        return out
     if index_dir is None:
         index_dir = getattr(retriever, "index_dir", None)
         store = getattr(retriever, "store", None) or getattr(getattr(retriever, "bm25", None), "store", None)

@@ -275,3 +275,35 @@ def test_a_method_may_return_non_string_ids(tmp_path):
     s = run_benchmarks([str(qa)], "rag", None, 0, tmp_path / "run", ScriptedLLM(), KeywordRetriever(PASSAGES),
                        AgentConfig(), progress=False, method_fn=int_ids, batch_size=2)
     assert s["benchmarks"][str(qa)]["n"] == 3 and s["benchmarks"][str(qa)]["em"] == 1.0
+
+
+def test_runs_against_different_retrieval_servers_do_not_share_a_cache(tmp_path):
+    """With retrieval.url the retriever is a RemoteRetriever, which has no index manifest: runs against two
+    servers (another URL, or the same URL serving another index) had one fingerprint, so the second reused
+    the first's predictions. The URL and the index the server reports are now part of the fingerprint."""
+    from retrieval.client import RemoteRetriever
+
+    def remote(url, health):
+        r = RemoteRetriever(url)
+        r.health = health
+        return r
+
+    def served(index, uptime):
+        return lambda: {"status": "ok", "uptime_s": uptime, "queries": uptime, "method": "bm25", "index": index}
+
+    def no_health():
+        raise ValueError("retrieval server rejected the request (HTTP 404): Not Found")
+
+    local = tmp_path / "index"  # retrieval.index_dir, unused with retrieval.url
+    local.mkdir()
+    (local / "manifest.json").write_text('{"num_passages": 3}')
+
+    def fp(retriever):
+        return run_benchmarks(["sample"], "rag", 2, 0, tmp_path / "run", ScriptedLLM(), retriever, AgentConfig(),
+                              progress=False, method_fn=CountingMethod(), index_dir=local)["fingerprint"]
+
+    a = fp(remote("http://127.0.0.1:8001", served("runs/index_a", 1.0)))
+    assert fp(remote("http://127.0.0.1:8001/", served("runs/index_a", 50.0))) == a  # counters are not identity
+    assert fp(remote("http://127.0.0.1:8001", served("runs/index_b", 1.0))) != a
+    assert fp(remote("http://127.0.0.1:8002", served("runs/index_a", 1.0))) != a
+    assert fp(remote("http://127.0.0.1:8003", no_health)) != fp(remote("http://127.0.0.1:8004", no_health))
