@@ -50,6 +50,19 @@ def test_degeneracy_score_orders_clean_below_broken():
     assert degeneracy_score(loop) > 0.5
 
 
+def test_clean_turns_of_the_self_judge_and_function_call_protocols_have_no_tag_faults():
+    """ReSeek's ``<judge>`` (agent.self_judge) and Qwen2.5's ``<tool_call>`` (agent.protocol=function_call) are
+    protocol tags: a well-formed turn of either protocol is no fault, so a clean trajectory scores 0."""
+    judged = traj(["<think> first </think> <search> Kalo </search>",
+                   "<judge> useful </judge> <think> so </think> <answer> Rutevo </answer>"], ["search", "answer"])
+    call = '<think> look it up </think>\n<tool_call>\n{"name": "search", "arguments": {"query": "Kalo"}}\n</tool_call>'
+    called = traj([call, "<answer> Rutevo </answer>"], ["search", "answer"])
+    assert malformed_tags("<judge> not useful </judge> <answer> x </answer>") == 0
+    assert degeneracy_score(judged) == 0.0
+    assert degeneracy_score(called) == 0.0
+    assert malformed_tags("<tool_call> {} ") == 1  # unclosed: still a fault
+
+
 def test_health_stats_split_by_hops_and_dataset():
     ts = [traj(["<search> a </search>", "<answer> x </answer>"], ["search", "answer"], hops=1, dataset="hotpotqa", em=1.0),
           traj(["<search> a </search>", "<search> b </search>", "<answer> y </answer>"], ["search", "search", "answer"],

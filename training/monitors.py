@@ -24,7 +24,8 @@ from corpora.formats import json_records
 
 _TAG = re.compile(r"</?([a-z_]+)>")
 _BROKEN = re.compile(r"</?(?:think|search|answer|information)(?![a-z_>])|<(?:/)?(?:thin|sear|answ|inform)\b")
-KNOWN_TAGS = ("think", "search", "answer", "information")
+# the Search-R1 tags, ReSeek's self-judge tag (agent.self_judge) and the function-call protocol's tool call
+KNOWN_TAGS = ("think", "search", "answer", "information", "judge", "tool_call")
 
 
 def repeated_ngram_fraction(words: list[str], n: int = 3) -> float:
