@@ -132,6 +132,20 @@ def _require(obj: dict[str, Any], key: str, path: Path, lineno: int) -> Any:
     return obj[key]
 
 
+def passage_field(obj: dict[str, Any], key: str, path: str | Path, lineno: int) -> str:
+    """The text of field ``key`` of a corpus record: a string or a number (its text); ``id`` must also not be
+    blank. Raises :class:`DataFormatError` naming the file, line and field for anything else (``null``, a
+    bool, a list or object), which ``str()`` would turn into a passage id or text like ``"None"``."""
+    v = _require(obj, key, path, lineno)
+    if key == "id":
+        if (text := nonblank_text(v)) is None:
+            raise DataFormatError(f"{path}:{lineno}: field 'id' must be a non-empty string or a number, got {v!r:.60}")
+        return text
+    if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+        raise DataFormatError(f"{path}:{lineno}: field {key!r} must be a string, got {v!r:.60}")
+    return str(v)
+
+
 def iter_corpus(path: str | Path) -> Iterator[Passage]:
     """Stream passages from a corpus JSONL file without loading it whole.
 
@@ -143,13 +157,13 @@ def iter_corpus(path: str | Path) -> Iterator[Passage]:
     if not path.exists():
         raise FileNotFoundError(f"corpus file not found: {path}")
     for lineno, obj in iter_json_lines(path):
-        pid = str(_require(obj, "id", path, lineno))
+        pid = passage_field(obj, "id", path, lineno)
         if "contents" in obj:
-            contents = str(obj["contents"])
+            contents = passage_field(obj, "contents", path, lineno)
             title = str(obj.get("title") or contents.partition("\n")[0].strip('"'))
             yield Passage(id=pid, title=title, contents=contents)
         elif "text" in obj:
-            yield Passage.make(pid, str(obj.get("title", "")), str(obj["text"]))
+            yield Passage.make(pid, str(obj.get("title", "")), passage_field(obj, "text", path, lineno))
         else:
             raise DataFormatError(f"{path}:{lineno}: missing field 'contents' (or 'text')")
 

@@ -22,7 +22,7 @@ import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from corpora.formats import DataFormatError, Passage, QAExample, iter_json_lines, write_jsonl
+from corpora.formats import DataFormatError, Passage, QAExample, iter_json_lines, passage_field, write_jsonl
 
 
 def _norm(text: str) -> str:
@@ -190,12 +190,13 @@ def pool_corpus(
                 stats["records"] += 1
                 got = _paragraphs(obj, src, lineno)
                 if got is None:  # a corpus line
-                    contents = str(obj.get("contents", obj.get("text", "")))
+                    pid = passage_field(obj, "id", src, lineno)
+                    contents = passage_field(obj, "contents" if "contents" in obj else "text", src, lineno)
                     title = str(obj.get("title") or "")
                     # the body without the title line, only when the first line is the title (Passage.text)
-                    text = Passage(str(obj["id"]), title, contents).text if "contents" in obj else contents
+                    text = Passage(pid, title, contents).text if "contents" in obj else contents
                     stats["paragraphs"] += 1
-                    yield from add(title, text, (str(obj["id"]), src, lineno))
+                    yield from add(title, text, (pid, src, lineno))
                     continue
                 paras, qa = got
                 supporting: list[str] = []

@@ -304,3 +304,27 @@ def test_json_records_skips_a_torn_last_line_cut_inside_a_utf8_character(tmp_pat
     path.write_bytes(b'{"step": 1}\n\xff\n{"step": 2}\n')  # not UTF-8 inside the file: still an error
     with pytest.raises(UnicodeDecodeError):
         list(json_records(path))
+
+
+@pytest.mark.parametrize("record, field", [
+    ({"id": None, "contents": "A\nx"}, "id"),
+    ({"id": ["4"], "contents": "A\nx"}, "id"),
+    ({"id": "", "contents": "A\nx"}, "id"),
+    ({"id": "2", "contents": None}, "contents"),
+    ({"id": "3", "title": "T", "text": None}, "text"),
+    ({"id": "5", "contents": {"a": 1}}, "contents"),
+])
+def test_corpus_record_with_null_or_nested_id_or_text_names_the_line(tmp_path, record, field):
+    # str() of these made ids like 'None' and passages reading 'None' instead of an error
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"id": "1", "contents": "ok"}) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(DataFormatError, match=rf"c.jsonl:2: field '{field}'"):
+        read_corpus(path)
+    with pytest.raises(DataFormatError, match=rf"c.jsonl:2: field '{field}'"):
+        pool_corpus([path], tmp_path / "out.jsonl")
+
+
+def test_corpus_ids_and_texts_that_are_numbers_are_read_as_their_text(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"id": 7, "contents": 1.5}) + "\n" + json.dumps({"id": "8", "text": "x"}) + "\n")
+    assert [(p.id, p.contents) for p in read_corpus(path)] == [("7", "1.5"), ("8", "x")]
