@@ -336,3 +336,17 @@ def test_retrieval_url_searches_a_running_server_instead_of_an_index(retriever, 
 
     with pytest.raises(RetrievalServerError, match="is it running"):
         open_retriever(load_config(None, [f"retrieval.url={srv.url}"])).search(["x"], 1)
+
+
+@pytest.mark.parametrize("argv", [["--topk", "0"], ["--max-topk", "0"], ["--max-queries", "0"], ["--max-hits", "-1"],
+                                  ["--max-query-chars", "0"], ["--cache-size", "-2"], ["--topk", "5", "--max-topk", "2"]])
+def test_serve_retrieval_limits_are_checked_before_serving(tmp_path, argv, capsys):
+    """`serve-retrieval --topk 0` (or a --max-topk below --topk, --max-queries 0, ...) started a server that
+    answered every request (or every one without a topk) with HTTP 400; they are usage errors now, before the
+    index is opened."""
+    try:
+        code = main(["serve-retrieval", "--index", str(tmp_path / "nope"), *argv])
+    except SystemExit as e:  # argparse usage error
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and argv[-2] in err and "sleuth index" not in err, err

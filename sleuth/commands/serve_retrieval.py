@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from retrieval.bm25 import BACKENDS
+from sleuth.commands._common import non_negative_int, positive_int
 
 HELP = "Serve an index over HTTP, Search-R1 compatible: POST /retrieve {queries, topk, return_scores}; GET /health."
 
@@ -15,18 +16,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="retriever (lucene: the part built by `sleuth index --lucene`)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 exposes it)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--topk", type=int, default=3, help="topk when a request gives none (Search-R1: 3)")
-    p.add_argument("--max-topk", type=int, default=1000, help="largest topk accepted")
-    p.add_argument("--max-queries", type=int, default=4096, help="most queries in one request")
-    p.add_argument("--max-hits", type=int, default=1 << 20,
+    p.add_argument("--topk", type=positive_int, default=3, help="topk when a request gives none (Search-R1: 3)")
+    p.add_argument("--max-topk", type=positive_int, default=1000, help="largest topk accepted")
+    p.add_argument("--max-queries", type=positive_int, default=4096, help="most queries in one request")
+    p.add_argument("--max-hits", type=positive_int, default=1 << 20,
                    help="most hits (queries x topk) in one request; bounds the reply's size")
-    p.add_argument("--max-query-chars", type=int, default=4096, help="longest query accepted, in characters")
+    p.add_argument("--max-query-chars", type=positive_int, default=4096, help="longest query accepted, in characters")
     p.add_argument(
         "--allow-empty-queries",
         action="store_true",
         help="answer an empty query with no hits instead of HTTP 400",
     )
-    p.add_argument("--cache-size", type=int, default=0, help="LRU query cache entries (0 = off)")
+    p.add_argument("--cache-size", type=non_negative_int, default=0, help="LRU query cache entries (0 = off)")
     p.add_argument("--max-wait-ms", type=float, default=0.0, help="extra wait to gather a batch")
     p.add_argument("--mmap", action="store_true", help="memory-map the index instead of loading it")
     p.add_argument("--bm25-backend", default="maxscore", choices=BACKENDS,
@@ -37,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
     from retrieval.index import load_retriever, read_manifest
     from retrieval.server import ServerLimits, create_app, serve
 
+    if args.topk > args.max_topk:  # every request without a topk would be refused
+        raise ValueError(f"--topk ({args.topk}) must not exceed --max-topk ({args.max_topk})")
     retriever = load_retriever(args.index, args.method, cache_size=args.cache_size, mmap=args.mmap,
                                bm25_backend=args.bm25_backend)
     man = read_manifest(args.index)
