@@ -12,8 +12,8 @@ def make_llm(backend_cfg: Any, model_path: str, dtype: str = "float32", device: 
 
     ``backend_cfg`` is a :class:`agent.config.BackendConfig`. For ``openai`` the tokenizer is loaded from
     ``model_path`` (prompts are token ids) and the served model name is ``backend_cfg.model`` or
-    ``model_path``; the API key comes from ``$<api_key_env>``. Raises ``ImportError`` (vLLM missing) or
-    ``FileNotFoundError`` (model not found) with a hint.
+    ``model_path``; the API key comes from ``$<api_key_env>`` only (none is sent when it is unset). Raises
+    ``ImportError`` (vLLM missing) or ``FileNotFoundError`` (model not found) with a hint.
     """
     kind = backend_cfg.kind
     if kind == "transformers":
@@ -36,7 +36,8 @@ def make_llm(backend_cfg: Any, model_path: str, dtype: str = "float32", device: 
         except OSError as e:
             raise FileNotFoundError(f"cannot load the tokenizer of {model_path!r} for the openai backend: {e}") from None
         return OpenAICompatibleLLM(backend_cfg.base_url, backend_cfg.model or str(model_path), tok,
-                                   api_key=os.environ.get(backend_cfg.api_key_env),
+                                   # "" (no key), not None: None would fall back to $OPENAI_API_KEY
+                                   api_key=os.environ.get(backend_cfg.api_key_env, ""),
                                    timeout_s=backend_cfg.timeout_s, max_retries=backend_cfg.max_retries,
                                    max_concurrency=backend_cfg.max_concurrency)
     raise ValueError(f"unknown agent.backend.kind {kind!r}")

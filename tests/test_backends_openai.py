@@ -117,3 +117,18 @@ def test_text_only_server_is_marked_inexact(scripted):
         llm = _client(srv.url, scripted.tokenizer)
         (g,) = llm.generate([encode(scripted.tokenizer, "Question: capital of France?\n")], SamplingParams(max_new_tokens=40))
     assert g.meta["exact"] is False and g.text == "<search> capital of France </search>" and llm.stats["inexact"] == 1
+
+
+def test_make_llm_sends_only_the_configured_api_key(tiny_policy_dir, monkeypatch):
+    """agent.backend.api_key_env names the key's variable; when it is unset, $OPENAI_API_KEY must not be sent
+    to agent.backend.base_url instead (another provider's server would receive the OpenAI key)."""
+    from agent.backends import make_llm
+    from agent.config import BackendConfig
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-openai-secret")
+    monkeypatch.delenv("SLEUTH_TEST_OTHER_KEY", raising=False)
+    cfg = BackendConfig(kind="openai", base_url="http://127.0.0.1:9/v1", api_key_env="SLEUTH_TEST_OTHER_KEY")
+    assert not make_llm(cfg, str(tiny_policy_dir)).api_key
+    monkeypatch.setenv("SLEUTH_TEST_OTHER_KEY", "other")
+    assert make_llm(cfg, str(tiny_policy_dir)).api_key == "other"
+    assert make_llm(BackendConfig(kind="openai"), str(tiny_policy_dir)).api_key == "sk-openai-secret"
