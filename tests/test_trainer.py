@@ -686,3 +686,21 @@ def test_resume_restores_the_rng_after_building_the_rollout_backend(tiny_policy_
     T.rl_train(cfg3, model, tok, retriever, QUESTIONS, tmp_path / "split", resume=True, judge=varying_judge,
                llm_factory=seeding_factory)
     assert len(straight) == 3 and draws == [straight[2]]
+
+
+def test_a_second_training_on_the_same_run_directory_is_refused(tiny_policy_dir, retriever, tmp_path):
+    """Two trainings writing one run directory interleave metrics and overwrite each other's checkpoints
+    (say, a scheduler requeues a job whose first copy still runs). While a run holds the directory, another
+    ``rl_train`` on it raises before writing anything; once the holder ends, the directory is free again."""
+    from training.checkpoint import run_dir_lock
+    from training.trainer import rl_train
+
+    model, tok = load(tiny_policy_dir)
+    with run_dir_lock(tmp_path):  # another process's run, as far as flock is concerned (its own descriptor)
+        with pytest.raises(RuntimeError, match="another training"):
+            rl_train(make_cfg("train.steps=1"), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
+        assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
+    out = rl_train(make_cfg("train.steps=1"), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
+    assert out["last"] and (tmp_path / "metrics.jsonl").exists()
+    with run_dir_lock(tmp_path):  # released when rl_train returned
+        pass

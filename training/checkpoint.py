@@ -22,16 +22,46 @@ barrier after every save, so no rank reads a checkpoint before it is complete.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+
+@contextmanager
+def run_dir_lock(run_dir: str | Path) -> Iterator[Path]:
+    """Hold ``run_dir`` (created if missing) for one training: an exclusive ``flock`` on
+    ``run_dir/.train.lock``, released when the block ends or the process dies (a killed run leaves no stale
+    lock). Raises ``RuntimeError`` naming the holder's pid when another open lock holds it (another process,
+    or another block in this one). Local file systems only: ``flock`` is not shared across the nodes of a
+    network file system."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / ".train.lock"
+    f = open(path, "a+")  # noqa: SIM115 (held open for the block; closing it releases the lock)
+    try:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise RuntimeError(f"another training is running in {run_dir} (pid {holder} holds {path}); wait for "
+                               "it to end, or write this run to another directory") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield run_dir
+    finally:
+        f.close()
 
 
 def rng_state() -> dict[str, Any]:

@@ -21,6 +21,7 @@ scheduler state, so ``k`` steps + resume + ``N - k`` steps equals ``N`` steps.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -48,6 +49,7 @@ from training.checkpoint import (
     read_extra,
     restore_rng,
     rng_state,
+    run_dir_lock,
     save_best,
     save_checkpoint,
 )
@@ -571,7 +573,33 @@ def rl_train(
     optimizer state and data position (with a warning); ranks that see different latest checkpoints (a run
     directory not shared by every rank) raise ``ValueError``. Not yet under torchrun: PPO's critic
     (``ValueError``).
+
+    One training at a time per ``run_dir``: rank 0 holds it (:func:`training.checkpoint.run_dir_lock`) for
+    the whole run, and another ``rl_train`` on it raises ``RuntimeError`` before writing anything.
     """
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # rank 0 writes the run directory (set by torchrun)
+    with run_dir_lock(run_dir) if rank0 else contextlib.nullcontext():
+        return _rl_train(cfg, model, tokenizer, retriever, train_examples, Path(run_dir), resume=resume,
+                         llm_factory=llm_factory, sync_weights=sync_weights, on_step=on_step, evaluate=evaluate,
+                         judge=judge)
+
+
+def _rl_train(
+    cfg: Any,
+    model: Any,
+    tokenizer: Any,
+    retriever: Retriever,
+    train_examples: list[QAExample],
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    llm_factory: Callable[[Any, Any], Any] | None = None,
+    sync_weights: Callable[[Any, dict[str, torch.Tensor]], None] | None = None,
+    on_step: Callable[[int, dict[str, Any]], None] | None = None,
+    evaluate: Callable[[Any], dict[str, float]] | None = None,
+    judge: Any = None,
+) -> dict[str, Any]:
+    """:func:`rl_train`'s body, run while ``run_dir`` is held."""
     from agent.hf import TransformersLLM
 
     tc = cfg.train
