@@ -80,6 +80,25 @@ def test_oracle_finds_the_question_under_a_chat_template_that_trims(tiny_llm, re
     assert [t.num_search_calls for t in trajs] == [1, 2, 1, 1]
 
 
+def test_oracle_refuses_the_function_call_protocol(tiny_llm, retriever, agent_cfg):
+    """The oracle writes Search-R1 tags and finds the question after 'Question:'; under
+    agent.protocol=function_call (no 'Question:' in the prompt) it answered 'unknown' to every question
+    without searching, and SFT taught that. It is refused with the fix named."""
+    import copy
+
+    import pytest
+
+    from training.sft import oracle_trajectories
+
+    tok = copy.deepcopy(tiny_llm.tokenizer)
+    tok.chat_template = ("{% for m in messages %}<|start|>{{ m['role'] }}\n\n{{ m['content'] | trim }}<|eot|>"
+                         "{% endfor %}{% if add_generation_prompt %}<|start|>assistant\n\n{% endif %}")
+    cfg = agent_cfg.model_copy(update={"protocol": "function_call", "max_total_tokens": 1024})
+    titles = {p.id: p.title for p in PASSAGES}
+    with pytest.raises(ValueError, match="agent.protocol=search_r1"):
+        oracle_trajectories(QUESTIONS, tok, retriever, cfg, titles, top_k=1)
+
+
 def test_sft_non_finite_gradient_raises_before_any_weight_moves(tiny_llm, retriever, agent_cfg):
     """A finite loss whose gradient is not (an overflow in backward) is a FloatingPointError, and no weight
     moves: clipping an inf norm would otherwise step with NaN gradients."""

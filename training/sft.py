@@ -21,7 +21,15 @@ from training.oracle import OracleLLM
 
 def oracle_trajectories(examples: list[QAExample], tokenizer: Any, retriever: Retriever, agent_cfg: Any,
                         titles_by_id: dict[str, str], top_k: int) -> list[Trajectory]:
-    """Roll out the scripted oracle through the real agent loop (see :class:`training.oracle.OracleLLM`)."""
+    """Roll out the scripted oracle through the real agent loop (see :class:`training.oracle.OracleLLM`).
+
+    Raises ``ValueError`` under ``agent.protocol=function_call``: the oracle writes Search-R1 tags and reads
+    the question after ``Question:``, so it would answer 'unknown' to every question without searching."""
+    if getattr(agent_cfg, "protocol", "search_r1") != "search_r1":
+        raise ValueError(
+            f"the SFT oracle writes Search-R1 tags (<search>, <answer>) and cannot act under "
+            f"agent.protocol={agent_cfg.protocol}: it would teach the policy to answer 'unknown'; "
+            "use agent.protocol=search_r1 or sft.enabled=false")
     oracle = OracleLLM(tokenizer, examples, titles_by_id)
     return run_episodes(examples, oracle, retriever, agent_cfg, top_k=top_k, temperature=0.0)
 
