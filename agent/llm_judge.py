@@ -35,7 +35,8 @@ PROMPT = (
     "Is the predicted answer correct (same meaning as a reference answer)? "
     "Reply with exactly one line: VERDICT: correct or VERDICT: incorrect\n"
 )
-_VERDICT_RE = re.compile(r"verdict\s*[:=]\s*\**\s*(correct|incorrect)\b", re.IGNORECASE)
+# markdown emphasis or quotes around the label or the word are allowed: **VERDICT**: "correct"
+_VERDICT_RE = re.compile(r"verdict[*_\s]*[:=][*_\s]*[*_\"'`]*\s*(correct|incorrect)\b", re.IGNORECASE)
 _BARE_RE = re.compile(r"^\W*(correct|incorrect|yes|no)\b", re.IGNORECASE)
 _CORRECT_RE = re.compile(r"\bcorrect\b", re.IGNORECASE)
 _INCORRECT_RE = re.compile(r"\bincorrect\b", re.IGNORECASE)

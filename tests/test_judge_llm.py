@@ -40,6 +40,13 @@ def test_parse_verdict():
     assert parse_verdict("I think so") is None and parse_verdict("") is None
 
 
+def test_a_verdict_line_in_markdown_or_quotes_is_parsed():
+    # instruct judges bold the label or quote the word; the line still says VERDICT: <word>
+    assert parse_verdict("**VERDICT**: correct") is True and parse_verdict("**Verdict:** incorrect") is False
+    assert parse_verdict('VERDICT: "correct"') is True and parse_verdict("__VERDICT__: incorrect") is False
+    assert parse_verdict("**VERDICT**: correct or **VERDICT**: incorrect") is None
+
+
 def test_a_reply_that_echoes_both_verdicts_is_unparseable_not_correct():
     # a small judge often parrots the instruction's last line; that says nothing about the answer
     assert parse_verdict("VERDICT: correct or VERDICT: incorrect") is None
