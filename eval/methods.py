@@ -62,6 +62,14 @@ def extract_answer(text: str) -> str | None:
     return ans or None
 
 
+def _check_tags_protocol(method: str, cfg: AgentConfig) -> None:
+    """Raise ``ValueError`` when ``cfg`` makes the policy call tools natively (``agent.protocol:
+    function_call``): ``method`` reads the model's ``<search>`` tags and would never see its tool calls."""
+    if getattr(cfg, "protocol", "search_r1") != "search_r1":
+        raise ValueError(f"method {method!r} reads Search-R1 <search> tags; it cannot run with "
+                         f"agent.protocol={cfg.protocol} (use agent.protocol=search_r1, or the 'agent' method)")
+
+
 def _record(ex: QAExample, prediction: str | None, **kw: Any) -> dict[str, Any]:
     rec: dict[str, Any] = {
         "id": ex.id,
@@ -371,11 +379,15 @@ def search_o1(
     chain is cut to the episode budget ``cfg.max_total_tokens``. ``max_extract_tokens`` (default
     ``cfg.max_new_tokens``) bounds each extraction.
 
+    Raises ``ValueError`` with ``agent.protocol: function_call``: the policy's tool calls are not
+    ``<search>`` tags, so it would never search.
+
     Record fields: those of every method, with ``turns`` counting every LLM call for the question
     (reasoning steps, Reason-in-Documents calls and the forced answer), ``generated_tokens`` all their
     tokens, plus ``refined`` (the inserted extractions, in order).
     """
     cfg = cfg or AgentConfig()
+    _check_tags_protocol("search_o1", cfg)
     max_steps = cfg.max_turns if max_steps is None else max_steps
     extract_new = max_extract_tokens or cfg.max_new_tokens
     t0 = time.perf_counter()
@@ -535,8 +547,11 @@ def get_method(name: str) -> Callable[..., list[dict[str, Any]]]:
 def make_method(name: str, llm: LLM, retriever: Retriever | None, cfg: AgentConfig | None = None, **kw: Any) -> Method:
     """Bind a method to its backend, retriever, config and options (``top_k``, ``temperature``, ``seed``,
     ``max_steps``, ``max_docs``, ``max_extract_tokens``, ``run_episodes``): returns ``examples -> records``. Raises ``ValueError``
-    for an unknown method or a retrieval method without a retriever."""
+    for an unknown method, a retrieval method without a retriever, or ``search_o1`` with
+    ``agent.protocol: function_call`` (it parses the model's ``<search>`` tags)."""
     fn = get_method(name)
     if name != "direct" and retriever is None:
         raise ValueError(f"method {name!r} needs a retriever (an index); only 'direct' runs without one")
+    if name == "search_o1":
+        _check_tags_protocol(name, cfg or AgentConfig())
     return partial(fn, llm=llm, retriever=retriever, cfg=cfg or AgentConfig(), **kw)

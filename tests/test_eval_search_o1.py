@@ -229,3 +229,15 @@ def test_thinking_cut_by_the_turn_budget_continues():
     llm = CutSearch(hops=1)
     (rec,) = search_o1(examples(1), llm, KeywordRetriever(PASSAGES), cfg, top_k=1, max_steps=4)
     assert len(llm.reason_prompts) == 1 and len(llm.forced_prompts) == 1 and rec["search_calls"] == 0
+
+
+def test_function_calling_policy_is_refused_not_run_without_searches():
+    """With agent.protocol=function_call the policy searches through <tool_call> JSON, which search_o1 (it
+    parses <search> tags) never saw: every question ran with 0 searches and a forced answer, silently. It is
+    a ValueError naming agent.protocol now, when the method is bound and when it is called."""
+    cfg = AgentConfig(protocol="function_call")
+    with pytest.raises(ValueError, match="agent.protocol"):
+        make_method("search_o1", SearchO1LLM(), KeywordRetriever(PASSAGES), cfg)
+    with pytest.raises(ValueError, match="agent.protocol"):
+        search_o1(examples(), SearchO1LLM(), KeywordRetriever(PASSAGES), cfg)
+    make_method("search_o1", SearchO1LLM(), KeywordRetriever(PASSAGES), AgentConfig())  # the tag protocol runs
