@@ -99,6 +99,28 @@ def test_oracle_refuses_the_function_call_protocol(tiny_llm, retriever, agent_cf
         oracle_trajectories(QUESTIONS, tok, retriever, cfg, titles, top_k=1)
 
 
+def test_oracle_search_fits_the_turn_budget(tiny_llm, retriever, agent_cfg):
+    """A question longer than agent.max_new_tokens was cut with its </search>: an invalid turn, after which
+    the hint's own '<search>' counted as a search and the oracle answered without ever searching (SFT taught
+    unclosed searches). The query is shortened to fit instead; a cut turn reports finish_reason 'length'."""
+    from agent.llm import SamplingParams, encode
+    from training.oracle import OracleLLM
+    from training.sft import oracle_trajectories
+
+    cfg = agent_cfg.model_copy(update={"max_new_tokens": 8})
+    titles = {p.id: p.title for p in PASSAGES}
+    trajs = oracle_trajectories(QUESTIONS, tiny_llm.tokenizer, retriever, cfg, titles, top_k=1)
+    for t in trajs:
+        actions = [turn.action for turn in t.turns]
+        assert actions[0] == "search" and "invalid" not in actions
+    assert [t.answer for t in trajs] == [q.golden_answers[0] for q in QUESTIONS]
+    tok = tiny_llm.tokenizer
+    oracle = OracleLLM(tok, QUESTIONS)
+    prompt = encode(tok, f"Question: {QUESTIONS[0].question}\n")
+    (gen,) = oracle.generate([prompt], SamplingParams(max_new_tokens=2))
+    assert len(gen.token_ids) == 2 and gen.finish_reason == "length"
+
+
 def test_sft_non_finite_gradient_raises_before_any_weight_moves(tiny_llm, retriever, agent_cfg):
     """A finite loss whose gradient is not (an overflow in backward) is a FloatingPointError, and no weight
     moves: clipping an inf norm would otherwise step with NaN gradients."""

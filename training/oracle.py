@@ -67,11 +67,20 @@ class OracleLLM:
         return f"<answer> {ex.golden_answers[0]} </answer>"
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """One scripted turn per prompt. A search longer than ``params.max_new_tokens`` drops words from the
+        end of its query until ``<search> q </search>`` fits (a cut ``</search>`` is an invalid turn); what
+        still does not fit is cut, with finish_reason ``"length"``."""
         outs = []
         for p in prompts:
             text = self._action(decode(self.tokenizer, p))
-            ids = encode(self.tokenizer, text)[: params.max_new_tokens]
-            outs.append(Generation(ids, decode(self.tokenizer, ids), "stop"))
+            ids = encode(self.tokenizer, text)
+            words = text[len("<search> "):-len(" </search>")].split() if text.startswith("<search> ") else []
+            while len(ids) > params.max_new_tokens and len(words) > 1:
+                words.pop()
+                ids = encode(self.tokenizer, f"<search> {' '.join(words)} </search>")
+            reason = "stop" if len(ids) <= params.max_new_tokens else "length"
+            ids = ids[: params.max_new_tokens]
+            outs.append(Generation(ids, decode(self.tokenizer, ids), reason))
         return outs
 
 
