@@ -7,6 +7,7 @@ Every section forbids unknown keys, so a typo is an error that names the key (``
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -212,16 +213,17 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
 
 
+_EXP_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # 1e-4, 5E3: strings to YAML 1.1
+
+
 def _scalar(raw: str) -> Any:
-    """YAML scalar parsing, plus ``1e-4``-style floats that YAML 1.1 reads as strings."""
+    """YAML scalar parsing, plus unquoted ``1e-4``-style floats that YAML 1.1 reads as strings; a quoted
+    value is the string as written (``out_dir="007"`` is ``007``)."""
     if not raw.strip():
         return None
     value = yaml.safe_load(raw)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
+    if isinstance(value, str) and _EXP_FLOAT.fullmatch(raw.strip()):
+        return float(value)
     return value
 
 

@@ -98,3 +98,15 @@ def test_negative_eval_temperature_is_an_error():
     assert load_config(None, ["eval.temperature=0"]).eval.temperature == 0.0
     with pytest.raises(ConfigError, match="eval.temperature"):
         load_config(None, ["eval.temperature=-0.5"])
+
+
+def test_a_quoted_override_is_the_string_as_written():
+    """The override error says 'quote it to pass a string', but every quoted value that Python's float()
+    reads became a float first: out_dir="007" was '7.0', policy.model="1.50" '1.5', "1e-3" '0.001' (and
+    unquoted out_dir=infinity 'inf'). Only an unquoted 1e-4-style number (a string to YAML 1.1) is a float."""
+    cfg = load_config(None, ['out_dir="007"', "policy.model='1.50'", 'eval.judge_model="1e-3"'])
+    assert (cfg.out_dir, cfg.policy.model, cfg.eval.judge_model) == ("007", "1.50", "1e-3")
+    assert load_config(None, ["out_dir=infinity"]).out_dir == "infinity"
+    assert load_config(None, ["train.lr=1e-4"]).train.lr == 1e-4  # unquoted, still a number
+    assert load_config(None, ["train.lr=5E-3", "train.weight_decay=-1.5e-2"]).train.weight_decay == -1.5e-2
+    assert load_config(None, ['train.lr="2e-4"']).train.lr == 2e-4  # a quoted number is still a float field's value
