@@ -174,9 +174,11 @@ def read_corpus(path: str | Path) -> list[Passage]:
 
 
 def iter_qa(path: str | Path) -> Iterator[QAExample]:
-    """Stream QA examples from a FlashRAG-format JSONL file.
+    """Stream QA examples from a FlashRAG-format JSONL file. Golden answers that are ``null`` or blank are
+    left out (as an answer, ``"None"`` or ``""`` would reward answering that).
 
-    Raises :class:`DataFormatError` naming the field and line of a bad record.
+    Raises :class:`DataFormatError` naming the field and line of a bad record (no golden answer left,
+    ``metadata`` not an object, ...).
     """
     path = Path(path)
     if not path.exists():
@@ -185,8 +187,14 @@ def iter_qa(path: str | Path) -> Iterator[QAExample]:
         answers = _require(obj, "golden_answers", path, lineno)
         if isinstance(answers, str):
             answers = [answers]
+        if isinstance(answers, list):  # null or blank answers are none (as in eval.datasets)
+            answers = [a for a in answers if a is not None and str(a).strip()]
         if not isinstance(answers, list) or not answers:
-            raise DataFormatError(f"{path}:{lineno}: field 'golden_answers' must be a non-empty list")
+            raise DataFormatError(f"{path}:{lineno}: field 'golden_answers' must be a non-empty list "
+                                  "(null and blank answers are left out)")
+        metadata = obj.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise DataFormatError(f"{path}:{lineno}: field 'metadata' must be a JSON object, got {metadata!r:.60}")
         raw = _require(obj, "question", path, lineno)
         question = nonblank_text(raw)
         if question is None:
@@ -195,7 +203,7 @@ def iter_qa(path: str | Path) -> Iterator[QAExample]:
             id=str(_require(obj, "id", path, lineno)),
             question=question,
             golden_answers=[str(a) for a in answers],
-            metadata=dict(obj.get("metadata") or {}),
+            metadata=dict(metadata),
         )
 
 

@@ -328,3 +328,15 @@ def test_corpus_ids_and_texts_that_are_numbers_are_read_as_their_text(tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text(json.dumps({"id": 7, "contents": 1.5}) + "\n" + json.dumps({"id": "8", "text": "x"}) + "\n")
     assert [(p.id, p.contents) for p in read_corpus(path)] == [("7", "1.5"), ("8", "x")]
+
+
+def test_qa_null_or_blank_golden_answers_are_dropped_not_read_as_text(tmp_path):
+    # 'None' or '' as a golden answer would reward the answer "None" or an empty answer (exact match)
+    path = tmp_path / "qa.jsonl"
+    rows = [{"id": "1", "question": "q?", "golden_answers": [None, "x", " ", 7]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert read_qa(path)[0].golden_answers == ["x", "7"]
+    for bad, needle in (({"golden_answers": [None, ""]}, "golden_answers"), ({"metadata": "hotpot"}, "metadata")):
+        path.write_text(json.dumps({"id": "1", "question": "q?", "golden_answers": ["a"], **bad}) + "\n")
+        with pytest.raises(DataFormatError, match=rf"qa.jsonl:1: field '{needle}'"):
+            read_qa(path)
