@@ -98,8 +98,9 @@ def _paragraphs(obj: dict, path: Path, lineno: int) -> tuple[list[tuple[str, str
             answers = [s for a in obj["answers_objects"] for s in a.get("spans", []) if s]
         elif obj.get("answer") is not None:  # (null in a test split: no answer)
             a = obj["answer"]
-            answers = [str(x) for x in a] if isinstance(a, list) else [str(a)]
+            answers = [str(x) for x in a if x is not None] if isinstance(a, list) else [str(a)]
         answers += [a for a in obj.get("answer_aliases", []) if isinstance(a, str)]
+        answers = [a for a in answers if a.strip()]  # a blank answer is none (read_qa leaves it out)
         qa = {
             "id": str(obj.get("question_id", obj.get("_id", obj.get("id", lineno)))),
             "question": str(q),

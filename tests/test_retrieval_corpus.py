@@ -340,3 +340,13 @@ def test_qa_null_or_blank_golden_answers_are_dropped_not_read_as_text(tmp_path):
         path.write_text(json.dumps({"id": "1", "question": "q?", "golden_answers": ["a"], **bad}) + "\n")
         with pytest.raises(DataFormatError, match=rf"qa.jsonl:1: field '{needle}'"):
             read_qa(path)
+
+
+def test_pool_leaves_out_blank_and_null_answers_so_its_qa_file_reads_back(tmp_path):
+    src = tmp_path / "raw.jsonl"
+    rows = [{"_id": f"q{i}", "question": f"q{i}?", "answer": a, "context": [[f"T{i}", ["text"]]],
+             "supporting_facts": []} for i, a in enumerate(["", [None, " "], ["x", None]])]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stats = pool_corpus([src], tmp_path / "c.jsonl", qa_out=tmp_path / "qa.jsonl")
+    assert stats["questions"] == 1
+    assert [(q.id, q.golden_answers) for q in read_qa(tmp_path / "qa.jsonl")] == [("q2", ["x"])]
