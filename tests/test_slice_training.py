@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+
+import pytest
 import torch
 
 from agent.loop import run_episodes
@@ -119,6 +122,24 @@ def test_oracle_search_fits_the_turn_budget(tiny_llm, retriever, agent_cfg):
     prompt = encode(tok, f"Question: {QUESTIONS[0].question}\n")
     (gen,) = oracle.generate([prompt], SamplingParams(max_new_tokens=2))
     assert len(gen.token_ids) == 2 and gen.finish_reason == "length"
+
+
+def test_sft_learning_rate_reaches_ten_percent_at_the_last_step(tiny_llm, retriever, agent_cfg, monkeypatch):
+    """sft_train's schedule as documented: linear warm-up over 10 steps, then a linear decay that reaches
+    10% of sft.lr at the last step (it reached the 10% floor at 90% of the steps and stayed there)."""
+    from training.sft import oracle_trajectories, sft_train
+
+    titles = {p.id: p.title for p in PASSAGES}
+    trajs = oracle_trajectories(QUESTIONS[:2], tiny_llm.tokenizer, retriever, agent_cfg, titles, top_k=1)
+    cfg = load_config(None, ["sft.epochs=10", "sft.batch_size=1", "sft.lr=0.001"]).sft
+    lrs = []
+    real = torch.optim.AdamW.step
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: lrs.append(self.param_groups[0]["lr"])
+                        or real(self, *a, **k))
+    sft_train(tiny_llm.model, tiny_llm.tokenizer, trajs, cfg)
+    assert len(lrs) == 20
+    assert lrs[-1] == pytest.approx(1e-4)
+    assert all(a > b for a, b in itertools.pairwise(lrs[9:]))  # decreasing to the last step
 
 
 def test_sft_non_finite_gradient_raises_before_any_weight_moves(tiny_llm, retriever, agent_cfg):

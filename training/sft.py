@@ -44,7 +44,7 @@ def sft_train(model: Any, tokenizer: Any, trajs: list[Trajectory], cfg: Any, see
         raise ValueError("SFT needs at least one trajectory")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     total_steps = cfg.epochs * ((len(trajs) + cfg.batch_size - 1) // cfg.batch_size)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * max(0.1, 1 - s / max(total_steps, 1)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * max(0.1, 1 - 0.9 * s / max(total_steps - 1, 1)))
     rng = random.Random(seed)
     history = []
     model.train()
