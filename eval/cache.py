@@ -87,16 +87,20 @@ def path_manifest(path: str | Path, max_files: int = 2000) -> dict[str, Any]:
 
 def describe_llm(llm: Any) -> dict[str, Any]:
     """Identity of an LLM backend: its class, its ``fingerprint`` attribute if it has one, the model's
-    ``name_or_path``, and for a torch model a checksum of its current parameters (the trainer updates
+    ``name_or_path`` (an API backend's served model name, its ``model`` string), an API backend's
+    ``base_url``, and for a torch model a checksum of its current parameters (the trainer updates
     weights in place, so the path alone does not identify them)."""
     out: dict[str, Any] = {"class": f"{type(llm).__module__}.{type(llm).__qualname__}"}
     fp = getattr(llm, "fingerprint", None)
     if fp is not None:
         out["fingerprint"] = fp() if callable(fp) else fp
     model = getattr(llm, "model", None)
-    name = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(llm, "model_name", None)
+    name = (getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(llm, "model_name", None)
+            or (model if isinstance(model, str) else None))
     if name:
         out["name_or_path"] = str(name)
+    if getattr(llm, "base_url", None):
+        out["base_url"] = str(llm.base_url)
     if model is not None and hasattr(model, "parameters"):
         out["weights"] = _param_checksum(model)
     tok = getattr(llm, "tokenizer", None)

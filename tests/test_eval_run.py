@@ -307,3 +307,26 @@ def test_runs_against_different_retrieval_servers_do_not_share_a_cache(tmp_path)
     assert fp(remote("http://127.0.0.1:8001", served("runs/index_b", 1.0))) != a
     assert fp(remote("http://127.0.0.1:8002", served("runs/index_a", 1.0))) != a
     assert fp(remote("http://127.0.0.1:8003", no_health)) != fp(remote("http://127.0.0.1:8004", no_health))
+
+
+def test_models_served_over_an_openai_api_do_not_share_a_cache(tmp_path):
+    """describe_llm read a model name only from model.config or a model_name attribute; the OpenAI-compatible
+    backend keeps its served model name in ``model`` (a string) and has a base_url, so two served models (3B
+    and 7B with one tokenizer, or two servers) got one fingerprint and the second reused the first's
+    predictions when run_benchmarks was called without model_dir (the Python API, or the judge)."""
+    from agent.openai_backend import OpenAICompatibleLLM
+    from eval.cache import describe_llm
+    from tests.test_eval_fakes import CharTokenizer
+
+    def fp(url, model):
+        llm = OpenAICompatibleLLM(url, model, CharTokenizer())
+        return run_benchmarks(["sample"], "direct", 2, 0, tmp_path / "run", llm, None, AgentConfig(),
+                              progress=False, method_fn=CountingMethod())["fingerprint"]
+
+    a = fp("http://127.0.0.1:8001/v1", "Qwen/Qwen2.5-3B-Instruct")
+    assert fp("http://127.0.0.1:8001/v1", "Qwen/Qwen2.5-7B-Instruct") != a
+    assert fp("http://127.0.0.1:8002/v1", "Qwen/Qwen2.5-3B-Instruct") != a
+    assert fp("http://127.0.0.1:8001/v1", "Qwen/Qwen2.5-3B-Instruct") == a
+    assert describe_llm(ScriptedLLM()) == {"class": "tests.test_eval_fakes.ScriptedLLM",
+                                          "tokenizer": {"class": "CharTokenizer", "vocab_size": None,
+                                                        "name_or_path": None}}  # no model attribute: as before
