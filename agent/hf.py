@@ -27,6 +27,15 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
+def _dtype_keyword() -> str:
+    """``from_pretrained``'s name for the weights' dtype: ``dtype`` where the installed transformers has it
+    (4.56 on), else ``torch_dtype`` (4.51-4.55 hand an unknown ``dtype`` on to the model's constructor, which
+    raises ``TypeError``)."""
+    from transformers import PretrainedConfig
+
+    return "dtype" if hasattr(PretrainedConfig(), "dtype") else "torch_dtype"
+
+
 def load_model_and_tokenizer(path: str, dtype: str = "float32", device: str = "auto") -> tuple[Any, Any]:
     """Load a causal LM and its tokenizer with transformers (left padding for batched generation).
 
@@ -37,7 +46,7 @@ def load_model_and_tokenizer(path: str, dtype: str = "float32", device: str = "a
 
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_pretrained(path, **{_dtype_keyword(): getattr(torch, dtype)})
     except OSError as e:
         offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
         raise FileNotFoundError(

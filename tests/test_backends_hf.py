@@ -165,3 +165,27 @@ def test_plain_sampling_passes_only_knobs_this_transformers_has(tiny_llm, monkey
             [prompt], SamplingParams(max_new_tokens=2, temperature=0.0, stop=()))[0].token_ids
     finally:
         hf._plain_sampling.cache_clear()
+
+
+def test_loads_on_a_transformers_that_names_the_dtype_torch_dtype(tiny_policy_dir, monkeypatch):
+    """pyproject allows transformers 4.51-4.55, whose from_pretrained knows the weights' dtype as ``torch_dtype``
+    only and hands ``dtype=`` on to the model's constructor (TypeError): every model load failed there."""
+    import torch
+    import transformers
+
+    from agent.hf import load_model_and_tokenizer
+
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def from_pretrained_451(path, **kw):  # what transformers 4.51 does with the two spellings
+        if "dtype" in kw:
+            raise TypeError("Qwen2ForCausalLM.__init__() got an unexpected keyword argument 'dtype'")
+        return real(path, dtype=kw.pop("torch_dtype"), **kw)
+
+    class Config451:  # PretrainedConfig before 4.56: a torch_dtype attribute, no dtype
+        torch_dtype = None
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained_451)
+    monkeypatch.setattr(transformers, "PretrainedConfig", Config451)
+    model, _ = load_model_and_tokenizer(str(tiny_policy_dir), "bfloat16", "cpu")
+    assert next(model.parameters()).dtype == torch.bfloat16
