@@ -18,6 +18,7 @@ vLLM starts its engine core in a spawned process: scripts that construct a :clas
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import threading
 from collections.abc import Iterable
@@ -33,6 +34,30 @@ def vllm_available() -> bool:
     except Exception:  # noqa: BLE001 - ImportError, or a broken install (e.g. torchvision beside CPU torch)
         return False
     return True
+
+
+def checkpoint_weight_names(model: str | os.PathLike) -> set[str] | None:
+    """The tensor names of the safetensors checkpoint in directory ``model`` (from
+    ``model.safetensors.index.json`` or the ``*.safetensors`` headers; no tensor is read), less the rotary
+    ``inv_freq`` buffers old checkpoints carry and ``state_dict()`` no longer has; ``None`` when ``model`` is
+    not a local directory with safetensors files (a hub id, ``.bin`` weights)."""
+    import json
+    from pathlib import Path
+
+    path = Path(model)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if (path / "model.safetensors.index.json").is_file():
+        names = set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"])
+    elif files:
+        from safetensors import safe_open
+
+        names = set()
+        for f in files:
+            with safe_open(str(f), "pt") as h:
+                names.update(h.keys())
+    else:
+        return None
+    return {n for n in names if not n.endswith("rotary_emb.inv_freq")}
 
 
 class VLLMBackend:
@@ -66,6 +91,7 @@ class VLLMBackend:
         self.eos_ids: set[int] = end_of_turn_ids(self.tokenizer, model)  # vLLM stops at all of them too
         self.weight_version = 0
         self._weights_dir: str | None = None
+        self._weight_names = checkpoint_weight_names(model)  # what an update must name (None: unknown)
         # vLLM's offline LLM is not thread-safe: generate() steps the one engine until it is idle and returns
         # every request that finished, another thread's too (the LLM judge runs in a worker thread beside
         # the scheduler's); one call at a time
@@ -124,12 +150,15 @@ class VLLMBackend:
         insecure pickling). Then the prefix cache is cleared and ``weight_version`` bumped (reported in
         each :class:`~agent.llm.Generation`'s ``meta``). Peak extra memory: one copy of the weights.
 
-        Raises the engine's error when a name or shape does not match the served model, and ``RuntimeError``
+        Raises ``ValueError``, before anything reaches the engine, when ``named_tensors`` leaves out a weight
+        of the served checkpoint (:func:`checkpoint_weight_names`; vLLM's reload would keep that layer's old
+        tensors with only a warning in the worker log): a partial state dict, or a peft model's
+        ``base_layer``/``lora_`` names instead of merged weights. Raises the engine's error when a name or
+        shape does not match the served model, and ``RuntimeError``
         when the engine cannot clear its prefix cache (requests left in it by an interrupted ``generate``):
         later rollouts would reuse KV computed with the old weights. The engine then holds the new weights
         (``weight_version`` is bumped) and a later update retries the clear.
         """
-        import os
         import tempfile
 
         from safetensors.torch import save_file
@@ -141,6 +170,11 @@ class VLLMBackend:
                 t = t.clone()
             seen.add(t.data_ptr())
             tensors[name] = t
+        missing = sorted(self._weight_names - tensors.keys()) if self._weight_names is not None else []
+        if missing:
+            raise ValueError(f"the weight update leaves out {len(missing)} weights of the served model, e.g. "
+                             f"{missing[:3]}; vLLM would keep their old values. Push the full state dict under "
+                             "the checkpoint's names (a LoRA policy's adapters merged into the base weights)")
         with self._lock:  # one update at a time: one weights directory, no half-written file reloaded
             if self._weights_dir is None:
                 shm = "/dev/shm" if os.path.isdir("/dev/shm") else None

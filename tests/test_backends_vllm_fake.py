@@ -113,3 +113,30 @@ def test_a_prefix_cache_that_cannot_be_cleared_after_an_update_is_an_error(fake_
         assert backend.weight_version == 2  # the engine holds the new weights either way
     finally:
         backend.close()
+
+
+def test_an_update_that_leaves_out_weights_of_the_served_model_is_refused(fake_vllm, tiny_policy_dir):
+    """vLLM's in-place reload keeps the old tensors of a layer it gets no weights for (with only a warning in
+    the worker's log), so a partial state dict, or one under other names (a peft model's ``base_layer``
+    names), rolled out with stale weights. An update must now name every weight of the served checkpoint;
+    nothing reaches the engine otherwise."""
+    from transformers import AutoModelForCausalLM
+
+    from agent.vllm_backend import VLLMBackend
+
+    calls = []
+    fake_vllm.collective_rpc = lambda self, method, kwargs=None: calls.append(method)
+    state = AutoModelForCausalLM.from_pretrained(str(tiny_policy_dir)).state_dict()
+    backend = VLLMBackend(str(tiny_policy_dir))
+    try:
+        partial = {k: v for k, v in state.items() if "mlp" not in k}
+        with pytest.raises(ValueError, match="mlp"):
+            backend.update_weights(partial.items())
+        renamed = {k.replace("q_proj.", "q_proj.base_layer."): v for k, v in state.items()}
+        with pytest.raises(ValueError, match="q_proj.weight"):
+            backend.update_weights(renamed.items())
+        assert calls == [] and backend.weight_version == 0
+        backend.update_weights(state.items())  # the full state dict (tied LM head included) is accepted
+        assert calls == ["reload_weights"] and backend.weight_version == 1
+    finally:
+        backend.close()
