@@ -9,6 +9,7 @@ never re-tokenises text.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from enum import IntEnum
@@ -159,8 +160,19 @@ def save_trajectories(path: str | Path, trajs: Iterable[Trajectory], append: boo
 
 
 def load_trajectories(path: str | Path) -> Iterator[Trajectory]:
-    """Read trajectories written by :func:`save_trajectories`."""
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                yield Trajectory.from_json(json.loads(line))
+    """Read trajectories written by :func:`save_trajectories`, one line at a time. A last line with no newline
+    after it that is not JSON (a writer killed mid-append, or one still writing) is skipped with a
+    ``UserWarning``; any other bad line raises ``json.JSONDecodeError`` (``UnicodeDecodeError`` if not UTF-8)."""
+    with open(path, "rb") as f:  # split at b"\n" only: a record may hold a raw U+2028
+        for raw in f:
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                if raw.endswith(b"\n"):
+                    raise
+                warnings.warn(f"{path}: skipped a torn last line ({len(raw)} bytes, a writer killed mid-write?)",
+                              stacklevel=2)
+                return
+            yield Trajectory.from_json(obj)

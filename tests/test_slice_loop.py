@@ -132,6 +132,26 @@ def test_appending_after_a_torn_last_line_drops_it(tmp_path):
     assert [t.question_id for t in load_trajectories(tmp_path / "new.jsonl")] == ["q0"]
 
 
+def test_reading_a_file_whose_writer_was_killed_skips_only_the_torn_last_line(tmp_path):
+    """trajectories.jsonl of a training run killed mid-append (or still running) ends in a partial record; the
+    whole records before it are read, the torn tail is skipped with a warning (a torn line inside still raises)."""
+    import json
+
+    import pytest
+
+    path = tmp_path / "t.jsonl"
+    trajs = [Trajectory(f"q{i}", "Où est Dijon ?", ["Dijon"], token_ids=[1, 2], roles=[0, 1], turn_ids=[0, 1])
+             for i in range(2)]
+    save_trajectories(path, trajs)
+    whole = path.read_bytes()
+    path.write_bytes(whole + whole.splitlines(keepends=True)[0][:-40])
+    with pytest.warns(UserWarning, match="torn last line"):
+        assert [t.question_id for t in load_trajectories(path)] == ["q0", "q1"]
+    path.write_bytes(whole.splitlines(keepends=True)[0][:-40] + b"\n" + whole)
+    with pytest.raises(json.JSONDecodeError):
+        list(load_trajectories(path))
+
+
 def test_real_tiny_policy_runs_episodes(tiny_llm, retriever, agent_cfg):
     """An untrained policy produces garbage; the loop must still end every episode with a stop reason."""
     exs = [QAExample(f"q{i}", f"What is the capital of France {i}?", ["Paris"]) for i in range(4)]
