@@ -350,3 +350,13 @@ def test_serve_retrieval_limits_are_checked_before_serving(tmp_path, argv, capsy
         code = e.code
     err = capsys.readouterr().err
     assert code == 2 and argv[-2] in err and "sleuth index" not in err, err
+
+
+@pytest.mark.parametrize("argv", [["--timeout", "0"], ["--timeout", "-5"], ["--timeout", "nan"],
+                                  ["--max-body-bytes", "0"]])
+def test_serve_limits_are_checked_before_serving(tmp_path, argv, capsys):
+    """`sleuth serve --timeout 0` answered every question with 504 and `--max-body-bytes 0` every request
+    with 413; they are usage errors now."""
+    with pytest.raises(SystemExit) as e:
+        main(["serve", f"retrieval.index_dir={tmp_path / 'nope'}", *argv])
+    assert e.value.code == 2 and argv[0] in capsys.readouterr().err

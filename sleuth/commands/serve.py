@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from sleuth.commands._common import add_config_arguments, config_from_args
+from sleuth.commands._common import add_config_arguments, config_from_args, positive_int
 
 HELP = "serve the agent over HTTP: POST /ask and OpenAI-compatible /v1/chat/completions (127.0.0.1 by default)"
 
@@ -17,9 +17,24 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("SLEUTH_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $SLEUTH_API_KEY; unset or empty: no key, open)")
-    p.add_argument("--max-body-bytes", type=int, default=64_000)
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per episode before a 504")
+    p.add_argument("--max-body-bytes", type=positive_int, default=64_000)
+    p.add_argument("--timeout", type=_positive_seconds, default=120.0, help="seconds per episode before a 504")
     p.add_argument("--name", default="sleuth-agent", help="model name reported by the OpenAI routes")
+
+
+def _positive_seconds(value: str) -> float:
+    """argparse type of a time limit in seconds: a finite number > 0 (``--timeout 0`` would time out every
+    episode)."""
+    import argparse
+    import math
+
+    try:
+        s = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+    if not (s > 0 and math.isfinite(s)):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {value}")
+    return s
 
 
 def run(args) -> int:
