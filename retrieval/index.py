@@ -129,8 +129,9 @@ class DocStore:
 def write_docstore(corpus: str | Path, index_dir: str | Path, show_progress: bool = True) -> int:
     """Stream a corpus JSONL (any accepted format) into ``passages.jsonl`` + offsets. Returns N.
 
-    Raises :class:`~corpora.formats.DataFormatError` naming the line of a bad record and ``ValueError`` on a
-    duplicate passage id.
+    Both files are written to temporary files renamed into place, so a :class:`DocStore` open on the old
+    ones (a running server) keeps reading the old passages. Raises :class:`~corpora.formats.DataFormatError`
+    naming the line of a bad record and ``ValueError`` on a duplicate passage id.
     """
     index_dir = Path(index_dir)
     index_dir.mkdir(parents=True, exist_ok=True)
@@ -145,7 +146,10 @@ def write_docstore(corpus: str | Path, index_dir: str | Path, show_progress: boo
             line = (json.dumps(p.to_json(), ensure_ascii=False) + "\n").encode("utf-8")
             f.write(line)
             offsets.append(offsets[-1] + len(line))
-    np.save(index_dir / OFFSETS, np.asarray(offsets, dtype=np.int64))
+    tmp_off = index_dir / (OFFSETS + ".tmp")
+    with open(tmp_off, "wb") as f:
+        np.save(f, np.asarray(offsets, dtype=np.int64))
+    tmp_off.replace(index_dir / OFFSETS)  # renamed, not overwritten: an open DocStore keeps its memory maps
     tmp.replace(index_dir / PASSAGES)
     return len(offsets) - 1
 

@@ -303,6 +303,22 @@ def test_docstore_hits_match_per_passage_lookup(tmp_path):
         store.hits(np.array([[n]]), np.array([[1.0]], dtype=np.float32))
 
 
+def test_a_rebuild_for_another_corpus_does_not_change_an_open_docstore(tmp_path):
+    """A running server's DocStore memory-maps passages.jsonl and its offsets; a rebuild for another corpus
+    overwrote the offsets file in place (passages.jsonl is renamed into place), so the open store read new
+    offsets against the old passages (wrong or unparseable passages, or SIGBUS past a shorter file)."""
+    from retrieval.index import DocStore
+
+    write_corpus(tmp_path / "c.jsonl")
+    build_index(tmp_path / "c.jsonl", tmp_path / "i", build_dense=False, show_progress=False)
+    store = DocStore(tmp_path / "i")
+    before = [store.get(i) for i in range(len(store))]
+    write_corpus(tmp_path / "c.jsonl", [(f"n{i}", "T", "x" * (50 * i)) for i in range(8)])
+    build_index(tmp_path / "c.jsonl", tmp_path / "i", build_dense=False, show_progress=False)
+    assert [store.get(i) for i in range(len(before))] == before
+    assert len(DocStore(tmp_path / "i")) == 8
+
+
 def test_rrf_fuse_hand_computed():
     fused = rrf_fuse([["a", "b", "c"], ["b", "d"]], k=3, rrf_k=60)
     assert [k for k, _ in fused] == ["b", "a", "d"]
