@@ -410,8 +410,9 @@ def read_qa_file(
 ) -> list[QAExample]:
     """Read every question of a QA file in any supported format (see the module docstring).
 
-    ``dataset`` names the source (stored as ``metadata["dataset"]``; ``"musique"``, ``"2wikimultihopqa"``
-    and ``"hotpotqa"`` also pick hop derivation); ``hops`` sets the hop count of questions that have none.
+    ``dataset`` names the source (stored as ``metadata["dataset"]``; ``"musique"`` also derives the hops of
+    any record from a MuSiQue id prefix, ``2hop__...``); ``hops`` sets the hop count of questions that still
+    have none. The official HotpotQA, 2Wiki and MuSiQue formats derive hops whatever ``dataset`` is.
     Raises ``FileNotFoundError``, ``ValueError`` for an unknown ``fmt``, and :class:`DataFormatError`
     naming the file, line and field of a malformed record, or a duplicated question id.
     """
