@@ -437,3 +437,22 @@ def test_custom_weight_sync_slow_eval_and_token_means_under_torchrun(tiny_policy
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     worker(*sys.argv[1:5])
+
+
+@pytest.mark.parametrize("env, arg", [("10m", None), (None, float("inf")), ("nan", None)])
+def test_a_bad_collective_timeout_is_refused_with_its_name(monkeypatch, env, arg):
+    """SLEUTH_DIST_TIMEOUT_S=10m raised float()'s bare 'could not convert string to float', and an infinite
+    train.dist_timeout_s timedelta's OverflowError; both are a ValueError naming the setting, raised
+    before any process group exists."""
+    import torch.distributed as dist
+
+    from training.distributed import init_from_env
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    if env is None:
+        monkeypatch.delenv("SLEUTH_DIST_TIMEOUT_S", raising=False)
+    else:
+        monkeypatch.setenv("SLEUTH_DIST_TIMEOUT_S", env)
+    with pytest.raises(ValueError, match="SLEUTH_DIST_TIMEOUT_S|dist_timeout_s"):
+        init_from_env("gloo", timeout_s=arg)
+    assert not dist.is_initialized()

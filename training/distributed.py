@@ -13,7 +13,8 @@ Checkpoints hold the *full* (unsharded) optimizer state keyed by parameter names
 ``W`` ranks resumes on any number of ranks.
 
 Launch: ``torchrun --nproc_per_node 2 -m sleuth.cli train ...`` (backend ``nccl`` on GPU, ``gloo`` on CPU).
-Collectives time out after ``train.dist_timeout_s`` seconds (env ``SLEUTH_DIST_TIMEOUT_S``), so a rank that
+Collectives time out after ``train.dist_timeout_s`` seconds (``sleuth train`` and :func:`training.trainer.rl_train`
+pass it; env ``SLEUTH_DIST_TIMEOUT_S`` is only the default of :func:`init_from_env` called without one), so a rank that
 died or hangs makes the others fail instead of waiting forever.
 """
 
@@ -40,10 +41,17 @@ def world() -> tuple[int, int]:
 
 
 def _timeout_s(timeout_s: float | None) -> float:
+    """``timeout_s``, else env ``SLEUTH_DIST_TIMEOUT_S``, else 600; ``ValueError`` (naming where it came from)
+    unless finite positive seconds."""
+    source = "train.dist_timeout_s"
     if timeout_s is None:
-        timeout_s = float(os.environ.get("SLEUTH_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
-    if not timeout_s > 0:
-        raise ValueError(f"distributed timeout must be positive seconds, got {timeout_s}")
+        source, raw = "SLEUTH_DIST_TIMEOUT_S", os.environ.get("SLEUTH_DIST_TIMEOUT_S", str(DEFAULT_TIMEOUT_S))
+        try:
+            timeout_s = float(raw)
+        except ValueError:
+            raise ValueError(f"SLEUTH_DIST_TIMEOUT_S must be seconds (a number), got {raw!r}") from None
+    if not 0 < timeout_s < float("inf"):
+        raise ValueError(f"{source} (the distributed timeout) must be finite positive seconds, got {timeout_s}")
     return timeout_s
 
 
