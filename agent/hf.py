@@ -136,7 +136,9 @@ class TransformersLLM:
         if not prompts:
             return []
         device = next(self.model.parameters()).device
-        pad = self.tokenizer.pad_token_id
+        pad = self.tokenizer.pad_token_id  # masked out; a tokenizer without one (Llama 3) pads with an end id
+        if pad is None:
+            pad = min(self.eos_ids) if self.eos_ids else 0
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
         attn = torch.zeros((len(prompts), width), dtype=torch.long)

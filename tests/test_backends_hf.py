@@ -30,6 +30,21 @@ def test_multi_token_stop_string_cuts_at_the_exact_prefix(tiny_llm):
     assert g.finish_reason == "stop" and g.token_ids == free.token_ids[:3] and g.text.endswith(stop)
 
 
+def test_a_tokenizer_without_a_pad_token_still_batches(tiny_llm):
+    """TransformersLLM(model, tokenizer) with a tokenizer that has no pad token (Llama 3, Mistral as loaded by
+    AutoTokenizer) failed every batch in torch.full(..., None); the padding is masked, so any id pads it."""
+    from agent.hf import TransformersLLM
+
+    tok = tiny_llm.tokenizer
+    prompts = [encode(tok, "Question: What is the capital of France?\n"), encode(tok, "Paris")]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, stop=("</search>", "</answer>"))
+    want = tiny_llm.generate(prompts, params)
+    tok.pad_token = None
+    assert tok.pad_token_id is None
+    got = TransformersLLM(tiny_llm.model, tok).generate(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
 def test_batched_greedy_equals_one_by_one(tiny_llm):
     tok = tiny_llm.tokenizer
     prompts = [encode(tok, t) for t in ["Question: What is the capital of France?\n", "Paris", "Question: Who?\n<search>"]]
