@@ -360,3 +360,29 @@ def test_serve_limits_are_checked_before_serving(tmp_path, argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", f"retrieval.index_dir={tmp_path / 'nope'}", *argv])
     assert e.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+def test_quickstart_refuses_an_empty_question_file_before_training(tmp_path, monkeypatch, capsys):
+    """An empty data.test ran the SFT warm start, then the first evaluation logged EM None with ':.3f' and
+    crashed with a TypeError traceback; an empty data.train went on to train on nothing. Both are named
+    before any stage runs now."""
+    from corpora import sample_paths
+    from sleuth import pipeline
+
+    stages = []
+    for name, fn in {"ensure_index": lambda cfg, log=None: None, "open_retriever": lambda cfg, index=None: None,
+                     "load_llm": lambda cfg, model=None: None,
+                     "evaluate_agent": lambda llm, r, ex, cfg: ({"n": len(ex), "em": None, "f1": None,
+                                                                 "search_calls": None}, []),
+                     "write_eval_outputs": lambda out, *a: None,
+                     "tiny_policy_path": lambda cfg, log=None: "tiny",
+                     "run_sft_stage": lambda cfg, log=None: stages.append("sft") or "sft",
+                     "run_rl_stage": lambda cfg, init, resume=False, log=None: stages.append("rl") or "final"}.items():
+        monkeypatch.setattr(pipeline, name, fn)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for split in ("test", "train"):
+        assert main(["quickstart", f"data.{split}={empty}", f"out_dir={tmp_path}"]) == 2
+        err = capsys.readouterr().err
+        assert f"data.{split}" in err and "no questions" in err, err
+    assert stages == [] and sample_paths()["test"].exists()

@@ -51,6 +51,9 @@ def run(args) -> int:
     # the seeded sub-sample `sleuth eval` draws under the same config, so it scores the same questions
     test = subsample(read_qa(data_paths(cfg)["test"]), cfg.eval.limit, cfg.seed)
     train_ids = {e.id for e in read_qa(data_paths(cfg)["train"])}
+    for split, n in (("test", len(test)), ("train", len(train_ids))):  # before minutes of SFT and GRPO
+        if not n:
+            raise ValueError(f"data.{split}: {data_paths(cfg)[split]} holds no questions")
     if train_ids & {e.id for e in test}:
         raise ValueError("train and test questions overlap: the quickstart never trains on test questions")
 
