@@ -124,7 +124,7 @@ class VLLMBackend:
         reqs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         sps = [self._params(params, i) for i in range(len(prompts))]
         with self._lock:  # the version read under the lock: an update waiting on it has not run yet
-            outs = self.engine.generate(reqs, sps, use_tqdm=False)
+            outs = self._engine().generate(reqs, sps, use_tqdm=False)
             version = self.weight_version
         if len(outs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outs)} outputs for {len(prompts)} prompts")
@@ -176,24 +176,38 @@ class VLLMBackend:
                              f"{missing[:3]}; vLLM would keep their old values. Push the full state dict under "
                              "the checkpoint's names (a LoRA policy's adapters merged into the base weights)")
         with self._lock:  # one update at a time: one weights directory, no half-written file reloaded
+            engine = self._engine()
             if self._weights_dir is None:
                 shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
                 self._weights_dir = tempfile.mkdtemp(prefix="sleuth-weights-", dir=shm)
             path = os.path.join(self._weights_dir, "model.safetensors")
             save_file(tensors, path + ".tmp")
             os.replace(path + ".tmp", path)
-            self.engine.collective_rpc("reload_weights", kwargs={"weights_path": self._weights_dir})
+            engine.collective_rpc("reload_weights", kwargs={"weights_path": self._weights_dir})
             self.weight_version += 1
-            if self.engine.reset_prefix_cache() is False:  # vLLM returns False while requests remain
+            if engine.reset_prefix_cache() is False:  # vLLM returns False while requests remain
                 raise RuntimeError("vLLM could not clear its prefix cache after the weight update (requests "
                                    "are still in the engine, e.g. from an interrupted generate): later "
                                    "rollouts would reuse KV computed with the old weights")
 
     def close(self) -> None:
-        """Remove the shared-memory weights directory (the engine shuts down with the object)."""
-        if self._weights_dir is not None:
-            shutil.rmtree(self._weights_dir, ignore_errors=True)
-            self._weights_dir = None
+        """Shut the engine down (its engine-core process and the memory it holds) and remove the
+        shared-memory weights directory. Idempotent; waits for a running ``generate``. Afterwards
+        :meth:`generate` and :meth:`update_weights` raise ``RuntimeError``."""
+        with self._lock:
+            engine, self.engine = self.engine, None
+            if self._weights_dir is not None:
+                shutil.rmtree(self._weights_dir, ignore_errors=True)
+                self._weights_dir = None
+        core = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
+        if callable(getattr(core, "shutdown", None)):
+            core.shutdown()
+
+    def _engine(self) -> Any:
+        """The engine; ``RuntimeError`` after :meth:`close`."""
+        if self.engine is None:
+            raise RuntimeError("this VLLMBackend is closed")
+        return self.engine
 
     def __del__(self) -> None:  # no imports here: at interpreter shutdown they fail
         with contextlib.suppress(Exception):

@@ -140,3 +140,22 @@ def test_an_update_that_leaves_out_weights_of_the_served_model_is_refused(fake_v
         assert calls == ["reload_weights"] and backend.weight_version == 1
     finally:
         backend.close()
+
+
+def test_close_shuts_the_engine_down_once(fake_vllm):
+    """``close()`` left vLLM's engine-core process running until interpreter exit, where its shutdown logged
+    to closed streams; it now shuts the engine down (once), and the backend refuses work afterwards."""
+    from agent.llm import SamplingParams
+    from agent.vllm_backend import VLLMBackend
+
+    shutdowns = []
+    backend = VLLMBackend("fake")
+    core = types.SimpleNamespace(shutdown=lambda: shutdowns.append(1))
+    backend.engine.llm_engine = types.SimpleNamespace(engine_core=core)
+    backend.close()
+    backend.close()
+    assert shutdowns == [1]
+    with pytest.raises(RuntimeError, match="closed"):
+        backend.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RuntimeError, match="closed"):
+        backend.update_weights([("w", torch.zeros(2))])
