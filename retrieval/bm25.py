@@ -119,7 +119,9 @@ class BM25Index:
         """Tokenise a stream of ``n_docs`` passage texts, build the index and save it under ``out_dir``.
 
         The texts are streamed (never held in memory together); the token ids are (int32, about 4 bytes per
-        kept token).
+        kept token). The returned index searches with ``maxscore``, or with bm25s's ``numpy`` for BM25L and
+        BM25+ (``method`` ``"bm25l"``/``"bm25+"``: non-occurrence scores, which maxscore cannot prune; load such
+        an index with ``backend="numpy"`` too).
         """
         import bm25s
 
@@ -138,7 +140,8 @@ class BM25Index:
         tok.save_vocab(str(out_dir))
         tok.save_stopwords(str(out_dir))
         (out_dir / PARAMS_FILE).write_text(json.dumps(asdict(params), indent=1))
-        return cls(model, tok, params)
+        return cls(model, tok, params, backend="numpy" if getattr(model, "nonoccurrence_array", None) is not None
+                   else "maxscore")
 
     @classmethod
     def load(

@@ -64,6 +64,22 @@ def test_bm25_backend_choice(index_dir):
         load_retriever(index_dir, "bm25", bm25_backend="fortran")
 
 
+@pytest.mark.parametrize("method", ["bm25l", "bm25+"])
+def test_bm25_variants_with_non_occurrence_scores_build_and_load_with_numpy(tmp_path, method):
+    """BM25Params.method names any bm25s variant; for BM25L/BM25+ the build ended by opening its result
+    with the maxscore backend, which rejects them, so build_index failed after writing the part."""
+    from retrieval.bm25 import BM25Params
+
+    write_corpus(tmp_path / "c.jsonl")
+    man = build_index(tmp_path / "c.jsonl", tmp_path / "i", build_dense=False, show_progress=False,
+                      bm25_params=BM25Params(method=method))
+    assert man["bm25"]["method"] == method
+    r = load_retriever(tmp_path / "i", "bm25", bm25_backend="numpy")
+    assert r.search(["highest mountain Himalayas"], 1)[0][0].id == "d3"
+    with pytest.raises(ValueError, match="backend='numpy'"):
+        load_retriever(tmp_path / "i", "bm25")
+
+
 QUERIES = ["highest mountain Himalayas", "who directed Big Stone Gap", "plant glucose", "run", "zzzqqq", "the film",
            "film film Trigiani", ""]
 
