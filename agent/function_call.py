@@ -15,7 +15,8 @@ earlier turns, so the token ids in the trajectory are exactly the ids the policy
 for the same conversation.
 
 A turn without a tool call is the final answer (the text inside ``<answer>...</answer>`` when present, else
-the whole turn; an unclosed ``<answer>`` or a ``</answer>`` without one is malformed). Malformed calls (bad
+the whole turn; an unclosed ``<answer>``, a ``</answer>`` without one, or a turn without a closed ``<answer>``
+that the token budget cut is malformed). Malformed calls (bad
 or too deeply nested JSON, unknown function, missing or over-long query, two calls in one turn, an unclosed
 ``<tool_call>``, a ``</tool_call>`` without one) become ``invalid`` actions whose reason
 is returned to the policy as the tool message, never an exception. Follows the Qwen2.5 function-calling
@@ -119,9 +120,9 @@ def parse_action(text: str, finish_reason: str = "stop", max_query_chars: int = 
         if len(query) > max_query_chars:
             return Action("invalid", error=f"query of {len(query)} characters exceeds {max_query_chars}")
         return Action("search", content=query, trailing=trailing)
-    if finish_reason == "length":
-        return Action("invalid", error="turn ended by the token budget without a tool call or answer")
     m = _ANSWER_RE.search(text)
+    if m is None and finish_reason == "length":  # a closed <answer> is whole even if the turn ran on after it
+        return Action("invalid", error="turn ended by the token budget without a tool call or answer")
     if m is None and "<answer>" in text:
         return Action("invalid", error="unclosed <answer>")
     if m is None and "</answer>" in text:

@@ -74,3 +74,15 @@ def test_function_call_unclosed_or_stray_answer_tag_is_invalid_not_part_of_the_a
     assert a.kind == "invalid" and "</answer> without <answer>" in a.error
     assert function_call.parse_action("The answer is Paris.") == Action("answer", "The answer is Paris.")
     assert function_call.parse_action("<answer> Paris </answer>") == Action("answer", "Paris")
+
+
+def test_function_call_closed_answer_in_a_turn_cut_by_the_token_budget_is_the_answer():
+    # "</answer>" is no stop string of function calling: a model that keeps talking after a closed answer until
+    # max_new_tokens still answered (the error said "without a tool call or answer")
+    from agent import function_call
+
+    a = function_call.parse_action("<answer> Paris </answer> because the Eiffel Tower is", "length")
+    assert a.kind == "answer" and a.content == "Paris" and not a.well_formed
+    for cut in ("I think the answer is Par", "<answer> Par"):  # no whole answer: still invalid
+        a = function_call.parse_action(cut, "length")
+        assert a.kind == "invalid" and "token budget" in a.error
