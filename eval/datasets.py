@@ -311,7 +311,7 @@ def _from_searchr1(rec: dict[str, Any], ctx: _Ctx, split: str | None) -> QAExamp
         if not isinstance(rec.get("reward_model"), dict) or "ground_truth" not in rec["reward_model"]:
             raise ctx.fail("missing field 'reward_model.ground_truth' (or 'extra_info.answer')")
         answers = _answers(rec["reward_model"]["ground_truth"], ctx, "reward_model.ground_truth")
-    if "id" in rec:
+    if rec.get("id") is not None:  # a parquet row may have a null id column
         qid = str(rec["id"])
     elif info.get("index") is not None:
         qid = f"{info.get('split') or split or 'q'}_{info['index']}"

@@ -87,6 +87,18 @@ def test_searchr1_parquet(tmp_path):
     assert (ex.id, ex.question, ex.golden_answers) == ("dev_3", "who wrote hamlet", ["Shakespeare"])
 
 
+def test_searchr1_parquet_rows_without_an_id_use_the_index(tmp_path):
+    """Rows written together with rows that have an id get a null id column in parquet; every such row got
+    the id 'None', so a file failed as 'duplicate question id'. A null id is no id: split_index is used."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    info = SEARCHR1[0]["extra_info"]
+    rows = [dict(SEARCHR1[0], id="nq_a"), SEARCHR1[0], dict(SEARCHR1[0], extra_info=dict(info, index=8))]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    assert [e.id for e in read_qa_file(tmp_path / "d.parquet")] == ["nq_a", "test_0", "test_8"]
+
+
 def test_flashrag_jsonl_keeps_metadata(tmp_path):
     recs = [{"id": "test_1", "question": "q?", "golden_answers": ["a", "b"], "metadata": {"s_pop": 3}}]
     (ex,) = read_qa_file(_jsonl(tmp_path / "p.jsonl", recs), dataset="popqa")
