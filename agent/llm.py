@@ -8,6 +8,8 @@ protocol.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +56,17 @@ class LLM(Protocol):
     tokenizer: Any
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]: ...
+
+
+def run_sync(coro: Any) -> Any:
+    """Run ``coro`` to completion from sync code and return its result, also when this thread already runs an
+    event loop (a Jupyter cell, an async caller): then in a fresh loop on a helper thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:

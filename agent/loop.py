@@ -24,7 +24,7 @@ from langgraph.graph import END, START, StateGraph
 
 from agent import function_call, protocol
 from agent.judges import normalize_answer, rule_verdict
-from agent.llm import LLM, SamplingParams, decode, encode, end_of_turn_ids
+from agent.llm import LLM, SamplingParams, decode, encode, end_of_turn_ids, run_sync
 from agent.scheduler import Scheduler
 from agent.trajectory import Role, Trajectory, Turn
 from corpora.formats import QAExample
@@ -448,11 +448,12 @@ def run_episodes(
     """Synchronous entry point: roll out ``n_samples`` episodes per example with batched generation.
 
     ``cfg`` is an :class:`agent.config.AgentConfig`; ``temperature`` overrides ``cfg.temperature``
-    (0 = greedy). Returns ``len(examples) * n_samples`` trajectories.
+    (0 = greedy). Returns ``len(examples) * n_samples`` trajectories. Called where an event loop already
+    runs (a Jupyter cell), the episodes run in a fresh loop on a helper thread.
     """
     import torch
 
     if seed is not None:
         torch.manual_seed(seed)
     ctx = make_context(llm, retriever, cfg, temperature=temperature, top_k=top_k, judge=judge)
-    return asyncio.run(arun_episodes(ctx, examples, n_samples))
+    return run_sync(arun_episodes(ctx, examples, n_samples))  # also inside a running event loop (Jupyter)

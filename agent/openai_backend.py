@@ -22,7 +22,6 @@ scheduler turns that into a failed episode with the reason.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import math
 import os
@@ -30,21 +29,11 @@ from typing import Any
 
 import httpx2
 
-from agent.llm import Generation, SamplingParams, decode, encode, end_of_turn_ids, truncate_at_stop
+from agent.llm import Generation, SamplingParams, decode, encode, end_of_turn_ids, run_sync, truncate_at_stop
 
 
 class BackendError(RuntimeError):
     """The server failed or answered something that is not a completion; the message says which."""
-
-
-def _run_sync(coro):
-    """Run ``coro`` to completion from sync code, also when this thread already runs an event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
 
 
 class OpenAICompatibleLLM:
@@ -76,7 +65,7 @@ class OpenAICompatibleLLM:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """Blocking batch call (the scheduler runs it in a worker thread). Raises :class:`BackendError`
         when any request of the batch fails after its retries."""
-        return _run_sync(self.agenerate(prompts, params))
+        return run_sync(self.agenerate(prompts, params))
 
     async def agenerate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

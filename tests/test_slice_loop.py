@@ -152,6 +152,21 @@ def test_reading_a_file_whose_writer_was_killed_skips_only_the_torn_last_line(tm
         list(load_trajectories(path))
 
 
+def test_run_episodes_works_where_an_event_loop_is_already_running(tiny_llm, retriever, agent_cfg):
+    """A Jupyter cell (or any async caller) already runs an event loop: the synchronous entry point must not
+    fail there with 'asyncio.run() cannot be called from a running event loop'."""
+    import asyncio
+
+    ex = QAExample("q0", "What is the capital of France?", ["Paris"])
+    llm = ScriptedLLM(tiny_llm.tokenizer, {"capital of France": ["<search> France </search>", "<answer> Paris </answer>"]})
+
+    async def notebook_cell():
+        return run_episodes([ex], llm, retriever, agent_cfg)
+
+    (t,) = asyncio.run(notebook_cell())
+    assert t.answer == "Paris" and t.stop_reason == "answer"
+
+
 def test_real_tiny_policy_runs_episodes(tiny_llm, retriever, agent_cfg):
     """An untrained policy produces garbage; the loop must still end every episode with a stop reason."""
     exs = [QAExample(f"q{i}", f"What is the capital of France {i}?", ["Paris"]) for i in range(4)]
