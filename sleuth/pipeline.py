@@ -93,14 +93,21 @@ def ensure_index(cfg: Config, log=print) -> None:
 
 
 def tiny_policy_path(cfg: Config, log=print) -> Path:
-    """The tiny from-scratch policy of this run (``<out_dir>/tiny``), built on first use."""
+    """The tiny from-scratch policy of this run (``<out_dir>/tiny``), built on first use (under a temporary
+    name, then renamed: an interrupted build is never taken for a finished one)."""
+    import shutil
+
     from training.policy import create_tiny_policy
 
     path = Path(cfg.out_dir) / "tiny"
     if not (path / "config.json").exists():
         paths = data_paths(cfg)
         log(f"training a BPE tokenizer and building the tiny Qwen2 policy in {path}")
-        create_tiny_policy(path, read_corpus(paths["corpus"]), read_qa(paths["train"]), cfg.policy.tiny, cfg.seed)
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        create_tiny_policy(tmp, read_corpus(paths["corpus"]), read_qa(paths["train"]), cfg.policy.tiny, cfg.seed)
+        shutil.rmtree(path, ignore_errors=True)  # an unfinished folder (no config.json) of an earlier build
+        tmp.rename(path)
     return path
 
 

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -386,3 +387,32 @@ def test_quickstart_refuses_an_empty_question_file_before_training(tmp_path, mon
         err = capsys.readouterr().err
         assert f"data.{split}" in err and "no questions" in err, err
     assert stages == [] and sample_paths()["test"].exists()
+
+
+def test_an_interrupted_tiny_policy_build_is_built_again(tmp_path, monkeypatch):
+    """create_tiny_policy saves the model (config.json first) and then the tokenizer; a run killed in between
+    left <out_dir>/tiny with a config.json, which the next run took for a finished policy and then failed
+    to load (no tokenizer, or truncated weights). The policy is built under a temporary name and renamed."""
+    import training.policy
+    from sleuth.config import load_config
+    from sleuth.pipeline import tiny_policy_path
+
+    def killed(out_dir, *a):
+        Path(out_dir).mkdir(parents=True)
+        (Path(out_dir) / "config.json").write_text("{}")
+        raise KeyboardInterrupt  # before the tokenizer was saved
+
+    def finished(out_dir, *a):
+        Path(out_dir).mkdir(parents=True)
+        for name in ("config.json", "tokenizer.json"):
+            (Path(out_dir) / name).write_text("{}")
+        return Path(out_dir)
+
+    cfg = load_config(None, [f"out_dir={tmp_path}"])
+    monkeypatch.setattr(training.policy, "create_tiny_policy", killed)
+    with pytest.raises(KeyboardInterrupt):
+        tiny_policy_path(cfg, log=lambda *_: None)
+    monkeypatch.setattr(training.policy, "create_tiny_policy", finished)
+    path = tiny_policy_path(cfg, log=lambda *_: None)
+    assert path == tmp_path / "tiny" and (path / "tokenizer.json").exists()
+    assert tiny_policy_path(cfg, log=lambda *_: None) == path  # a finished one is reused
