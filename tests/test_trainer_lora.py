@@ -94,3 +94,50 @@ def test_lora_checkpoint_is_committed_only_with_its_base_weights(tiny_policy_dir
                  judge=varying_judge, llm_factory=SeededLLM)
     ckpt = latest_checkpoint(tmp_path)
     assert ckpt.name == "step_000001" and (ckpt / "base" / "model.safetensors").exists()
+
+
+class OwnWeightsLLM(SeededLLM):
+    """A rollout backend that holds its own plain copy of the weights, as vLLM does: ``update_weights`` loads
+    a full state dict under the Hugging Face names, strictly (a tied LM head may come along)."""
+
+    def __init__(self, model, tok):
+        import copy
+
+        own = copy.deepcopy(model)
+        own = own.merge_and_unload() if hasattr(own, "merge_and_unload") else own
+        super().__init__(own, tok)
+        self.updates = 0
+
+    def update_weights(self, named):
+        state = dict(named)
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (unexpected, missing)
+        self.updates += 1
+
+
+def test_a_rollout_backend_with_its_own_weights_gets_the_merged_lora_policy(tiny_policy_dir, retriever, tmp_path):
+    """With LoRA, the update pushed to a backend holding its own weights (vLLM) was the peft model's state
+    dict: ``base_layer``/``lora_A`` names that the engine cannot load, so it kept rolling out the initial
+    weights (vLLM warned) or stopped. It now gets the merged weights under the base model's names, equal to
+    the merged checkpoint."""
+    from agent.hf import load_model_and_tokenizer
+    from training.checkpoint import latest_checkpoint
+    from training.trainer import rl_train
+
+    made = []
+
+    def factory(model, tok):
+        made.append(OwnWeightsLLM(model, tok))
+        return made[-1]
+
+    lora = ["train.lora=true", "train.lora_rank=4", "train.lora_targets=[q_proj,v_proj]", "train.lr=1e-2"]
+    model, tok = load(tiny_policy_dir)
+    init = model.state_dict()["model.layers.0.self_attn.q_proj.weight"].clone()
+    rl_train(make_cfg("train.steps=2", *lora), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge,
+             llm_factory=factory)
+    merged, _ = load_model_and_tokenizer(str(latest_checkpoint(tmp_path)), device="cpu")
+    own = made[0].model.state_dict()
+    assert made[0].updates == 2
+    assert not torch.equal(own["model.layers.0.self_attn.q_proj.weight"], init)
+    for k, v in merged.state_dict().items():
+        torch.testing.assert_close(own[k], v, rtol=0, atol=1e-6)

@@ -492,6 +492,33 @@ def _lora_state(model: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(model).items()}
 
 
+def merged_lora_state(peft_model: Any) -> dict[str, torch.Tensor]:
+    """The full weights of a LoRA policy under the base model's Hugging Face names, each adapted weight
+    merged (``W + scale * B @ A``, peft's ``get_delta_weight``; the same as ``merge_and_unload``), on the
+    CPU: what a rollout backend that holds its own weights (vLLM) loads. The policy itself is unchanged."""
+    from peft.tuners.lora import LoraLayer
+
+    base = _unwrap(peft_model)
+    deltas: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, mod in base.named_modules():
+            if isinstance(mod, LoraLayer) and not mod.merged:
+                for a in mod.active_adapters:
+                    if a in mod.lora_A:
+                        d = mod.get_delta_weight(a)
+                        deltas[name] = deltas[name] + d if name in deltas else d
+        out = {}
+        for k, v in base.state_dict().items():
+            if ".lora_" in k:  # the adapters' own tensors
+                continue
+            k = k.replace(".base_layer.", ".")
+            owner, _, leaf = k.rpartition(".")
+            if leaf == "weight" and owner in deltas:
+                v = v + deltas[owner].to(v.dtype)
+            out[k] = v.detach().cpu()
+    return out
+
+
 class _MergedView:
     """``save_pretrained`` of a LoRA policy as a plain model directory (adapters merged into a copy)."""
 
@@ -554,8 +581,9 @@ def rl_train(
 
     ``llm_factory(model, tokenizer)`` builds the rollout backend (default: :class:`agent.hf.TransformersLLM`
     on the same model object, so no weight sync is needed); after each update, when the rollout side holds
-    its own weights (vLLM, FSDP), the full state dict is pushed with ``sync_weights(llm, state)`` or, by
-    default, ``llm.update_weights(iter(state.items()))`` when the backend has that method.
+    its own weights (vLLM, FSDP), the full state dict (with LoRA: the adapters merged, under the base
+    model's names, :func:`merged_lora_state`) is pushed with ``sync_weights(llm, state)`` or, by default,
+    ``llm.update_weights(iter(state.items()))`` when the backend has that method.
     ``evaluate(model) -> {"em": ...}`` runs every ``train.eval_every`` steps (logged as ``eval_*``; the best
     ``eval_em`` checkpoint is kept in ``checkpoints/best``). A non-finite loss skips the step with a warning;
     after ``train.max_nonfinite_steps`` such steps the run stops (``RuntimeError``). Health alarms
@@ -800,13 +828,15 @@ def _rl_train(
         try:
             loss_stats = update_policy(fwd, ref_model, optimizer, batch, tc, scheduler=scheduler, critic=critic,
                                        critic_optimizer=critic_opt, old_logprobs=old)
+            # a backend holding its own weights (vLLM) gets them under the base model's names (LoRA merged)
             if W > 1:  # the rollout copy is what checkpoints and evaluate see: refreshed with any backend
                 state = {k.removeprefix("model."): v for k, v in full_state_dict(fwd).items()}
-                sync_rollout_weights(llm if sync_weights is None else None, rollout_model, state)
-                if sync_weights is not None:
-                    sync_weights(llm, state)
+                sync_rollout_weights(None, rollout_model, state)
+                if tc.lora:
+                    state = merged_lora_state(rollout_model)
+                sync_rollout_weights(llm, None, state) if sync_weights is None else sync_weights(llm, state)
             elif sync_weights is not None or hasattr(llm, "update_weights"):
-                state = full_state_dict(_unwrap(policy))
+                state = merged_lora_state(policy) if tc.lora else full_state_dict(_unwrap(policy))
                 sync_rollout_weights(llm, None, state) if sync_weights is None else sync_weights(llm, state)
         except FloatingPointError as e:
             nonfinite += 1
