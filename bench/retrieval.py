@@ -16,8 +16,8 @@ every in-process call; reported, not judged: see :func:`time_blocks`). Dense spe
 
     .venv/bin/python bench/retrieval.py [--sizes 10000 100000 1000000] [--no-lucene] [--no-dense]
 
-Prints a table and writes ``bench/results/retrieval.json``; ``--markdown`` also updates the "Retrieval"
-section of ``bench/RESULTS.md``.
+Prints a table and writes ``bench/results/retrieval.json`` (``--out`` elsewhere); ``--markdown`` also
+updates the "Retrieval" section of ``bench/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -454,10 +454,16 @@ def targets(out: dict) -> list[str]:
     return ["", "Targets:", "", *res] if res else []
 
 
+def _shown(path: Path) -> str:
+    """``path`` as the markdown names it: relative to the repository when inside it."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def write_markdown(out: dict, text: str) -> None:
     head = (
         f"## Retrieval\n\n{out['date']}, {out['machine']}. `python bench/retrieval.py "
-        f"{' '.join(out['argv'])}`; raw numbers in `bench/results/retrieval.json`.\n\n"
+        f"{' '.join(out['argv'])}`; raw numbers in `{out.get('json', 'bench/results/retrieval.json')}`.\n\n"
     )
     body = (
         head + text + "\n" + ("\n" + "\n".join(f"- {n}" for n in out["notes"]) + "\n" if out["notes"] else "")
@@ -488,6 +494,7 @@ def main(argv=None) -> int:
         "--rounds", type=positive_int, default=STEADY_ROUNDS, help="rounds of the steady-state and gapped measurements"
     )
     p.add_argument("--markdown", action="store_true", help="update the Retrieval section of bench/RESULTS.md")
+    p.add_argument("--out", type=Path, default=RESULTS, help="the JSON results file (default: %(default)s)")
     p.add_argument("--clean", action="store_true", help="delete the bench work dir afterwards")
     args = p.parse_args(argv)
     WORK.mkdir(parents=True, exist_ok=True)
@@ -499,6 +506,7 @@ def main(argv=None) -> int:
         "notes": [],
         "load_average_at_start": os.getloadavg(),
         "steady_rounds": args.rounds,
+        "json": _shown(args.out),
     }
     lucene = None
     if not args.no_lucene:
@@ -516,8 +524,8 @@ def main(argv=None) -> int:
         speed(args, out, lucene)
     text = table(out)
     print(text)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1))
     if args.markdown:
         write_markdown(out, text)
     if args.clean:

@@ -15,7 +15,7 @@ writes until its per-turn budget, so every turn generates ``max_new_tokens`` tok
 
     .venv/bin/python bench/rollout.py [--questions 32] [--repeats 5] [--model DIR] [--markdown]
 
-Prints a table and writes ``bench/results/rollout.json``; ``--markdown`` also updates the "Rollout" section
+Prints a table and writes ``bench/results/rollout.json`` (``--out`` elsewhere); ``--markdown`` also updates the "Rollout" section
 of ``bench/RESULTS.md``.
 """
 
@@ -190,7 +190,7 @@ def update_markdown(res: dict) -> None:
     lines = [
         "## Rollout", "",
         (f"{res['date']}, {res['machine']}. `python bench/rollout.py {args}`; raw numbers in "
-         "`bench/results/rollout.json`."), "",
+         f"`{res.get('json', 'bench/results/rollout.json')}`."), "",
         (f"Model: {res['model']}; backend: transformers on CPU (torch threads: {res['threads']}); greedy; "
          f"{res['questions']} HotpotQA sample questions, max_turns={res['agent']['max_turns']}, "
          f"max_new_tokens={res['agent']['max_new_tokens']}; episodes token-identical between the loops: "
@@ -250,6 +250,8 @@ def main() -> int:
     ap.add_argument("--per-client", type=positive_int, default=4, help="sequential requests per serving client")
     ap.add_argument("--tmp", default=str(ROOT / "runs/bench_rollout"))
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/rollout.json",
+                    help="the JSON results file (default: %(default)s)")
     ap.add_argument("--main-thread", action="store_true", help="also time the hand-written loop from the main thread")
     args = ap.parse_args()
 
@@ -320,6 +322,7 @@ def main() -> int:
 
     out = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:],
+        "json": str(args.out.resolve().relative_to(ROOT)) if args.out.resolve().is_relative_to(ROOT) else str(args.out),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared), Python {platform.python_version()}",
         "threads": torch.get_num_threads(), "model": model_desc, "questions": len(examples), "repeats": args.repeats,
         "agent": {k: getattr(acfg, k) for k in ("max_turns", "max_new_tokens", "max_total_tokens", "max_obs_tokens")},
@@ -338,8 +341,8 @@ def main() -> int:
     print(f"\n{'clients':>7} {'requests':>8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7}")
     for c, r in serving.items():
         print(f"{c:>7} {r['requests']:>8} {r['p50_ms']:>8.0f} {r['p99_ms']:>8.0f} {r['requests_per_s']:>7.2f}")
-    (ROOT / "bench/results").mkdir(parents=True, exist_ok=True)
-    (ROOT / "bench/results/rollout.json").write_text(json.dumps(out, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1))
     if args.markdown:
         update_markdown(out)
     return 0

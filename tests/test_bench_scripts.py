@@ -114,6 +114,9 @@ def test_rollout_markdown_names_the_command_that_was_run(tmp_path, monkeypatch):
     ro.update_markdown(_rollout_result())  # a result written before argv was recorded
     text = (tmp_path / "bench/RESULTS.md").read_text()
     assert "--main-thread" not in text and text.count("## Rollout") == 1
+    assert "raw numbers in `bench/results/rollout.json`" in text
+    ro.update_markdown(_rollout_result(argv=["--out", "runs/r.json"], json="runs/r.json"))  # --out elsewhere
+    assert "raw numbers in `runs/r.json`" in (tmp_path / "bench/RESULTS.md").read_text()
 
 
 def _fail_if_called(*a, **kw):
