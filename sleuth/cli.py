@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (OSError, ValueError) as e:  # ConfigError, IndexNotFoundError, DataFormatError, IsADirectoryError, ...
+    # ConfigError, IndexNotFoundError, DataFormatError, IsADirectoryError, ..., and a missing optional extra
+    # (ImportError naming what to install: vllm, pyserini)
+    except (OSError, ValueError, ImportError) as e:
         if os.environ.get("SLEUTH_DEBUG"):
             raise
         print(f"sleuth {args.command}: error: {_describe(e)}", file=sys.stderr)

@@ -416,3 +416,19 @@ def test_an_interrupted_tiny_policy_build_is_built_again(tmp_path, monkeypatch):
     path = tiny_policy_path(cfg, log=lambda *_: None)
     assert path == tmp_path / "tiny" and (path / "tokenizer.json").exists()
     assert tiny_policy_path(cfg, log=lambda *_: None) == path  # a finished one is reused
+
+
+def test_a_missing_optional_extra_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """agent.backend.kind=vllm without vLLM (or retrieval.method=lucene without pyserini) raises an ImportError
+    whose message names the extra to install; the CLI let it out as a traceback (exit 1) instead of its
+    one-line error (exit 2) like every other bad setting."""
+    from sleuth import pipeline
+
+    def no_vllm(cfg, model=None):
+        raise ImportError("the vllm backend needs vLLM: `pip install -e .[gpu]` on a GPU machine")
+
+    monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: None)
+    monkeypatch.setattr(pipeline, "load_llm", no_vllm)
+    assert main(["eval", "--limit", "1", "--out", str(tmp_path), "agent.backend.kind=vllm"]) == 2
+    assert capsys.readouterr().err.strip() == ("sleuth eval: error: the vllm backend needs vLLM: "
+                                               "`pip install -e .[gpu]` on a GPU machine")
