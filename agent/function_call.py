@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.llm import encode
-from agent.protocol import Action
+from agent.protocol import JUDGE_INSTRUCTION, Action
 
 STOP_STRINGS = ("</tool_call>",)
 SEARCH_TOOL = {
@@ -69,18 +69,20 @@ def _need_chat_template(tokenizer: Any) -> None:
                          "(e.g. a Qwen2.5-Instruct model); use agent.protocol=search_r1 otherwise")
 
 
-def prompt_text(tokenizer: Any, question: str) -> str:
-    """The rendered prompt (``add_generation_prompt=True``) with the search tool declared.
+def prompt_text(tokenizer: Any, question: str, self_judge: bool = False) -> str:
+    """The rendered prompt (``add_generation_prompt=True``) with the search tool declared; ``self_judge`` adds
+    ReSeek's instruction to rate each search result with ``<judge>`` to the system message.
 
     Raises ``ValueError`` if the tokenizer has no chat template (function calling needs one)."""
     _need_chat_template(tokenizer)
-    return tokenizer.apply_chat_template(messages(question), tools=TOOLS, add_generation_prompt=True,
+    system = SYSTEM + (" " + JUDGE_INSTRUCTION.strip() if self_judge else "")
+    return tokenizer.apply_chat_template(messages(question, system), tools=TOOLS, add_generation_prompt=True,
                                          tokenize=False)
 
 
-def prompt_ids(tokenizer: Any, question: str) -> list[int]:
+def prompt_ids(tokenizer: Any, question: str, self_judge: bool = False) -> list[int]:
     """Token ids of :func:`prompt_text` (the template writes its own special tokens, none are added)."""
-    return encode(tokenizer, prompt_text(tokenizer, question))
+    return encode(tokenizer, prompt_text(tokenizer, question, self_judge))
 
 
 def parse_action(text: str, finish_reason: str = "stop", max_query_chars: int = 2000) -> Action:

@@ -97,11 +97,12 @@ def _ctx(config: RunnableConfig) -> AgentContext:
 def prompt_ids(tokenizer: Any, question: str, agent_cfg: Any) -> list[int]:
     """Token ids of the task prompt. Search-R1: the model's chat template when it has one (``chat_template``
     auto/on), else the plain Search-R1 instruction (or the one-line prompt for the tiny policy). Function
-    calling: the chat template with the search tool declared (:func:`agent.function_call.prompt_ids`)."""
+    calling: the chat template with the search tool declared (:func:`agent.function_call.prompt_ids`). Both
+    ask for ReSeek's ``<judge>`` with ``agent_cfg.self_judge`` (except the one-line prompt)."""
+    self_judge = getattr(agent_cfg, "self_judge", False)
     if getattr(agent_cfg, "protocol", "search_r1") == "function_call":
-        return function_call.prompt_ids(tokenizer, question)
-    text = protocol.build_prompt(question, short=agent_cfg.short_prompt,
-                                 self_judge=getattr(agent_cfg, "self_judge", False))
+        return function_call.prompt_ids(tokenizer, question, self_judge)
+    text = protocol.build_prompt(question, short=agent_cfg.short_prompt, self_judge=self_judge)
     return user_message_ids(tokenizer, text, agent_cfg)
 
 

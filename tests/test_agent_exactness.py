@@ -161,6 +161,18 @@ def test_self_judge_is_recorded_and_rewarded(tiny_llm, retriever, agent_cfg):
     assert t2.answer == "Dijon" and t2.reward == 1.0
 
 
+def test_function_call_with_self_judge_tells_the_policy_to_judge(tiny_llm, agent_cfg):
+    """agent.self_judge adds ReSeek's <judge> instruction to the Search-R1 prompt; with function calling the
+    system message never mentioned it, so an instruct policy was never asked to judge (no self-judge reward)."""
+    from agent.loop import prompt_ids
+
+    tok = with_template(tiny_llm).tokenizer
+    cfg = agent_cfg.model_copy(update={"protocol": "function_call"})
+    plain = decode(tok, prompt_ids(tok, FRANCE.question, cfg))
+    judged = decode(tok, prompt_ids(tok, FRANCE.question, cfg.model_copy(update={"self_judge": True})))
+    assert "<judge>" not in plain and "<judge> and </judge> as useful or not useful" in judged
+
+
 def test_max_obs_tokens_must_leave_room_past_the_observation_framing(tiny_llm, agent_cfg):
     """``max_obs_tokens`` no larger than the ``<information>`` framing would end every episode at its first
     search (as ``max_tokens``); making the context says so instead."""
