@@ -61,6 +61,18 @@ class TinyPolicyConfig(Section):
     max_position_embeddings: int = 2048
     tokenizer_texts: int = Field(20000, ge=100, description="max corpus passages used to train the tokenizer")
 
+    @model_validator(mode="after")
+    def _check_heads(self) -> TinyPolicyConfig:
+        # else the model builds and the first forward fails with a tensor size mismatch
+        if min(self.hidden_size, self.num_layers, self.num_heads, self.num_kv_heads, self.intermediate_size) < 1:
+            raise ValueError("hidden_size, num_layers, num_heads, num_kv_heads and intermediate_size must be >= 1")
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be num_heads ({self.num_heads}) times an even "
+                             "head size (rotary embeddings rotate pairs of dimensions)")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        return self
+
 
 class PolicyConfig(Section):
     """The policy LLM. ``model=None`` builds the tiny policy under ``<out_dir>/tiny``; any Hugging Face

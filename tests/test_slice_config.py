@@ -1,5 +1,7 @@
 """Config schema: YAML + dotted overrides, unknown keys named."""
 
+from pathlib import Path
+
 import pytest
 
 from sleuth.config import ConfigError, load_config, parse_overrides
@@ -110,3 +112,16 @@ def test_a_quoted_override_is_the_string_as_written():
     assert load_config(None, ["train.lr=1e-4"]).train.lr == 1e-4  # unquoted, still a number
     assert load_config(None, ["train.lr=5E-3", "train.weight_decay=-1.5e-2"]).train.weight_decay == -1.5e-2
     assert load_config(None, ['train.lr="2e-4"']).train.lr == 2e-4  # a quoted number is still a float field's value
+
+
+def test_tiny_policy_shapes_are_checked():
+    """policy.tiny with a hidden size that num_heads does not divide into an even head size, or num_heads not
+    a multiple of num_kv_heads, built and saved a model whose first forward failed with 'The size of tensor
+    a (19) must match ...'; the config names the keys now."""
+    for bad in (["policy.tiny.num_heads=5"], ["policy.tiny.num_kv_heads=4"],
+                ["policy.tiny.hidden_size=90"], ["policy.tiny.num_layers=0"]):
+        with pytest.raises(ConfigError, match="policy.tiny"):
+            load_config(None, bad)
+    for f in ("configs/quickstart.yaml", "configs/synthetic.yaml", "configs/synthetic_ppo.yaml"):
+        load_config(Path(__file__).resolve().parents[1] / f)
+    assert load_config(None, ["policy.tiny.hidden_size=64", "policy.tiny.num_heads=4"]).policy.tiny.num_heads == 4
