@@ -202,3 +202,22 @@ def test_oracle_sees_supporting_titles_that_contain_a_closing_parenthesis():
     context = (f"Question: {ex.question}\n<search> {ex.question} </search>\n"
                f"<information>{other}</information>\n")
     assert oracle._action(context) == f"<search> {title} </search>"
+
+
+def test_oracle_still_searches_after_an_invalid_turn():
+    """The invalid-action hint names ``<search>`` itself, so after an invalid turn (a search cut by the
+    turn budget) the oracle counted the cut search and the hint as two searches made and answered without
+    any document; only searches that got documents count now."""
+    from agent.protocol import INVALID_HINT, format_docs
+    from corpora.formats import QAExample
+    from retrieval.base import Hit
+    from training.oracle import OracleLLM
+
+    ex = QAExample("q1", "Who sang Bohemian Rhapsody?", ["Queen"], {"supporting_ids": ["d1", "d2"]})
+    oracle = OracleLLM(None, [ex], {"d1": "Bohemian Rhapsody", "d2": "Queen (band)"})
+    hint = INVALID_HINT.format(reason="unclosed <search> tag")
+    context = f"Question: {ex.question}\n<search> Who sang\n\n<information>{hint}</information>\n\n"
+    assert oracle._action(context) == f"<search> {ex.question} </search>"
+    docs = format_docs([Hit("d1", "Bohemian Rhapsody", "A 1975 single.", 1.0)])
+    context += f"<search> {ex.question} </search>\n\n<information>{docs}</information>\n\n"
+    assert oracle._action(context) == "<search> Queen (band) </search>"  # the second hop is still made

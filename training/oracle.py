@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from agent.llm import Generation, SamplingParams, decode, encode
+from agent.protocol import INVALID_HINT
 from corpora.formats import QAExample
 
 _Q = re.compile(r"Question:\s*")
@@ -24,10 +25,15 @@ def _shown(title: str, context: str) -> bool:
     return re.search(rf"Doc \d+\(Title: {re.escape(title)}\)(?: |$)", context, re.MULTILINE) is not None
 
 
+_INFO = re.compile(r"<information>(.*?)</information>", re.DOTALL)
+_HINT_START = INVALID_HINT[: INVALID_HINT.index("{")]  # "My previous action is invalid ("
+
+
 def _searches_made(context: str, question: re.Match) -> int:
-    """Search calls in the episode so far: ``<search>`` after the question only (the full Search-R1
-    instruction before it names ``<search> query </search>`` itself)."""
-    return context[question.end():].count("<search>")
+    """Searches answered in the episode so far: the ``<information>`` blocks after the question that are not
+    the invalid-action hint (the full Search-R1 instruction before the question names the tags itself, and
+    the hint names ``<search>``, so counting tags would count a cut search and the hint as searches)."""
+    return sum(not m.group(1).lstrip().startswith(_HINT_START) for m in _INFO.finditer(context, question.end()))
 
 
 class OracleLLM:
