@@ -27,7 +27,9 @@ class CachedRetriever:
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
-    def __getattr__(self, name):  # expose the wrapped retriever's store/search_rows etc.
+    def __getattr__(self, name):  # expose the wrapped retriever's public attributes (store, search_rows, ...)
+        if name.startswith("_") or name == "inner":  # no recursion on a half-built copy (copy, pickle)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(self.inner, name)
 
     def clear(self) -> None:

@@ -490,3 +490,19 @@ def test_check_queries_rejects_a_bool_k():
         with pytest.raises(ValueError, match="k must be an integer >= 1"):
             check_queries(["q"], k)
     check_queries(["q"], 1)
+
+
+def test_cached_retriever_can_be_copied_and_hides_no_missing_attribute(retriever):
+    """``__getattr__`` forwarded every missing name to ``self.inner``, which is itself looked up through
+    ``__getattr__`` on an instance that ``copy``/``pickle`` builds without ``__init__``: endless recursion.
+    Private names are not forwarded now, so a copy works and a missing private attribute is an
+    ``AttributeError``."""
+    import copy
+
+    from retrieval.cache import CachedRetriever
+
+    cached = CachedRetriever(retriever, maxsize=4)
+    twin = copy.copy(cached)
+    assert twin.inner is retriever and twin.search(["Eiffel"], 1) == retriever.search(["Eiffel"], 1)
+    with pytest.raises(AttributeError):
+        cached._no_such_attribute  # noqa: B018
