@@ -26,14 +26,19 @@ import numpy as np
 PARAMS_FILE = "sleuth_bm25.json"
 
 
+#: bm25s's term-frequency scoring variants (Kamphuis et al., 2020)
+METHODS = ("lucene", "robertson", "atire", "bm25l", "bm25+")
+
+
 @dataclass(frozen=True)
 class BM25Params:
     """BM25 hyper-parameters and tokenisation, saved as ``sleuth_bm25.json``.
 
     ``stemmer`` is a PyStemmer/Snowball language name (``"english"``) or ``None`` for no stemming;
-    ``stopwords`` is ``"en"`` or ``None``. Raises ``ValueError`` for ``k1`` not a finite number >= 0 or ``b``
-    outside ``[0, 1]``, the ranges Lucene's BM25 accepts (outside them the length norm or the term-frequency
-    saturation turns negative and ranks passages backwards).
+    ``stopwords`` is ``"en"`` or ``None``; ``method`` is one of bm25s's :data:`METHODS`. Raises
+    ``ValueError`` for an unknown ``method`` or ``stemmer`` (before anything is built), ``k1`` not a finite
+    number >= 0 or ``b`` outside ``[0, 1]``, the ranges Lucene's BM25 accepts (outside them the length norm
+    or the term-frequency saturation turns negative and ranks passages backwards).
     """
 
     k1: float = 0.9
@@ -47,6 +52,14 @@ class BM25Params:
             raise ValueError(f"BM25 k1 must be a finite number >= 0, got {self.k1}")
         if not 0 <= self.b <= 1:
             raise ValueError(f"BM25 b must lie in [0, 1], got {self.b}")
+        if self.method not in METHODS:
+            raise ValueError(f"unknown BM25 method {self.method!r}; bm25s has {', '.join(METHODS)}")
+        if self.stemmer:  # None or "": no stemming
+            import Stemmer
+
+            if self.stemmer not in Stemmer.algorithms():
+                raise ValueError(f"unknown stemmer {self.stemmer!r}; PyStemmer has {', '.join(Stemmer.algorithms())} "
+                                 "(or None for no stemming)")
 
 
 BACKENDS = ("maxscore", "numpy", "numba")

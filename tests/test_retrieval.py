@@ -163,6 +163,19 @@ def test_bm25_params_outside_lucenes_ranges_are_rejected(tmp_path, bad):
     BM25Params(k1=2.0, b=1.0)
 
 
+@pytest.mark.parametrize("bad,name", [({"stemmer": "englsh"}, "stemmer"), ({"method": "okapi"}, "method")])
+def test_a_misspelt_bm25_stemmer_or_method_is_rejected_before_anything_is_built(tmp_path, bad, name):
+    """``sleuth index --stemmer englsh`` wrote the whole passage store (hours for wiki-18) and then failed
+    with PyStemmer's bare KeyError; an unknown bm25s method failed the same way. Both are ValueErrors naming
+    the choices now, raised when the parameters are made."""
+    from retrieval.bm25 import BM25Params
+
+    with pytest.raises(ValueError, match=name) as e:
+        BM25Params(**bad)
+    assert "english" in str(e.value) or "lucene" in str(e.value)  # the valid choices are listed
+    BM25Params(stemmer="porter", method="robertson")
+
+
 def test_bm25_threads_and_unknown_words(index_dir):
     one = load_retriever(index_dir, "bm25", n_threads=1)
     two = load_retriever(index_dir, "bm25", n_threads=2)
