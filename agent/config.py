@@ -63,7 +63,8 @@ class SimulatorConfig(Section):
 class LLMJudgeConfig(Section):
     """LLM-as-judge for answers rules cannot score (``agent.judge: llm``)."""
 
-    model: str | None = Field(None, description="judge model (default: the policy's backend)")
+    model: str | None = Field(None, description="judge model of training and `sleuth serve`, on agent.backend "
+                              "(default: the policy's backend; `sleuth eval` uses eval.judge_model)")
     unparseable: Literal["zero", "rule"] = Field(
         "zero", description="an unparseable verdict scores 0 (zero) or falls back to the rule metric (rule)")
     max_new_tokens: int = Field(16, ge=1)

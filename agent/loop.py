@@ -408,23 +408,30 @@ def stop_strings(cfg: Any) -> tuple[str, ...]:
     return protocol.STOP_STRINGS
 
 
+def configured_llm_judge(judge_llm: LLM, cfg: Any) -> Judge:
+    """The LLM judge of ``agent.judge: llm`` (:func:`agent.llm_judge.llm_judge` with ``cfg.llm_judge``'s
+    options and ``cfg.reward``/``cfg.format_reward``, plus ReSeek's self-judge term) asking ``judge_llm``:
+    the policy backend by default (:func:`make_context`), or the backend of ``agent.llm_judge.model`` that the
+    composition root builds (``sleuth.pipeline.answer_judge``)."""
+    from agent.llm_judge import llm_judge
+
+    jc = cfg.llm_judge
+    return with_self_judge(llm_judge(judge_llm, jc.unparseable, cfg.reward, cfg.format_reward, jc.max_new_tokens),
+                           getattr(cfg, "self_judge_reward", 0.0))
+
+
 def make_context(llm: LLM, retriever: Retriever | None, cfg: Any, *, temperature: float | None = None,
                  top_k: int = 3, judge: Judge | None = None, scheduler: Scheduler | None = None) -> AgentContext:
     """An :class:`AgentContext` for :func:`arun_episodes` / :func:`run_episode` (e.g. inside a server's
     event loop, where one scheduler is shared by all requests). With ``cfg.judge == "llm"`` and no
-    ``judge`` given, the policy backend itself judges the answers (:func:`agent.llm_judge.llm_judge`, plus
-    the self-judge term of ``cfg.self_judge_reward``: :func:`with_self_judge`).
+    ``judge`` given, the policy backend itself judges the answers (:func:`configured_llm_judge`).
     Raises ``ValueError`` when ``cfg.max_obs_tokens`` cannot hold an observation's framing and one token."""
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens,
                             temperature=cfg.temperature if temperature is None else temperature,
                             top_p=cfg.top_p, stop=stop_strings(cfg))
     sched = scheduler or Scheduler(llm, retriever, max_batch=cfg.max_batch)
     if judge is None and getattr(cfg, "judge", "rule") == "llm":
-        from agent.llm_judge import llm_judge
-
-        jc = cfg.llm_judge
-        judge = with_self_judge(llm_judge(llm, jc.unparseable, cfg.reward, cfg.format_reward, jc.max_new_tokens),
-                                getattr(cfg, "self_judge_reward", 0.0))
+        judge = configured_llm_judge(llm, cfg)
     ctx = AgentContext(sched, llm.tokenizer, cfg, params, top_k=top_k, judge=judge)
     frames = map(ctx.observation_frame, (None, getattr(llm.tokenizer, "eos_token", None)))  # without / with EOS
     frame = max(len(ctx.ids(head)) + len(ctx.ids(tail)) for head, tail in frames)

@@ -43,7 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from agent.llm import LLM
-from agent.loop import EventSink, make_context, prompt_ids, rule_judge, run_episode
+from agent.loop import EventSink, Judge, make_context, prompt_ids, rule_judge, run_episode
 from agent.trajectory import Trajectory
 from corpora.formats import QAExample
 from retrieval.base import Hit, Retriever
@@ -101,11 +101,13 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
 
 def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3, temperature: float = 0.0,
                api_key: str | None = None, model_name: str = "sleuth-agent",
-               limits: ServeLimits | None = None) -> FastAPI:
-    """Build the app around one policy backend and one retriever (see the module docstring)."""
+               limits: ServeLimits | None = None, judge: Judge | None = None) -> FastAPI:
+    """Build the app around one policy backend and one retriever (see the module docstring). ``judge``
+    scores answers sent with golden answers (default: :func:`agent.loop.make_context`'s, from
+    ``agent_cfg.judge``)."""
     limits = limits or ServeLimits()
     evidence = _EvidenceRetriever(retriever)
-    ctx = make_context(llm, evidence, agent_cfg, temperature=temperature, top_k=top_k)
+    ctx = make_context(llm, evidence, agent_cfg, temperature=temperature, top_k=top_k, judge=judge)
     app = FastAPI(title="Sleuth agent", version="0.1")
     app.state.ctx = ctx
     app.state.inflight = 0
@@ -161,10 +163,10 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
         app.state.inflight += 1
         ex = QAExample(id=f"req-{uuid.uuid4().hex[:12]}", question=question, golden_answers=golds or [""])
         # no gold: nothing to judge, and no verdict is returned, so an LLM judge would only cost a generation
-        judge = rule_judge() if not golds and getattr(agent_cfg, "judge", "rule") == "llm" else None
-        run_ctx = ctx if (k is None or k == ctx.top_k) and judge is None else make_context(
-            llm, evidence, agent_cfg, temperature=temperature, top_k=k or ctx.top_k, judge=judge,
-            scheduler=ctx.scheduler)
+        plain = not golds and getattr(agent_cfg, "judge", "rule") == "llm"
+        run_ctx = ctx if (k is None or k == ctx.top_k) and not plain else make_context(
+            llm, evidence, agent_cfg, temperature=temperature, top_k=k or ctx.top_k,
+            judge=rule_judge() if plain else ctx.judge, scheduler=ctx.scheduler)
         try:
             traj = await asyncio.wait_for(run_episode(run_ctx, ex, on_event=on_event), limits.request_timeout_s)
         except TimeoutError:

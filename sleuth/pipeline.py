@@ -121,6 +121,20 @@ def load_llm(cfg: Config, model_path: str | Path | None = None):
 
 
 # -- evaluation ---------------------------------------------------------------------------------------
+def answer_judge(cfg: Config):
+    """The episode judge for ``agent.judge: llm`` with its own model (``agent.llm_judge.model``, on the
+    ``agent.backend`` kind), for training and ``sleuth serve``; ``None`` otherwise: the rule judge, or the
+    policy backend judging its own answers (:func:`agent.loop.make_context`)."""
+    a = cfg.agent
+    if a.judge != "llm" or not a.llm_judge.model:
+        return None
+    from agent.backends import make_llm
+    from agent.loop import configured_llm_judge
+
+    judge_llm = make_llm(a.backend, str(a.llm_judge.model), cfg.policy.dtype, cfg.policy.device, cfg.seed)
+    return configured_llm_judge(judge_llm, a)
+
+
 def evaluate_agent(llm, retriever, examples: list[QAExample], cfg: Config) -> tuple[dict[str, Any], list[Trajectory]]:
     """Run the agent greedily (``eval.temperature``) on ``examples`` and score it.
 
@@ -254,7 +268,8 @@ def run_rl_stage(cfg: Config, init_path: str | Path, resume: bool = False, log=p
         bar.update(1)
         bar.set_postfix(reward=f"{rec['reward']:.3f}", em=f"{rec['em']:.2f}", searches=f"{rec['search_calls']:.2f}")
 
-    rl_train(cfg, llm.model, llm.tokenizer, retriever, train, run_dir, resume=ckpt is not None, on_step=on_step)
+    rl_train(cfg, llm.model, llm.tokenizer, retriever, train, run_dir, resume=ckpt is not None, on_step=on_step,
+             judge=answer_judge(cfg))
     bar.close()
     final = latest_checkpoint(run_dir)
     return final if final is not None else start_from

@@ -375,3 +375,28 @@ def test_without_golden_answers_an_llm_judge_is_not_called(tiny_llm, retriever, 
         r = httpx2.post(srv.url + "/ask", json={"question": "What is the capital of France?",
                                                 "golden_answers": ["Paris"]}, timeout=30)
         assert r.status_code == 200 and r.json()["verdict"] is not None and judge_calls() == 1
+
+
+def test_a_judge_given_to_the_server_scores_answers_sent_with_golds(tiny_llm, retriever, agent_cfg):
+    """``agent.llm_judge.model`` (a judge on its own model) reaches ``sleuth serve`` as ``create_app(judge=)``:
+    answers sent with golds are scored by it, not by the policy; without golds the rule judge still runs."""
+    from tests.test_agent_fakes import Recorder
+
+    rec = Recorder(ScriptLLM(tiny_llm.tokenizer, SCRIPTS))
+    cfg = agent_cfg.model_copy(update={"judge": "llm"})
+    judged = []
+
+    def judge(traj):
+        judged.append(traj.answer)
+        return 0.5, {"em": 0.0, "judge": "own"}
+
+    app = create_app(rec, retriever, cfg, top_k=2, limits=ServeLimits(request_timeout_s=20), judge=judge)
+    with ServerThread(app) as srv:
+        for k in (None, 1):  # the default top-k and another one (a context made per request)
+            r = httpx2.post(srv.url + "/ask", json={"question": "What is the capital of France?", "top_k": k,
+                                                    "golden_answers": ["Paris"]}, timeout=30)
+            assert r.status_code == 200 and r.json()["verdict"]["judge"] == "own"
+        r = httpx2.post(srv.url + "/ask", json={"question": "What is the capital of France?"}, timeout=30)
+        assert r.status_code == 200 and r.json()["verdict"] is None
+    assert judged == ["Paris", "Paris"]
+    assert not any("VERDICT" in tiny_llm.tokenizer.decode(p) for p in rec.prompts)  # the policy never judged

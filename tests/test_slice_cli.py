@@ -432,3 +432,46 @@ def test_a_missing_optional_extra_is_a_one_line_error(tmp_path, monkeypatch, cap
     assert main(["eval", "--limit", "1", "--out", str(tmp_path), "agent.backend.kind=vllm"]) == 2
     assert capsys.readouterr().err.strip() == ("sleuth eval: error: the vllm backend needs vLLM: "
                                                "`pip install -e .[gpu]` on a GPU machine")
+
+
+def test_llm_judge_model_judges_the_training_episodes(tiny_policy_dir, tiny_llm, retriever, tmp_path, monkeypatch):
+    """``agent.llm_judge.model`` was read nowhere: with ``agent.judge=llm`` the policy always judged its own
+    answers. The configured model now judges (built on ``agent.backend``), and ``sleuth train`` hands that
+    judge to the trainer; without the key there is no separate judge."""
+    import agent.backends
+    import training.trainer
+    from agent.llm import Generation, encode
+    from agent.trajectory import Trajectory
+    from sleuth import pipeline
+    from sleuth.config import load_config
+
+    built, asked = [], []
+
+    class JudgeLLM:
+        tokenizer = tiny_llm.tokenizer
+
+        def generate(self, prompts, params):
+            asked.extend(prompts)
+            return [Generation(encode(self.tokenizer, "VERDICT: correct"), "VERDICT: correct", "stop") for _ in prompts]
+
+    def fake_make_llm(backend, path, *a, **kw):
+        built.append(path)
+        return JudgeLLM()
+
+    monkeypatch.setattr(agent.backends, "make_llm", fake_make_llm)
+    over = ["agent.judge=llm", f"out_dir={tmp_path}", "train.steps=1"]
+    assert pipeline.answer_judge(load_config(None, over)) is None  # no model: make_context's policy judge
+    cfg = load_config(None, [*over, "agent.llm_judge.model=judges/big"])
+    judge = pipeline.answer_judge(cfg)
+    traj = Trajectory(question_id="q", question="Where is Paris?", golden_answers=["France"])
+    traj.answer = "France"
+    reward, verdict = judge(traj)
+    assert built == ["judges/big"] and len(asked) == 1 and verdict["llm_correct"] == 1.0 and reward >= 1.0
+
+    seen = {}
+    monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: retriever)
+    monkeypatch.setattr(training.trainer, "rl_train", lambda *a, **kw: seen.update(kw))
+    pipeline.run_rl_stage(cfg, tiny_policy_dir, log=lambda *a, **k: None)
+    assert seen["judge"] is not None and len(built) == 2  # the trainer got a judge built from the model
+    seen["judge"](traj)
+    assert len(asked) == 2

@@ -42,7 +42,7 @@ def run(args) -> int:
 
     from agent.backends import make_llm
     from agent.server import ServeLimits, create_app
-    from sleuth.pipeline import open_retriever, tiny_policy_path
+    from sleuth.pipeline import answer_judge, open_retriever, tiny_policy_path
 
     cfg = config_from_args(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
@@ -53,6 +53,6 @@ def run(args) -> int:
     limits = ServeLimits(max_body_bytes=args.max_body_bytes, request_timeout_s=args.timeout,
                          max_question_chars=cfg.agent.max_query_chars)
     app = create_app(llm, retriever, cfg.agent, top_k=cfg.retrieval.top_k, temperature=cfg.eval.temperature,
-                     api_key=args.api_key, model_name=args.name, limits=limits)
+                     api_key=args.api_key, model_name=args.name, limits=limits, judge=answer_judge(cfg))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", limit_concurrency=1024)
     return 0
