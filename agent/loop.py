@@ -106,10 +106,20 @@ def prompt_ids(tokenizer: Any, question: str, agent_cfg: Any) -> list[int]:
     return user_message_ids(tokenizer, text, agent_cfg)
 
 
+def check_chat_template(tokenizer: Any, agent_cfg: Any) -> None:
+    """Raise ``ValueError`` when ``agent_cfg.chat_template`` is ``on`` but ``tokenizer`` has no chat
+    template (``auto`` uses one only when it is there)."""
+    if getattr(agent_cfg, "chat_template", "auto") == "on" and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("agent.chat_template=on, but the model's tokenizer has no chat template; use "
+                         "agent.chat_template=auto (the template when there is one) or off")
+
+
 def user_message_ids(tokenizer: Any, text: str, agent_cfg: Any) -> list[int]:
     """Token ids of a one-message user prompt ``text``, ready for generation: through the model's chat
     template (with the generation prompt) when ``agent_cfg.chat_template`` is ``on``, or ``auto`` and the
-    tokenizer has one; else BOS (when the tokenizer has one) and the plain text."""
+    tokenizer has one; else BOS (when the tokenizer has one) and the plain text. Raises ``ValueError`` for
+    ``on`` without a template (:func:`check_chat_template`)."""
+    check_chat_template(tokenizer, agent_cfg)
     use_chat = agent_cfg.chat_template == "on" or (
         agent_cfg.chat_template == "auto" and getattr(tokenizer, "chat_template", None)
     )
@@ -425,7 +435,9 @@ def make_context(llm: LLM, retriever: Retriever | None, cfg: Any, *, temperature
     """An :class:`AgentContext` for :func:`arun_episodes` / :func:`run_episode` (e.g. inside a server's
     event loop, where one scheduler is shared by all requests). With ``cfg.judge == "llm"`` and no
     ``judge`` given, the policy backend itself judges the answers (:func:`configured_llm_judge`).
-    Raises ``ValueError`` when ``cfg.max_obs_tokens`` cannot hold an observation's framing and one token."""
+    Raises ``ValueError`` when ``cfg.max_obs_tokens`` cannot hold an observation's framing and one token, or
+    for ``agent.chat_template=on`` without a chat template (:func:`check_chat_template`)."""
+    check_chat_template(llm.tokenizer, cfg)  # now, not at every episode's first prompt
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens,
                             temperature=cfg.temperature if temperature is None else temperature,
                             top_p=cfg.top_p, stop=stop_strings(cfg))

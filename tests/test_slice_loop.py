@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from agent.llm import Generation, SamplingParams, decode, encode
 from agent.loop import run_episodes
 from agent.trajectory import Role, Trajectory, load_trajectories, save_trajectories
@@ -190,3 +192,15 @@ def test_truncate_at_stop_keeps_an_exact_prefix(tiny_llm):
     assert reason == "stop" and cut == ids[:3] + [eos] and text == decode(tok, ids[:3])
     cut, text, reason = truncate_at_stop(tok, ids[:3], ("</search>",), {eos})
     assert reason == "length" and cut == ids[:3]
+
+
+def test_chat_template_on_without_a_template_is_refused_when_the_context_is_made(tiny_llm, retriever, agent_cfg):
+    """``agent.chat_template=on`` with a tokenizer that has no chat template failed inside every episode
+    (transformers' error at ``apply_chat_template``; under ``sleuth serve`` an HTTP 500 per request). It is
+    a ``ValueError`` naming the setting when the agent context is made (server start, training start)."""
+    from agent.loop import make_context
+
+    assert not getattr(tiny_llm.tokenizer, "chat_template", None)
+    with pytest.raises(ValueError, match="agent.chat_template=on"):
+        make_context(tiny_llm, retriever, agent_cfg.model_copy(update={"chat_template": "on"}))
+    make_context(tiny_llm, retriever, agent_cfg.model_copy(update={"chat_template": "auto"}))
