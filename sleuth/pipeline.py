@@ -117,7 +117,30 @@ def load_llm(cfg: Config, model_path: str | Path | None = None):
     from agent.backends import make_llm
 
     path = model_path or cfg.policy.model or tiny_policy_path(cfg)
+    check_context_length(cfg, path)
     return make_llm(cfg.agent.backend, str(path), cfg.policy.dtype, cfg.policy.device, cfg.seed)
+
+
+def check_context_length(cfg: Config, model_path: str | Path) -> None:
+    """Raise ``ValueError`` when ``agent.max_total_tokens`` (an episode's token budget) exceeds the context of
+    the model in directory ``model_path``: ``max_position_embeddings`` of its ``config.json`` (of the text
+    model for a multimodal one), times a ``rope_scaling`` factor when there is one. Nothing is checked when
+    ``model_path`` has no readable ``config.json`` (a hub id, an API model)."""
+    path = Path(model_path) / "config.json"
+    try:
+        conf = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    conf = conf.get("text_config") or conf
+    positions = conf.get("max_position_embeddings")
+    if not isinstance(positions, int) or isinstance(positions, bool):
+        return
+    factor = (conf.get("rope_scaling") or {}).get("factor") or 1
+    limit = int(positions * factor) if isinstance(factor, (int, float)) and factor >= 1 else positions
+    if cfg.agent.max_total_tokens > limit:
+        raise ValueError(f"agent.max_total_tokens={cfg.agent.max_total_tokens} is more than the {limit} tokens of "
+                         f"context of {model_path} (max_position_embeddings in {path}); lower "
+                         "agent.max_total_tokens")
 
 
 # -- evaluation ---------------------------------------------------------------------------------------
@@ -255,6 +278,7 @@ def run_rl_stage(cfg: Config, init_path: str | Path, resume: bool = False, log=p
         raise ValueError(f"{run_dir} already has checkpoints (latest {ckpt.name}); pass --resume to continue "
                          "it, or set out_dir=... for a new run")
     start_from = ckpt if ckpt is not None else Path(init_path)
+    check_context_length(cfg, start_from)
     llm = TransformersLLM.from_pretrained(str(start_from), cfg.policy.dtype, cfg.policy.device)
     retriever = open_retriever(cfg)
     train = read_qa(data_paths(cfg)["train"])

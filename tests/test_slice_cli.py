@@ -475,3 +475,22 @@ def test_llm_judge_model_judges_the_training_episodes(tiny_policy_dir, tiny_llm,
     assert seen["judge"] is not None and len(built) == 2  # the trainer got a judge built from the model
     seen["judge"](traj)
     assert len(asked) == 2
+
+
+def test_an_episode_budget_beyond_the_models_context_is_refused_before_loading(tiny_policy_dir, tmp_path, monkeypatch):
+    """``agent.max_total_tokens`` above the model's context (``max_position_embeddings``) let episodes run
+    past the positions the model was trained on (transformers: silently degraded output; vLLM: an error in
+    the middle of a rollout). It is a ValueError naming both numbers before the model is loaded."""
+    import agent.backends
+    from sleuth import pipeline
+    from sleuth.config import load_config
+
+    monkeypatch.setattr(agent.backends, "make_llm", lambda *a, **k: "loaded")
+    cfg = load_config(None, [f"out_dir={tmp_path}", "agent.max_total_tokens=4096"])
+    with pytest.raises(ValueError, match="agent.max_total_tokens=4096.*1024"):
+        pipeline.load_llm(cfg, tiny_policy_dir)  # the fixture policy has 1,024 positions
+    with pytest.raises(ValueError, match="agent.max_total_tokens"):
+        pipeline.run_rl_stage(cfg, tiny_policy_dir, log=lambda *a, **k: None)
+    ok = load_config(None, [f"out_dir={tmp_path}", "agent.max_total_tokens=1024"])
+    assert pipeline.load_llm(ok, tiny_policy_dir) == "loaded"
+    assert pipeline.load_llm(cfg, "some/hub-id") == "loaded"  # no local config to read: not checked
