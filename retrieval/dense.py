@@ -318,6 +318,19 @@ def check_dense_spec(spec: DenseIndexSpec, n: int, dim: int) -> None:
         )
 
 
+def ivf_nlist(spec: DenseIndexSpec, n: int) -> int:
+    """Inverted lists of an ``ivfpq`` shard of ``n`` vectors: ``spec.nlist``, or ``4 * sqrt(n)`` when 0,
+    capped at ``n // 39`` (faiss wants about 39 training points per centroid)."""
+    nlist = spec.nlist or max(1, int(4 * math.sqrt(n)))
+    return min(nlist, max(1, n // 39))
+
+
+def ivf_train_size(spec: DenseIndexSpec, n: int) -> int:
+    """Vectors an ``ivfpq`` shard of ``n`` vectors trains on: 100k, or more when its :func:`ivf_nlist` needs
+    39 points per list (wiki-18's 21M passages in one shard: 18k lists, 715k points), at most ``n``."""
+    return min(n, max(100_000, 39 * ivf_nlist(spec, n)))
+
+
 def _new_index(spec: DenseIndexSpec, dim: int, n: int):
     import faiss
 
@@ -327,8 +340,7 @@ def _new_index(spec: DenseIndexSpec, dim: int, n: int):
         idx = faiss.IndexHNSWFlat(dim, spec.hnsw_m, faiss.METRIC_INNER_PRODUCT)
         idx.hnsw.efConstruction = max(40, spec.hnsw_m * 2)
         return idx
-    nlist = spec.nlist or max(1, int(4 * math.sqrt(n)))
-    nlist = min(nlist, max(1, n // 39))  # faiss wants ~39 training points per centroid
+    nlist = ivf_nlist(spec, n)
     m = spec.pq_m or max(1, dim // 8)
     idx = faiss.index_factory(dim, f"IVF{nlist},PQ{m}", faiss.METRIC_INNER_PRODUCT)
     # the factory turns on polysemous training (Hamming-filtered search, which search never asks for: its
@@ -342,8 +354,8 @@ def build_dense_shards(
 ) -> list[str]:
     """Build FAISS shard files ``dense_{i}.faiss`` from an ``[N, d]`` float32 array (a memmap is fine).
 
-    Shards are :func:`shard_bounds`. Returns the shard file names. IVF-PQ trains on up to 100k vectors of
-    each shard. Raises ``ValueError`` from :func:`check_dense_spec` before any index is made.
+    Shards are :func:`shard_bounds`. Returns the shard file names. IVF-PQ trains on
+    :func:`ivf_train_size` vectors of each shard (100k, or 39 per inverted list when that is more). Raises ``ValueError`` from :func:`check_dense_spec` before any index is made.
     """
     import faiss
 
@@ -356,7 +368,7 @@ def build_dense_shards(
         idx = _new_index(spec, dim, stop - start)
         if not idx.is_trained:
             rng = np.random.default_rng(0)
-            take = np.sort(rng.choice(stop - start, size=min(stop - start, 100_000), replace=False))
+            take = np.sort(rng.choice(stop - start, size=ivf_train_size(spec, stop - start), replace=False))
             idx.train(np.ascontiguousarray(emb[start + take]))
         for a in tqdm(
             range(start, stop, 65536), desc=f"faiss {spec.kind} shard {s}", disable=not show_progress

@@ -360,3 +360,16 @@ def test_prefixes_go_through_sentence_transformers_prompts(tmp_path):
     for got, prompt in [(enc.encode_queries(texts), "query: "), (enc.encode_passages(texts), "")]:
         want = ref.encode(texts, prompt=prompt, normalize_embeddings=True, convert_to_numpy=True)
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_ivfpq_trains_on_enough_points_for_its_lists():
+    """IVF-PQ trained on at most 100k vectors while its lists grow as 4 sqrt(N) (18k lists for wiki-18's 21M
+    passages, about 5 points per list; faiss asks for 39 and clusters badly below); an explicit nlist of 8k
+    on a 4M shard got 12 points per list. The sample now holds 39 points per list, never more than the shard."""
+    from retrieval.dense import DenseIndexSpec, ivf_nlist, ivf_train_size
+
+    for spec, n in [(DenseIndexSpec(kind="ivfpq"), 21_000_000), (DenseIndexSpec(kind="ivfpq", nlist=8192), 4_000_000),
+                    (DenseIndexSpec(kind="ivfpq"), 50_000), (DenseIndexSpec(kind="ivfpq", nlist=4096), 100_000)]:
+        size = ivf_train_size(spec, n)
+        assert size <= n and size >= min(n, 100_000)
+        assert size >= 39 * ivf_nlist(spec, n)
