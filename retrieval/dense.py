@@ -263,7 +263,8 @@ class DenseIndexSpec:
     (``nlist`` lists, ``pq_m`` sub-quantisers of 8 bits, ``nprobe``). ``shard_size`` bounds vectors per
     shard file; shards are split equally (:func:`shard_bounds`).
 
-    Raises ``ValueError`` for an unknown kind, ``shard_size < 1``, or an ``ivfpq`` ``shard_size`` below
+    Raises ``ValueError`` for an unknown kind, ``shard_size < 1``, ``hnsw_m < 2``, ``ef_search`` or
+    ``nprobe`` below 1, a negative ``nlist`` or ``pq_m``, or an ``ivfpq`` ``shard_size`` below
     :data:`IVFPQ_MIN_VECTORS` (no shard could be trained); :func:`check_dense_spec` checks the rest once the
     corpus size is known."""
 
@@ -280,6 +281,9 @@ class DenseIndexSpec:
             raise ValueError(f"unknown dense index kind {self.kind!r} ({', '.join(INDEX_KINDS)})")
         if self.shard_size < 1:
             raise ValueError(f"dense index shard_size must be >= 1, got {self.shard_size}")
+        for name, least in (("hnsw_m", 2), ("ef_search", 1), ("nprobe", 1), ("nlist", 0), ("pq_m", 0)):
+            if getattr(self, name) < least:  # nprobe=0: a faiss error at search; ef_search=0: one hit of k
+                raise ValueError(f"dense index {name} must be >= {least}, got {getattr(self, name)}")
         if self.kind == "ivfpq" and self.shard_size < IVFPQ_MIN_VECTORS:
             raise ValueError(
                 f"dense index shard_size={self.shard_size}, but ivfpq needs at least {IVFPQ_MIN_VECTORS} "

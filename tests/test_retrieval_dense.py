@@ -373,3 +373,14 @@ def test_ivfpq_trains_on_enough_points_for_its_lists():
         size = ivf_train_size(spec, n)
         assert size <= n and size >= min(n, 100_000)
         assert size >= 39 * ivf_nlist(spec, n)
+
+
+@pytest.mark.parametrize("bad", [{"nprobe": 0}, {"ef_search": 0}, {"hnsw_m": 1}, {"nlist": -1}, {"pq_m": -8}])
+def test_dense_search_parameters_out_of_range_are_rejected(bad):
+    """``nprobe=0`` failed inside faiss at the first search and ``ef_search=0`` answered one hit of k (the
+    rest -1); these and the other out-of-range values are ValueErrors naming the parameter when the spec
+    is made."""
+    from retrieval.dense import DenseIndexSpec
+
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        DenseIndexSpec(kind="ivfpq", shard_size=1_000_000, **bad)
