@@ -62,7 +62,10 @@ def _paragraphs(obj: dict, path: Path, lineno: int) -> tuple[list[tuple[str, str
         for j, c in enumerate(ctxs):
             if not isinstance(c, dict) or "paragraph_text" not in c:
                 raise bad(f"context {j} has no 'paragraph_text'")
-            paras.append((str(c.get("title", "")), str(c["paragraph_text"]), bool(c.get("is_supporting"))))
+            if not isinstance(c["paragraph_text"], str):
+                raise bad(f"context {j}: 'paragraph_text' is {type(c['paragraph_text']).__name__}, expected a string")
+            title = c.get("title")
+            paras.append(("" if title is None else str(title), c["paragraph_text"], bool(c.get("is_supporting"))))
     elif "context" in obj:  # raw HotpotQA / 2WikiMultihopQA
         ctx = obj["context"]
         if isinstance(ctx, dict):  # HF datasets layout: {"title": [...], "sentences": [[...], ...]}

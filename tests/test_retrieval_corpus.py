@@ -350,3 +350,17 @@ def test_pool_leaves_out_blank_and_null_answers_so_its_qa_file_reads_back(tmp_pa
     stats = pool_corpus([src], tmp_path / "c.jsonl", qa_out=tmp_path / "qa.jsonl")
     assert stats["questions"] == 1
     assert [(q.id, q.golden_answers) for q in read_qa(tmp_path / "qa.jsonl")] == [("q2", ["x"])]
+
+
+def test_pool_null_paragraph_title_or_text(tmp_path):
+    """A null context title was pooled as the title "None", and a null paragraph_text as the passage "None".
+    A null title is now no title; a paragraph text that is not a string is an error naming line and context."""
+    src = tmp_path / "ircot.jsonl"
+    src.write_text(json.dumps(_ircot("q1", [(None, "alpha text", True)])) + "\n")
+    pool_corpus([src], tmp_path / "out.jsonl")
+    (p,) = read_corpus(tmp_path / "out.jsonl")
+    assert "None" not in p.contents and p.text == "alpha text"
+    src.write_text(json.dumps(_ircot("q1", [("A", "a", True)])) + "\n"
+                   + json.dumps(_ircot("q2", [("B", None, True)])) + "\n")
+    with pytest.raises(DataFormatError, match=r"ircot\.jsonl:2: .*context 0.*paragraph_text"):
+        pool_corpus([src], tmp_path / "out2.jsonl")
