@@ -38,8 +38,7 @@ PROMPT = (
 # markdown emphasis or quotes around the label or the word are allowed: **VERDICT**: "correct"
 _VERDICT_RE = re.compile(r"verdict[*_\s]*[:=][*_\s]*[*_\"'`]*\s*(correct|incorrect)\b", re.IGNORECASE)
 _BARE_RE = re.compile(r"^\W*(correct|incorrect|yes|no)\b", re.IGNORECASE)
-_CORRECT_RE = re.compile(r"\bcorrect\b", re.IGNORECASE)
-_INCORRECT_RE = re.compile(r"\bincorrect\b", re.IGNORECASE)
+_WORD_RE = re.compile(r"\b(correct|incorrect|yes|no)\b", re.IGNORECASE)  # verdict words of a bare verdict
 
 
 def judge_prompt(question: str, golden_answers: list[str], prediction: str) -> str:
@@ -50,8 +49,9 @@ def judge_prompt(question: str, golden_answers: list[str], prediction: str) -> s
 
 def parse_verdict(text: str) -> bool | None:
     """``True`` (correct), ``False`` (incorrect) or ``None`` (unparseable): the first ``VERDICT:`` line, else
-    a bare leading verdict word. A line that gives both verdicts (the instruction's ``VERDICT: correct or
-    VERDICT: incorrect`` echoed back) is unparseable."""
+    a bare leading verdict word (correct/yes, incorrect/no). A line that gives both verdicts (the
+    instruction's ``VERDICT: correct or VERDICT: incorrect`` echoed back; "Yes, but incorrect") is
+    unparseable."""
     text = text or ""
     m = _VERDICT_RE.search(text)
     if m:
@@ -62,10 +62,8 @@ def parse_verdict(text: str) -> bool | None:
         return m.group(1).lower() == "correct"
     m = _BARE_RE.match(text)
     if m:
-        first = text.split("\n", 1)[0]
-        if _CORRECT_RE.search(first) and _INCORRECT_RE.search(first):
-            return None
-        return m.group(1).lower() in ("correct", "yes")
+        said = {w.lower() in ("correct", "yes") for w in _WORD_RE.findall(text.split("\n", 1)[0])}
+        return None if len(said) > 1 else m.group(1).lower() in ("correct", "yes")
     return None
 
 

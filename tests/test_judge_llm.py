@@ -172,3 +172,13 @@ def test_config_judge_llm_keeps_the_self_judge_reward(tiny_llm, retriever, agent
     (t,) = run_episodes([FRANCE], both, retriever, cfg, top_k=1)
     assert t.turns[1].judgement == "useful" and t.verdict["llm_verdict"] == "correct"
     assert t.verdict["self_judge_acc"] == 1.0 and t.verdict["self_judgements"] == 1 and t.reward == 1.5
+
+
+def test_a_bare_verdict_contradicted_on_its_line_is_unparseable():
+    """A bare leading "yes"/"no" was taken as the verdict even when the same line said the opposite ("Yes,
+    but incorrect" scored correct); a first line with both a positive and a negative verdict word is now
+    unparseable, like a ``VERDICT:`` line with both."""
+    assert parse_verdict("Yes, but incorrect.") is None
+    assert parse_verdict("No - it is correct") is None
+    assert parse_verdict("Yes, the answer is correct.") is True and parse_verdict("No, incorrect.") is False
+    assert parse_verdict("Yes.\nAn incorrect guess would differ.") is True  # only the first line counts
