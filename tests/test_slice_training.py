@@ -221,3 +221,31 @@ def test_oracle_still_searches_after_an_invalid_turn():
     docs = format_docs([Hit("d1", "Bohemian Rhapsody", "A 1975 single.", 1.0)])
     context += f"<search> {ex.question} </search>\n\n<information>{docs}</information>\n\n"
     assert oracle._action(context) == "<search> Queen (band) </search>"  # the second hop is still made
+
+
+def test_sft_batch_without_policy_tokens_moves_no_weight(tiny_llm, retriever, agent_cfg, monkeypatch):
+    """A batch whose trajectories have no policy token (an episode cut at its prompt) has a zero loss, but
+    AdamW still stepped on it: its momentum from earlier batches moved the weights with no data behind the
+    step. Such a batch is skipped now (the schedule still advances)."""
+    from agent.trajectory import Role, Trajectory
+    from training.sft import oracle_trajectories, sft_train
+
+    titles = {p.id: p.title for p in PASSAGES}
+    (good,) = oracle_trajectories(QUESTIONS[:1], tiny_llm.tokenizer, retriever, agent_cfg, titles, top_k=1)
+    empty = Trajectory(question_id="cut", question="cut")
+    empty.append(good.token_ids[:5], Role.PROMPT, 0)
+    cfg = load_config(None, ["sft.epochs=3", "sft.batch_size=1"]).sft
+    steps, lrs = [], []
+    real_step = torch.optim.AdamW.step
+
+    def counted(self, *a, **k):
+        steps.append(1)
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
+    real_sched = torch.optim.lr_scheduler.LambdaLR.step
+    monkeypatch.setattr(torch.optim.lr_scheduler.LambdaLR, "step",
+                        lambda self, *a, **k: lrs.append(1) or real_sched(self, *a, **k))
+    hist = sft_train(tiny_llm.model, tiny_llm.tokenizer, [good, empty], cfg)
+    assert len(steps) == 3 and len(lrs) >= 6  # one optimizer step per epoch; the schedule counts both batches
+    assert all(h["tokens"] == sum(r == Role.POLICY for r in good.roles) for h in hist)

@@ -38,7 +38,8 @@ def sft_train(model: Any, tokenizer: Any, trajs: list[Trajectory], cfg: Any, see
               max_len: int | None = None, progress: Any = None) -> list[dict[str, float]]:
     """Train ``model`` in place on ``trajs`` for ``cfg.epochs`` epochs (AdamW, ``cfg.batch_size`` trajectories
     per step; the learning rate warms up linearly to ``cfg.lr`` over 10 steps, then decays linearly to 10% of
-    it at the last step). Returns per-epoch ``{"epoch", "loss", "tokens"}``; raises ``FloatingPointError``
+    it at the last step). A batch without policy tokens is skipped (the schedule still advances). Returns
+    per-epoch ``{"epoch", "loss", "tokens"}`` (tokens: policy tokens trained on); raises ``FloatingPointError``
     on a non-finite loss or gradient norm, before that step changes any weight."""
     if not trajs:
         raise ValueError("SFT needs at least one trajectory")
@@ -57,6 +58,9 @@ def sft_train(model: Any, tokenizer: Any, trajs: list[Trajectory], cfg: Any, see
             lp, _ = policy_logprobs(model, batch, with_entropy=False)
             mask = batch.loss_mask.to(lp.device)
             n = mask.sum()
+            if not n:  # no policy token: no data behind a step (AdamW's momentum alone would move weights)
+                sched.step()
+                continue
             loss = -(lp * mask).sum() / n.clamp(min=1)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite SFT loss at epoch {epoch}")
