@@ -197,6 +197,8 @@ def pool_corpus(
                     pid = passage_field(obj, "id", src, lineno)
                     contents = passage_field(obj, "contents" if "contents" in obj else "text", src, lineno)
                     title = str(obj.get("title") or "")
+                    if not title and "\n" in contents and "contents" in obj:  # wiki-18: '"Title"\ntext', no title field
+                        title = contents.partition("\n")[0].strip('"')
                     # the body without the title line, only when the first line is the title (Passage.text)
                     text = Passage(pid, title, contents).text if "contents" in obj else contents
                     stats["paragraphs"] += 1

@@ -364,3 +364,20 @@ def test_pool_null_paragraph_title_or_text(tmp_path):
                    + json.dumps(_ircot("q2", [("B", None, True)])) + "\n")
     with pytest.raises(DataFormatError, match=r"ircot\.jsonl:2: .*context 0.*paragraph_text"):
         pool_corpus([src], tmp_path / "out2.jsonl")
+
+
+def test_pool_wiki18_lines_without_a_title_field_keep_their_title_line(tmp_path):
+    # Search-R1's wiki-18: {"id", "contents": '"Title"\ntext'}, no title field; the title is the first line
+    src = tmp_path / "wiki18.jsonl"
+    body = " ".join(f"w{i}" for i in range(25))
+    rows = [{"id": "0", "contents": f'"Aaron"\n{body}'}, {"id": "1", "contents": "no title line here"}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pool_corpus([src], tmp_path / "out.jsonl")
+    assert [(p.id, p.title, p.contents) for p in read_corpus(tmp_path / "out.jsonl")] == [
+        ("0", "Aaron", f"Aaron\n{body}"),
+        ("1", "no title line here", "no title line here"),
+    ]
+    pool_corpus([src], tmp_path / "chunked.jsonl", chunk_size=10)
+    chunks = read_corpus(tmp_path / "chunked.jsonl")
+    assert [(p.id, p.title) for p in chunks[:3]] == [("0-0", "Aaron"), ("0-1", "Aaron"), ("0-2", "Aaron")]
+    assert chunks[1].contents == "Aaron\n" + " ".join(f"w{i}" for i in range(10, 20))
