@@ -224,8 +224,8 @@ def test_drop_steps_after_keeps_the_file_when_interrupted_while_rewriting(tmp_pa
 
 
 def test_gold_answer_probs_run_the_lm_head_on_the_gold_tokens_only(tiny_policy_dir, retriever, agent_cfg):
-    """IGPO's p_k: the geometric-mean probability of the teacher-forced gold answer after each turn boundary,
-    as the full logits give it; the LM head runs on the gold positions only (a [rows, T, V] float32 logits
+    """IGPO's p_k: the geometric-mean probability of the teacher-forced gold answer's tokens (of
+    ``<answer> gold </answer>`` tokenised as one string) after each turn boundary, as the full logits give it; the LM head runs on the gold positions only (a [rows, T, V] float32 logits
     tensor is tens of GB for a real vocabulary and context)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -249,20 +249,23 @@ def test_gold_answer_probs_run_the_lm_head_on_the_gold_tokens_only(tiny_policy_d
 
     with HeadRows():
         probs = gold_answer_probs(model, tok, trajs)
-    open_ids, close_ids = encode(tok, "<answer>"), encode(tok, "</answer>")
     n_gold = 0
     for tr, ps in zip(trajs, probs, strict=True):
-        gold = encode(tok, f" {tr.golden_answers[0]} ")
+        # the answer as the policy writes it, tokenised as one string; p over the gold's own tokens (not the
+        # space before </answer>, a token of its own here that the policy never writes alone)
+        answer = encode(tok, f"<answer> {tr.golden_answers[0]} </answer>")
+        s0, e0 = len(encode(tok, "<answer>")), len(encode(tok, f"<answer> {tr.golden_answers[0]}"))
+        assert tok.decode(answer[s0:e0]) == f" {tr.golden_answers[0]}"
         bounds = turn_boundaries(tr)
         assert len(ps) == len(bounds)
         for b, p in zip(bounds, ps, strict=True):
-            ids = torch.tensor([tr.token_ids[:b] + open_ids + gold + close_ids])
+            ids = torch.tensor([tr.token_ids[:b] + answer])
             with torch.no_grad():
                 logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
-            s = b + len(open_ids)
-            want = logp[s - 1 : s - 1 + len(gold)].gather(-1, ids[0, s : s + len(gold), None]).mean().exp()
+            s, e = b + s0, b + e0
+            want = logp[s - 1 : e - 1].gather(-1, ids[0, s:e, None]).mean().exp()
             assert p == pytest.approx(float(want), rel=1e-4)
-            n_gold += len(gold)
+            n_gold += e0 - s0
     assert HeadRows.rows == n_gold
 
 

@@ -48,35 +48,47 @@ def turn_boundaries(traj: Trajectory) -> list[int]:
     return out
 
 
+def answer_ids(tokenizer: Any, gold: str) -> tuple[list[int], int, int]:
+    """``(ids, start, end)``: the token ids of ``<answer> gold </answer>`` tokenised as one string, as the
+    policy writes it, and the span ``[start, end)`` of the gold answer's own tokens in them (so ``" Paris"``,
+    not a separate token for the space before ``</answer>``). Where tokens merge across the answer's edges,
+    the three parts are tokenised apart instead. An empty ``gold`` gives an empty span."""
+    from agent.llm import encode
+
+    head, upto = encode(tokenizer, "<answer>"), encode(tokenizer, f"<answer> {gold}")
+    full = encode(tokenizer, f"<answer> {gold} </answer>")
+    if gold and full[: len(upto)] == upto and upto[: len(head)] == head and len(upto) > len(head):
+        return full, len(head), len(upto)
+    body = encode(tokenizer, f" {gold}") if gold else []
+    return head + body + encode(tokenizer, " </answer>"), len(head), len(head) + len(body)
+
+
 @torch.no_grad()
 def gold_answer_probs(model: Any, tokenizer: Any, trajs: list[Trajectory], batch_rows: int = 32,
                       max_len: int | None = None) -> list[list[float]]:
     """For each trajectory, ``[p_0, ..., p_K]``: the policy's probability of the gold answer given the
     episode up to each turn boundary (:func:`turn_boundaries`), as IGPO's information gain uses it.
 
-    The answer ``<answer> gold </answer>`` is teacher-forced after the prefix and ``p`` is the geometric
-    mean of the gold tokens' probabilities (length-normalised, so answers of different lengths compare).
+    The answer ``<answer> gold </answer>`` is teacher-forced after the prefix (tokenised as the policy would
+    write it, :func:`answer_ids`) and ``p`` is the geometric mean of the gold tokens' probabilities
+    (length-normalised, so answers of different lengths compare).
     The first gold answer is used. ``max_len`` keeps the last ``max_len`` tokens of a long prefix. The LM
     head runs on the gold positions only (:func:`training.kernels.masked_logprobs`).
     """
-    from agent.llm import encode
     from training.batch import _backbone_and_head, _unwrap
     from training.kernels import masked_logprobs
 
     base = _unwrap(model)
     backbone, weight = _backbone_and_head(base)
     device = weight.device
-    open_ids, close_ids = encode(tokenizer, "<answer>"), encode(tokenizer, "</answer>")
     rows: list[tuple[int, list[int], int, int]] = []  # (traj index, ids, gold start, gold end)
     for i, tr in enumerate(trajs):
-        gold = encode(tokenizer, f" {tr.golden_answers[0]} ") if tr.golden_answers else []
+        answer, g0, g1 = answer_ids(tokenizer, tr.golden_answers[0] if tr.golden_answers else "")
         for b in turn_boundaries(tr):
             prefix = tr.token_ids[:b]
             if max_len is not None:
-                prefix = prefix[-max(max_len - len(gold) - len(open_ids) - len(close_ids), 1):]
-            ids = prefix + open_ids + gold + close_ids
-            s = len(prefix) + len(open_ids)
-            rows.append((i, ids, s, s + len(gold)))
+                prefix = prefix[-max(max_len - len(answer), 1):]
+            rows.append((i, prefix + answer, len(prefix) + g0, len(prefix) + g1))
     out: list[list[float]] = [[] for _ in trajs]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     for c in range(0, len(rows), batch_rows):
