@@ -215,11 +215,13 @@ def run_sft_stage(cfg: Config, log=print) -> Path:
     (``<out_dir>/sft``, written under a temporary name and renamed), reusing it when it already exists.
 
     One process: under torchrun run it on rank 0 only (``training.distributed.run_on_rank0``, as
-    ``sleuth train`` does); the other ranks then load the directory it returns."""
+    ``sleuth train`` does); the other ranks then load the directory it returns. The weights are trained
+    in-process, so they are loaded with transformers whatever ``agent.backend.kind`` is."""
     import shutil
 
     from tqdm import tqdm
 
+    from agent.hf import TransformersLLM
     from corpora.formats import iter_corpus
     from training.sft import oracle_trajectories, sft_train
 
@@ -228,7 +230,9 @@ def run_sft_stage(cfg: Config, log=print) -> Path:
         log(f"SFT: reusing {out}")
         return out
     paths = data_paths(cfg)
-    llm = load_llm(cfg)
+    init = cfg.policy.model or tiny_policy_path(cfg, log)
+    check_context_length(cfg, init)
+    llm = TransformersLLM.from_pretrained(str(init), cfg.policy.dtype, cfg.policy.device)
     retriever = open_retriever(cfg)
     train = read_qa(paths["train"])[: cfg.sft.max_examples]
     titles = {p.id: p.title for p in iter_corpus(paths["corpus"])}

@@ -494,3 +494,26 @@ def test_an_episode_budget_beyond_the_models_context_is_refused_before_loading(t
     ok = load_config(None, [f"out_dir={tmp_path}", "agent.max_total_tokens=1024"])
     assert pipeline.load_llm(ok, tiny_policy_dir) == "loaded"
     assert pipeline.load_llm(cfg, "some/hub-id") == "loaded"  # no local config to read: not checked
+
+
+def _run_cfg(tiny_data, bm25_index, tmp_path, *extra):
+    from sleuth.config import load_config
+
+    return load_config(None, [f"out_dir={tmp_path}", f"data.corpus={tiny_data / 'corpus.jsonl'}",
+                              f"data.train={tiny_data / 'train.jsonl'}", f"data.test={tiny_data / 'test.jsonl'}",
+                              f"retrieval.index_dir={bm25_index}", *extra])
+
+
+def test_sft_trains_in_process_under_any_rollout_backend(tiny_data, bm25_index, tiny_policy_dir, tmp_path,
+                                                         monkeypatch):
+    """With agent.backend.kind=openai (or vllm) the SFT stage built that backend and handed its ``model`` (the
+    served model's name, or no attribute at all) to the trainer: 'str' object has no attribute 'parameters'.
+    SFT trains the weights in-process, so it loads them with transformers whatever the rollout backend."""
+    import agent.backends
+    from sleuth import pipeline
+
+    monkeypatch.setattr(agent.backends, "make_llm", lambda *a, **k: pytest.fail("SFT built the rollout backend"))
+    cfg = _run_cfg(tiny_data, bm25_index, tmp_path, f"policy.model={tiny_policy_dir}", "sft.epochs=1",
+                   "agent.backend.kind=openai", "agent.max_new_tokens=8", "agent.max_total_tokens=256")
+    out = pipeline.run_sft_stage(cfg, log=lambda *a, **k: None)
+    assert (out / "config.json").exists() and (out / "sft_history.json").exists()
