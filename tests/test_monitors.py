@@ -159,3 +159,11 @@ def test_alarm_patience_and_nonfinite_count_survive_a_resume(tiny_policy_dir, re
         out = rl_train(make_cfg("train.steps=4", *over), model, tok, retriever, QUESTIONS[:2], tmp_path,
                        resume=True, judge=varying_judge)
     assert out["stopped"] and [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+def test_truncated_judge_and_tool_call_tags_are_faults():
+    """A cut ``</judge`` or ``<tool_call`` (no ``>``) was no fault: the truncated-name check knew only the
+    Search-R1 tags, though ReSeek's judge tag and the function-call tag are known tags too."""
+    assert malformed_tags("<judge>useful</judge>") == 0
+    assert malformed_tags("<judge>useful</judge") == 2  # the cut closing tag, and <judge> left open
+    assert malformed_tags("<tool_call") == 1 and malformed_tags("<judg") == 1

@@ -23,9 +23,11 @@ from agent.trajectory import Trajectory
 from corpora.formats import json_records
 
 _TAG = re.compile(r"</?([a-z_]+)>")
-_BROKEN = re.compile(r"</?(?:think|search|answer|information)(?![a-z_>])|<(?:/)?(?:thin|sear|answ|inform)\b")
 # the Search-R1 tags, ReSeek's self-judge tag (agent.self_judge) and the function-call protocol's tool call
 KNOWN_TAGS = ("think", "search", "answer", "information", "judge", "tool_call")
+# a known tag cut before its ">" (``</answer``), or its name cut after 4 or more letters (``<sear``, ``<judg``)
+_CUT = "|".join(t[:k] for t in KNOWN_TAGS for k in range(len(t) - 1, 3, -1))
+_BROKEN = re.compile(rf"</?(?:{'|'.join(KNOWN_TAGS)})(?![a-z_>])|</?(?:{_CUT})\b")
 
 
 def repeated_ngram_fraction(words: list[str], n: int = 3) -> float:
