@@ -275,7 +275,8 @@ def masked_logprobs(
             reference then skips the entropy work; the CUDA kernel computes it in the same pass anyway (one
             extra fused multiply-add per logit, nearly free) and it is discarded.
 
-    Returns ``(logprobs, entropy)``, float32, shaped like ``targets``, zero at masked positions. On the CUDA
+    Returns ``(logprobs, entropy)``, float32 (float64 for float64 inputs, which take the reference),
+    shaped like ``targets``, zero at masked positions. On the CUDA
     path a ``torch.autograd.Function`` gives gradients for ``hidden`` and ``weight`` (the backward recomputes
     each chunk's logits: 4 LM-head matmuls over policy rows in all). Follows the spec
     :func:`training.losses.masked_lm_head_logprobs`. Dtypes the kernel does not take (float64) use the
