@@ -129,7 +129,7 @@ class Scheduler:
                 if len(g.token_ids) > limit:
                     ids = g.token_ids[:limit]
                     g = Generation(ids, decode(self.llm.tokenizer, ids), "length",
-                                   g.logprobs[:limit] if g.logprobs else None)
+                                   g.logprobs[:limit] if g.logprobs else None, meta=g.meta)
                 out[i] = g
         self.stats["generate_batches"] += 1
         self.stats["generate_prompts"] += len(payloads)

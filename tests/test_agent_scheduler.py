@@ -84,7 +84,8 @@ def test_per_request_budgets_are_cut_back_exactly():
 
         def generate(self, prompts, params):
             self.seen.append(params.max_new_tokens)
-            return [Generation(list(range(params.max_new_tokens)), "", "length") for _ in prompts]
+            return [Generation(list(range(params.max_new_tokens)), "", "length", meta={"weight_version": 3})
+                    for _ in prompts]
 
     async def main(llm):
         sched = Scheduler(llm)
@@ -95,6 +96,7 @@ def test_per_request_budgets_are_cut_back_exactly():
     a, b = asyncio.run(main(llm))
     assert llm.seen == [5]  # one call at the batch maximum
     assert a.token_ids == [0, 1, 2, 3, 4] and b.token_ids == [0, 1] and b.finish_reason == "length"
+    assert b.meta == {"weight_version": 3}  # a cut generation keeps the backend's meta (vLLM's weight version)
 
 
 def test_a_cancelled_request_leaves_the_queue_and_is_never_run():
