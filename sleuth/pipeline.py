@@ -258,6 +258,29 @@ def run_sft_stage(cfg: Config, log=print) -> Path:
     return out
 
 
+def held_out_evaluator(cfg: Config, tokenizer, retriever):
+    """The trainer's ``evaluate(model) -> {"em": ..., ...}`` for ``train.eval_every`` (``None`` when it is 0):
+    :func:`evaluate_agent` on the held-out questions (``data.test``, the seeded ``eval.limit`` sub-sample that
+    ``sleuth eval`` and the quickstart score), numeric fields only. The torch random state is restored after
+    it, so evaluating does not change the training's sampling stream."""
+    if not cfg.train.eval_every:
+        return None
+    import torch
+
+    from agent.hf import TransformersLLM
+    from eval.datasets import subsample
+
+    test = subsample(read_qa(data_paths(cfg)["test"]), cfg.eval.limit, cfg.seed)
+
+    def evaluate(model) -> dict[str, float]:
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices):
+            summary, _ = evaluate_agent(TransformersLLM(model, tokenizer), retriever, test, cfg)
+        return {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    return evaluate
+
+
 def run_rl_stage(cfg: Config, init_path: str | Path, resume: bool = False, log=print) -> Path:
     """GRPO from ``init_path`` into ``<out_dir>/grpo``; returns the final checkpoint directory.
 
@@ -297,7 +320,7 @@ def run_rl_stage(cfg: Config, init_path: str | Path, resume: bool = False, log=p
         bar.set_postfix(reward=f"{rec['reward']:.3f}", em=f"{rec['em']:.2f}", searches=f"{rec['search_calls']:.2f}")
 
     rl_train(cfg, llm.model, llm.tokenizer, retriever, train, run_dir, resume=ckpt is not None, on_step=on_step,
-             judge=answer_judge(cfg))
+             evaluate=held_out_evaluator(cfg, llm.tokenizer, retriever), judge=answer_judge(cfg))
     bar.close()
     final = latest_checkpoint(run_dir)
     return final if final is not None else start_from

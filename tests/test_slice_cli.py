@@ -517,3 +517,31 @@ def test_sft_trains_in_process_under_any_rollout_backend(tiny_data, bm25_index, 
                    "agent.backend.kind=openai", "agent.max_new_tokens=8", "agent.max_total_tokens=256")
     out = pipeline.run_sft_stage(cfg, log=lambda *a, **k: None)
     assert (out / "config.json").exists() and (out / "sft_history.json").exists()
+
+
+def test_train_eval_every_evaluates_the_held_out_questions(tiny_data, bm25_index, tiny_policy_dir, tmp_path,
+                                                           monkeypatch):
+    """``train.eval_every`` ("evaluate on held-out questions every n steps") was read nowhere on the
+    `sleuth train` / quickstart path: the trainer got no ``evaluate``, so no ``eval_*`` metric and no
+    ``checkpoints/best``. It now gets one scoring data.test (eval.limit's sub-sample) greedily, without
+    moving the training's random stream."""
+    import torch
+
+    import training.trainer
+    from agent.hf import TransformersLLM
+    from sleuth import pipeline
+
+    seen = {}
+    monkeypatch.setattr(training.trainer, "rl_train", lambda *a, **kw: seen.update(kw))
+    quiet = lambda *a, **k: None
+    pipeline.run_rl_stage(_run_cfg(tiny_data, bm25_index, tmp_path / "off"), tiny_policy_dir, log=quiet)
+    assert seen["evaluate"] is None  # eval_every=0 (the default): never
+    cfg = _run_cfg(tiny_data, bm25_index, tmp_path / "on", "train.eval_every=2", "eval.limit=1",
+                   "agent.max_new_tokens=8", "agent.max_total_tokens=256")
+    pipeline.run_rl_stage(cfg, tiny_policy_dir, log=quiet)
+    model = TransformersLLM.from_pretrained(str(tiny_policy_dir)).model
+    rng = torch.get_rng_state()
+    scores = seen["evaluate"](model)
+    assert torch.equal(rng, torch.get_rng_state())
+    assert scores["n"] == 1 and 0.0 <= scores["em"] <= 1.0
+    assert all(isinstance(v, (int, float)) for v in scores.values())  # logged as eval_* numbers
