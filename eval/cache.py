@@ -198,8 +198,8 @@ class PredictionCache:
         """Cached records of ``benchmark`` by question id (a later record of an id wins).
 
         A torn last line (a crash mid-write, possibly inside a UTF-8 character) is ignored with a warning; any
-        other unreadable line (not UTF-8 or not JSON), or a record of another fingerprint or method, raises
-        :class:`CacheMismatchError` naming the line.
+        other unreadable line (not UTF-8, not JSON, not a record with an id), or a record of another
+        fingerprint or method, raises :class:`CacheMismatchError` naming the line.
         """
         path = self.path(benchmark)
         if not path.exists():
@@ -216,12 +216,17 @@ class PredictionCache:
                     log.warning("%s:%d: ignoring a torn last line (interrupted write)", path, lineno)
                     continue
                 raise CacheMismatchError(f"{path}:{lineno}: not valid JSON (or not UTF-8); the cache file is corrupt") from None
+            if not isinstance(rec, dict):
+                raise CacheMismatchError(f"{path}:{lineno}: a JSON {type(rec).__name__}, not a record; the cache "
+                                         "file is corrupt")
             if rec.get("fingerprint") != self.fingerprint or rec.get("method") != self.method:
                 raise CacheMismatchError(
                     f"{path}:{lineno}: record of method {rec.get('method')!r} / fingerprint "
                     f"{rec.get('fingerprint')!r} in the cache of {self.method!r} / {self.fingerprint!r}; "
                     "refusing to mix predictions of different configs"
                 )
+            if rec.get("id") is None:
+                raise CacheMismatchError(f"{path}:{lineno}: a record without an id; the cache file is corrupt")
             out[str(rec["id"])] = rec
         return out
 

@@ -330,3 +330,19 @@ def test_models_served_over_an_openai_api_do_not_share_a_cache(tmp_path):
     assert describe_llm(ScriptedLLM()) == {"class": "tests.test_eval_fakes.ScriptedLLM",
                                           "tokenizer": {"class": "CharTokenizer", "vocab_size": None,
                                                         "name_or_path": None}}  # no model attribute: as before
+
+
+@pytest.mark.parametrize("line", ['["a list"]', '"text"', "null", "{}"])
+def test_a_cache_line_that_is_not_a_record_is_a_clear_error(tmp_path, line):
+    """A cache line that is JSON but not a record (an array, a string, null) crashed with AttributeError,
+    and a record of this config without an id with KeyError; each is a CacheMismatchError naming the line."""
+    man = {"method": "rag", "x": 1}
+    cache = PredictionCache(tmp_path, "rag", man)
+    cache.append("sample", [{"id": "q1", "pred": "a"}])
+    if line == "{}":
+        line = json.dumps({"method": "rag", "fingerprint": cache.fingerprint})
+    with open(cache.path("sample"), "a") as f:
+        f.write(line + "\n")
+    cache.append("sample", [{"id": "q2", "pred": "b"}])
+    with pytest.raises(CacheMismatchError, match="sample.jsonl:2"):
+        cache.load("sample")
