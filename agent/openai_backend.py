@@ -110,7 +110,7 @@ class OpenAICompatibleLLM:
                 self.stats["retries"] += 1
                 self.stats["backoff_s"] += max(delay, wait)
                 await asyncio.sleep(max(delay, wait))
-                delay *= 2
+                delay, wait = delay * 2, 0.0  # a Retry-After holds for the retry right after its answer
             try:
                 async with sem:
                     self.stats["requests"] += 1

@@ -132,3 +132,36 @@ def test_make_llm_sends_only_the_configured_api_key(tiny_policy_dir, monkeypatch
     monkeypatch.setenv("SLEUTH_TEST_OTHER_KEY", "other")
     assert make_llm(cfg, str(tiny_policy_dir)).api_key == "other"
     assert make_llm(BackendConfig(kind="openai"), str(tiny_policy_dir)).api_key == "sk-openai-secret"
+
+
+def test_a_retry_after_wait_is_not_carried_to_retries_for_other_failures(scripted, monkeypatch):
+    """After a 429 asking for Retry-After, a later failure of another kind (a dropped connection) waited the
+    429's delay again instead of the backoff; each wait now follows the failure just before it."""
+    import asyncio
+
+    import httpx2
+
+    from agent.llm import SamplingParams
+
+    answers = iter(["429", "drop", "ok"])
+
+    def handler(request):
+        what = next(answers)
+        if what == "429":
+            return httpx2.Response(429, headers={"retry-after": "0.3"}, text="slow down")
+        if what == "drop":
+            raise httpx2.ConnectError("connection dropped", request=request)
+        return httpx2.Response(200, json={"choices": [{"text": "<answer> Paris </answer>", "finish_reason": "stop"}]})
+
+    slept = []
+    real_sleep = asyncio.sleep
+    monkeypatch.setattr(asyncio, "sleep", lambda s, *a: slept.append(s) or real_sleep(0))
+    llm = _client("http://fake", scripted.tokenizer, max_retries=3)
+
+    async def run():
+        async with httpx2.AsyncClient(base_url="http://fake/v1", transport=httpx2.MockTransport(handler)) as c:
+            return await llm._one(c, asyncio.Semaphore(1), [1, 2], SamplingParams(max_new_tokens=8), 0)
+
+    g = asyncio.run(run())
+    assert g.text == "<answer> Paris </answer>"
+    assert slept == [pytest.approx(0.3), pytest.approx(0.02)]  # the 429's wait, then the plain backoff
