@@ -38,7 +38,8 @@ def open_retriever(cfg: Config, index_dir: str | None = None, method: str | None
         from retrieval.simulated import SimulatedSearch
 
         s = cfg.agent.simulator
-        sim_llm = make_llm(cfg.agent.backend, str(s.model or cfg.policy.model or tiny_policy_path(cfg)),
+        backend = other_model_backend(cfg) if s.model else cfg.agent.backend
+        sim_llm = make_llm(backend, str(s.model or cfg.policy.model or tiny_policy_path(cfg)),
                            cfg.policy.dtype, cfg.policy.device, cfg.seed)
         params = SamplingParams(max_new_tokens=s.max_doc_tokens, temperature=s.temperature, stop=())
         return SimulatedSearch(lambda prompts: complete(sim_llm, prompts, params), s.noise_start, s.noise_end,
@@ -154,8 +155,20 @@ def answer_judge(cfg: Config):
     from agent.backends import make_llm
     from agent.loop import configured_llm_judge
 
-    judge_llm = make_llm(a.backend, str(a.llm_judge.model), cfg.policy.dtype, cfg.policy.device, cfg.seed)
+    judge_llm = make_llm(other_model_backend(cfg), str(a.llm_judge.model), cfg.policy.dtype, cfg.policy.device,
+                         cfg.seed)
     return configured_llm_judge(judge_llm, a)
+
+
+def other_model_backend(cfg: Config):
+    """``agent.backend`` for a model other than the policy (a judge, a simulator): the same kind and server,
+    without ``agent.backend.model`` (the policy's served name), so the openai backend asks for that model."""
+    return cfg.agent.backend.model_copy(update={"model": None})
+
+
+def other_model_config(cfg: Config) -> Config:
+    """``cfg`` with :func:`other_model_backend`: for :func:`load_llm` of a judge (``sleuth eval --judge-model``)."""
+    return cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"backend": other_model_backend(cfg)})})
 
 
 def evaluate_agent(llm, retriever, examples: list[QAExample], cfg: Config) -> tuple[dict[str, Any], list[Trajectory]]:

@@ -545,3 +545,28 @@ def test_train_eval_every_evaluates_the_held_out_questions(tiny_data, bm25_index
     assert torch.equal(rng, torch.get_rng_state())
     assert scores["n"] == 1 and 0.0 <= scores["em"] <= 1.0
     assert all(isinstance(v, (int, float)) for v in scores.values())  # logged as eval_* numbers
+
+
+def test_judge_and_simulator_models_are_asked_under_their_own_names(tmp_path, monkeypatch):
+    """agent.backend.model is the policy's served name (openai). The judge (agent.llm_judge.model, sleuth
+    eval --judge-model) and the simulator (agent.simulator.model) were built on agent.backend as it is, so
+    their requests named the policy's model: the policy judged and simulated in their place. They are now
+    asked under their own model's name."""
+    import agent.backends
+    from sleuth import pipeline
+    from sleuth.config import load_config
+
+    built = []
+    monkeypatch.setattr(agent.backends, "make_llm", lambda backend, path, *a, **k: built.append((backend, path)))
+    cfg = load_config(None, [f"out_dir={tmp_path}", "agent.backend.kind=openai", "agent.backend.model=policy-served",
+                             "agent.judge=llm", "agent.llm_judge.model=judges/big", "retrieval.method=simulated",
+                             "agent.simulator.model=sim/model", "policy.model=policy/model"])
+    pipeline.answer_judge(cfg)
+    pipeline.load_llm(pipeline.other_model_config(cfg), "other/judge")  # sleuth eval --judge-model
+    pipeline.open_retriever(cfg)
+    assert [(b.kind, b.model, p) for b, p in built] == [("openai", None, "judges/big"), ("openai", None, "other/judge"),
+                                                        ("openai", None, "sim/model")]
+    built.clear()
+    pipeline.open_retriever(cfg.model_copy(update={"agent": cfg.agent.model_copy(
+        update={"simulator": cfg.agent.simulator.model_copy(update={"model": None})})}))
+    assert [(b.model, p) for b, p in built] == [("policy-served", "policy/model")]  # the policy itself simulates

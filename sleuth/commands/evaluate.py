@@ -37,6 +37,7 @@ def run(args) -> int:
         load_llm,
         markdown_table,
         open_retriever,
+        other_model_config,
         write_eval_outputs,
     )
 
@@ -67,7 +68,7 @@ def run(args) -> int:
         judge_model = None
     judge_llm = None
     if judge_model:  # the policy judging itself reuses the loaded backend
-        judge_llm = llm if judge_model == (args.model or cfg.policy.model) else load_llm(cfg, judge_model)
+        judge_llm = llm if judge_model == (args.model or cfg.policy.model) else load_llm(other_model_config(cfg), judge_model)
     judge_options = {"unparseable": cfg.eval.judge_unparseable}
     if args.benchmarks:
         from eval.run import SUMMARY, format_summary, run_benchmarks
