@@ -294,8 +294,18 @@ def held_out_evaluator(cfg: Config, tokenizer, retriever):
     return evaluate
 
 
+def check_rollout_backend(cfg: Config) -> None:
+    """Raise ``ValueError`` when ``agent.backend.kind`` cannot roll out for RL: ``openai`` is a server whose
+    weights the trainer cannot update (transformers and vllm can; vllm gets each update in place)."""
+    if cfg.agent.backend.kind == "openai":
+        raise ValueError("agent.backend.kind=openai cannot roll out for training: the server's weights are not "
+                         "updated after each step; train with agent.backend.kind=transformers or vllm")
+
+
 def run_rl_stage(cfg: Config, init_path: str | Path, resume: bool = False, log=print) -> Path:
-    """GRPO from ``init_path`` into ``<out_dir>/grpo``; returns the final checkpoint directory.
+    """GRPO from ``init_path`` into ``<out_dir>/grpo``; returns the final checkpoint directory. Rollouts run on
+    ``agent.backend.kind`` (transformers, or vllm updated in place after each step; openai is a ``ValueError``,
+    :func:`check_rollout_backend`).
 
     Under torchrun every rank calls it (after rank 0 has prepared ``init_path``; the run directory must be
     on a file system all ranks see): each loads the same weights, :func:`training.trainer.rl_train` shards
@@ -309,6 +319,7 @@ def run_rl_stage(cfg: Config, init_path: str | Path, resume: bool = False, log=p
     from training.distributed import world
     from training.trainer import rl_train
 
+    check_rollout_backend(cfg)
     rank = world()[0]
     if rank != 0:
         log = lambda *a, **k: None  # rank 0 alone reports
@@ -332,8 +343,15 @@ def run_rl_stage(cfg: Config, init_path: str | Path, resume: bool = False, log=p
         bar.update(1)
         bar.set_postfix(reward=f"{rec['reward']:.3f}", em=f"{rec['em']:.2f}", searches=f"{rec['search_calls']:.2f}")
 
+    llm_factory = None
+    if cfg.agent.backend.kind == "vllm":  # an engine on the same weights; the trainer pushes each update into it
+        from agent.backends import make_llm
+
+        llm_factory = lambda model, tokenizer: make_llm(cfg.agent.backend, str(start_from), cfg.policy.dtype,
+                                                        cfg.policy.device, cfg.seed)
     rl_train(cfg, llm.model, llm.tokenizer, retriever, train, run_dir, resume=ckpt is not None, on_step=on_step,
-             evaluate=held_out_evaluator(cfg, llm.tokenizer, retriever), judge=answer_judge(cfg))
+             llm_factory=llm_factory, evaluate=held_out_evaluator(cfg, llm.tokenizer, retriever),
+             judge=answer_judge(cfg))
     bar.close()
     final = latest_checkpoint(run_dir)
     return final if final is not None else start_from

@@ -570,3 +570,32 @@ def test_judge_and_simulator_models_are_asked_under_their_own_names(tmp_path, mo
     pipeline.open_retriever(cfg.model_copy(update={"agent": cfg.agent.model_copy(
         update={"simulator": cfg.agent.simulator.model_copy(update={"model": None})})}))
     assert [(b.model, p) for b, p in built] == [("policy-served", "policy/model")]  # the policy itself simulates
+
+
+def test_rl_rollouts_run_on_the_configured_backend(tiny_data, bm25_index, tiny_policy_dir, tmp_path, monkeypatch):
+    """agent.backend.kind was ignored by the RL stage: rollouts always ran on transformers (vllm: the engine
+    and its in-place weight updates were never used). vllm now builds the rollout backend from the weights
+    the trainer starts from (the trainer pushes each update into it); openai, a server whose weights the
+    trainer cannot update, is a ValueError naming the setting before anything is loaded."""
+    import agent.backends
+    import training.trainer
+    from sleuth import pipeline
+
+    built, seen = [], {}
+    monkeypatch.setattr(agent.backends, "make_llm", lambda backend, path, *a, **k: built.append((backend.kind, path)))
+    monkeypatch.setattr(training.trainer, "rl_train", lambda *a, **kw: seen.update(kw))
+    quiet = lambda *a, **k: None
+    pipeline.run_rl_stage(_run_cfg(tiny_data, bm25_index, tmp_path / "t"), tiny_policy_dir, log=quiet)
+    assert seen["llm_factory"] is None and built == []  # transformers: the trainer's own default
+    pipeline.run_rl_stage(_run_cfg(tiny_data, bm25_index, tmp_path / "v", "agent.backend.kind=vllm"), tiny_policy_dir,
+                          log=quiet)
+    seen["llm_factory"](object(), object())
+    assert built == [("vllm", str(tiny_policy_dir))]
+    cfg = _run_cfg(tiny_data, bm25_index, tmp_path / "o", "agent.backend.kind=openai")
+    with pytest.raises(ValueError, match="agent.backend.kind=openai"):
+        pipeline.check_rollout_backend(cfg)
+    with pytest.raises(ValueError, match="agent.backend.kind=openai"):
+        pipeline.run_rl_stage(cfg, tiny_policy_dir, log=quiet)
+    for cmd in ("train", "quickstart"):  # before the index, the tiny policy and SFT
+        assert main([cmd, f"out_dir={tmp_path / cmd}", "agent.backend.kind=openai"]) == 2
+        assert not (tmp_path / cmd).exists()

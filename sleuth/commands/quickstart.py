@@ -28,6 +28,7 @@ def run(args) -> int:
     from eval.datasets import subsample
     from sleuth.config import load_config
     from sleuth.pipeline import (
+        check_rollout_backend,
         data_paths,
         ensure_index,
         evaluate_agent,
@@ -43,6 +44,7 @@ def run(args) -> int:
 
     t0 = time.time()
     cfg = load_config(args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None), args.overrides)
+    check_rollout_backend(cfg)
     out = Path(cfg.out_dir)
     save_run_config(cfg)
     log = lambda msg: print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)

@@ -22,10 +22,18 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from sleuth.pipeline import ensure_index, run_rl_stage, run_sft_stage, save_run_config, tiny_policy_path
+    from sleuth.pipeline import (
+        check_rollout_backend,
+        ensure_index,
+        run_rl_stage,
+        run_sft_stage,
+        save_run_config,
+        tiny_policy_path,
+    )
     from training.distributed import init_from_env, run_on_rank0, shutdown
 
     cfg = config_from_args(args)
+    check_rollout_backend(cfg)  # before minutes of SFT
     rank, _W = init_from_env(timeout_s=cfg.train.dist_timeout_s)  # torchrun: the process group; else a no-op
     ok = False
     try:
