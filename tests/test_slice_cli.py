@@ -599,3 +599,36 @@ def test_rl_rollouts_run_on_the_configured_backend(tiny_data, bm25_index, tiny_p
     for cmd in ("train", "quickstart"):  # before the index, the tiny policy and SFT
         assert main([cmd, f"out_dir={tmp_path / cmd}", "agent.backend.kind=openai"]) == 2
         assert not (tmp_path / cmd).exists()
+
+
+def test_ask_scores_with_the_configured_llm_judge(tiny_policy_dir, tmp_path, monkeypatch, capsys):
+    """`sleuth ask --answer A` with agent.judge=llm and agent.llm_judge.model=M printed the policy's own verdict
+    on its answer (run_episodes got no judge), unlike sleuth serve and training; M now judges."""
+    import agent.backends
+    from agent.llm import Generation, encode
+    from sleuth import pipeline
+
+    class JudgeLLM:
+        def __init__(self, tok):
+            self.tokenizer, self.asked = tok, []
+
+        def generate(self, prompts, params):
+            self.asked.extend(prompts)
+            return [Generation(encode(self.tokenizer, "VERDICT: correct"), "VERDICT: correct", "stop") for _ in prompts]
+
+    real = agent.backends.make_llm
+    judges = []
+
+    def make_llm(backend, path, *a, **k):
+        llm = real(backend, str(tiny_policy_dir), *a, **k)
+        if path == "judges/big":
+            judges.append(JudgeLLM(llm.tokenizer))
+            return judges[-1]
+        return llm
+
+    monkeypatch.setattr(agent.backends, "make_llm", make_llm)
+    monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: None)
+    assert main(["ask", "Where is Paris?", "--answer", "France", "--json", f"out_dir={tmp_path}",
+                 f"policy.model={tiny_policy_dir}", "agent.judge=llm", "agent.llm_judge.model=judges/big",
+                 "agent.max_turns=1", "agent.max_new_tokens=4", "agent.max_total_tokens=256"]) == 0
+    assert len(judges) == 1

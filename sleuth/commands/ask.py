@@ -22,14 +22,14 @@ def run(args) -> int:
     from agent.loop import run_episodes
     from agent.trajectory import Role
     from corpora.formats import QAExample
-    from sleuth.pipeline import load_llm, open_retriever
+    from sleuth.pipeline import answer_judge, load_llm, open_retriever
 
     cfg = config_from_args(args)
     retriever = open_retriever(cfg, args.index)  # first: a missing index is the commonest mistake
     llm = load_llm(cfg, args.model)
     ex = QAExample(id="ask", question=args.question, golden_answers=args.answer or [""])
     (traj,) = run_episodes([ex], llm, retriever, cfg.agent, temperature=cfg.eval.temperature,
-                           top_k=cfg.retrieval.top_k, seed=cfg.seed)
+                           top_k=cfg.retrieval.top_k, seed=cfg.seed, judge=answer_judge(cfg))
     if args.json:
         print(json.dumps(traj.to_json(), ensure_ascii=False, indent=1))
         return 0
