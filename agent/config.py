@@ -39,7 +39,8 @@ class BackendConfig(Section):
 
     kind: Literal["transformers", "vllm", "openai"] = "transformers"
     base_url: str = "http://127.0.0.1:8001/v1"
-    model: str | None = Field(None, description="served model name (openai); default: policy.model")
+    model: str | None = Field(None, description="the policy's served model name (openai; a judge or simulator "
+                              "model is asked for under its own name); default: policy.model")
     api_key_env: str = "OPENAI_API_KEY"
     timeout_s: float = Field(120.0, gt=0, description="per HTTP request, seconds")
     max_retries: int = Field(3, ge=0)
@@ -63,7 +64,7 @@ class SimulatorConfig(Section):
 class LLMJudgeConfig(Section):
     """LLM-as-judge for answers rules cannot score (``agent.judge: llm``)."""
 
-    model: str | None = Field(None, description="judge model of training and `sleuth serve`, on agent.backend "
+    model: str | None = Field(None, description="judge model of training, `sleuth serve` and `sleuth ask`, on agent.backend "
                               "(default: the policy's backend; `sleuth eval` uses eval.judge_model)")
     unparseable: Literal["zero", "rule"] = Field(
         "zero", description="an unparseable verdict scores 0 (zero) or falls back to the rule metric (rule)")

@@ -155,7 +155,8 @@ class TrainConfig(Section):
     save_every: int = Field(5, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     max_nonfinite_steps: int = Field(3, ge=1, description="stop after this many NaN/inf losses")
-    eval_every: int = Field(0, ge=0, description="evaluate on held-out questions every n steps (0: never)")
+    eval_every: int = Field(0, ge=0, description="evaluate on held-out questions (data.test, eval.limit) every n "
+                            "steps, logged as eval_*; the best eval_em is kept in checkpoints/best (0: never)")
     alarm_min_format_ok: float | None = Field(None, ge=0.0, le=1.0, description="alarm when validity falls below")
     alarm_min_entropy: float | None = Field(None, ge=0.0, description="alarm when policy entropy falls below")
     alarm_patience: int = Field(2, ge=1, description="consecutive steps below a threshold before the alarm")
