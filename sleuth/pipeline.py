@@ -343,15 +343,22 @@ def run_rl_stage(cfg: Config, init_path: str | Path, resume: bool = False, log=p
         bar.update(1)
         bar.set_postfix(reward=f"{rec['reward']:.3f}", em=f"{rec['em']:.2f}", searches=f"{rec['search_calls']:.2f}")
 
+    engines: list = []
     llm_factory = None
     if cfg.agent.backend.kind == "vllm":  # an engine on the same weights; the trainer pushes each update into it
         from agent.backends import make_llm
 
-        llm_factory = lambda model, tokenizer: make_llm(cfg.agent.backend, str(start_from), cfg.policy.dtype,
-                                                        cfg.policy.device, cfg.seed)
-    rl_train(cfg, llm.model, llm.tokenizer, retriever, train, run_dir, resume=ckpt is not None, on_step=on_step,
-             llm_factory=llm_factory, evaluate=held_out_evaluator(cfg, llm.tokenizer, retriever),
-             judge=answer_judge(cfg))
+        def llm_factory(model, tokenizer):
+            engines.append(make_llm(cfg.agent.backend, str(start_from), cfg.policy.dtype, cfg.policy.device,
+                                    cfg.seed + rank))  # one sampling stream per rank under torchrun
+            return engines[-1]
+    try:
+        rl_train(cfg, llm.model, llm.tokenizer, retriever, train, run_dir, resume=ckpt is not None, on_step=on_step,
+                 llm_factory=llm_factory, evaluate=held_out_evaluator(cfg, llm.tokenizer, retriever),
+                 judge=answer_judge(cfg))
+    finally:
+        for engine in engines:  # its process and memory now, not at interpreter exit
+            engine.close()
     bar.close()
     final = latest_checkpoint(run_dir)
     return final if final is not None else start_from

@@ -581,16 +581,30 @@ def test_rl_rollouts_run_on_the_configured_backend(tiny_data, bm25_index, tiny_p
     import training.trainer
     from sleuth import pipeline
 
-    built, seen = [], {}
-    monkeypatch.setattr(agent.backends, "make_llm", lambda backend, path, *a, **k: built.append((backend.kind, path)))
-    monkeypatch.setattr(training.trainer, "rl_train", lambda *a, **kw: seen.update(kw))
+    built, seen, closed = [], {}, []
+
+    class Engine:
+        def close(self):
+            closed.append(self)
+
+    def make_llm(backend, path, *a, **k):
+        built.append((backend.kind, path))
+        return Engine()
+
+    def fake_rl_train(*a, **kw):  # builds its rollout backend as rl_train does
+        seen.update(kw)
+        if kw["llm_factory"] is not None:
+            seen["engine"] = kw["llm_factory"](object(), object())
+
+    monkeypatch.setattr(agent.backends, "make_llm", make_llm)
+    monkeypatch.setattr(training.trainer, "rl_train", fake_rl_train)
     quiet = lambda *a, **k: None
     pipeline.run_rl_stage(_run_cfg(tiny_data, bm25_index, tmp_path / "t"), tiny_policy_dir, log=quiet)
     assert seen["llm_factory"] is None and built == []  # transformers: the trainer's own default
     pipeline.run_rl_stage(_run_cfg(tiny_data, bm25_index, tmp_path / "v", "agent.backend.kind=vllm"), tiny_policy_dir,
                           log=quiet)
-    seen["llm_factory"](object(), object())
     assert built == [("vllm", str(tiny_policy_dir))]
+    assert closed == [seen["engine"]]  # the engine (its process and memory) is shut down after training
     cfg = _run_cfg(tiny_data, bm25_index, tmp_path / "o", "agent.backend.kind=openai")
     with pytest.raises(ValueError, match="agent.backend.kind=openai"):
         pipeline.check_rollout_backend(cfg)
