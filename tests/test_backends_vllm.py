@@ -116,3 +116,23 @@ def test_agent_loop_on_vllm_records_exact_tokens(engine, retriever, agent_cfg):
     trajs = run_episodes([FRANCE, EIFFEL], rec, retriever, agent_cfg, n_samples=2, temperature=1.0, seed=0)
     assert_exact(rec, trajs)
     assert all(t.logprobs is not None and len(t.logprobs) == len(t) for t in trajs)
+
+
+def test_rl_train_rolls_out_on_vllm_and_pushes_every_update(engine, tiny_dir, retriever, tmp_path):
+    """The vLLM rollout path of ``sleuth train`` (agent.backend.kind=vllm): rl_train samples on the engine and
+    pushes the full weights after each step, so the engine ends on exactly the trained policy."""
+    from agent.hf import load_model_and_tokenizer
+    from agent.llm import SamplingParams, encode
+    from tests.conftest import QUESTIONS
+    from tests.test_trainer import make_cfg, varying_judge
+    from training.trainer import rl_train
+
+    model, tok = load_model_and_tokenizer(str(tiny_dir[0]), device="cpu")
+    before = engine.weight_version
+    out = rl_train(make_cfg("train.steps=2"), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge,
+                   llm_factory=lambda m, t: engine)
+    assert out["last"] and "skipped" not in out["last"]
+    assert engine.weight_version == before + 2
+    prompt = encode(tok, "Question: Where was Gustave Eiffel born?\n")
+    (g,) = engine.generate([prompt], SamplingParams(max_new_tokens=6, temperature=0.0, stop=()))
+    assert g.logprobs == pytest.approx(_hf_logprobs(model.eval(), prompt, g.token_ids), abs=2e-3)
