@@ -5,7 +5,8 @@ Readable inputs (auto-detected per line, streamed, never loaded whole):
 
 * IRCoT-processed files (HotpotQA, 2WikiMultihopQA, MuSiQue): ``contexts[] = {title, paragraph_text,
   is_supporting}``, e.g. ``../shared/data/hotpotqa/dev_400_with_contexts.ircot.jsonl``;
-* raw HotpotQA / 2WikiMultihopQA: ``context = [[title, [sentence, ...]], ...]`` (+ ``supporting_facts``);
+* raw HotpotQA / 2WikiMultihopQA: ``context = [[title, [sentence, ...]], ...]`` (+ ``supporting_facts``), as
+  JSONL or as their releases' one JSON array (``hotpot_dev_distractor_v1.json``, 2Wiki's ``dev.json``);
 * raw MuSiQue: ``paragraphs[] = {title, paragraph_text, is_supporting}``;
 * a corpus JSONL (``{id, contents}`` or ``{id, title, text}``), to deduplicate or chunk it.
 
@@ -19,10 +20,20 @@ Malformed input raises :class:`~corpora.formats.DataFormatError` naming the file
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from corpora.formats import DataFormatError, Passage, QAExample, iter_json_lines, passage_field, write_jsonl
+from corpora.formats import (
+    _SURROGATE_ESCAPE,
+    DataFormatError,
+    Passage,
+    QAExample,
+    _has_lone_surrogate,
+    iter_json_lines,
+    passage_field,
+    write_jsonl,
+)
 
 
 def _norm(text: str) -> str:
@@ -112,12 +123,82 @@ def _paragraphs(obj: dict, path: Path, lineno: int) -> tuple[list[tuple[str, str
     return paras, qa
 
 
+def _iter_json_array(path: Path, block: int = 1 << 20) -> Iterator[tuple[int, dict]]:
+    """Stream ``(line number, object)`` for the elements of a file holding one JSON array of objects (the raw
+    HotpotQA and 2WikiMultihopQA releases, ``[{...}, {...}]``), reading ``block`` characters at a time, so
+    the file is never loaded whole. The line is where the element starts (1 for every element of a
+    one-line file). Raises :class:`DataFormatError` naming the file and line of an element that is not a
+    JSON object, not valid JSON or not UTF-8."""
+    dec = json.JSONDecoder()
+    with open(path, encoding="utf-8-sig") as f:
+        buf, pos, line, eof, done = "", 0, 1, False, 0  # done: characters dropped before buf
+
+        def more() -> bool:  # read the next block, dropping what was consumed; False at the end of the file
+            nonlocal buf, pos, eof, done
+            try:
+                got = f.read(block)
+            except UnicodeDecodeError as e:
+                raise DataFormatError(f"{path}:{line}: not valid UTF-8 ({e.reason})") from None
+            buf, pos, eof, done = buf[pos:] + got, 0, not got, done + pos
+            return bool(got)
+
+        def skip_space() -> str:  # the next non-blank character ("" at the end of the file)
+            nonlocal pos, line
+            while True:
+                while pos < len(buf) and buf[pos] in " \t\r\n":
+                    line += buf[pos] == "\n"
+                    pos += 1
+                if pos < len(buf) or not more():
+                    return buf[pos : pos + 1]
+
+        if skip_space() != "[":
+            raise DataFormatError(f"{path}:{line}: not valid JSON (expected a JSON array)")
+        pos += 1
+        n = 0
+        while True:
+            c = skip_space()
+            if c == "]":
+                return
+            if n:
+                if c != ",":
+                    raise DataFormatError(f"{path}:{line}: not valid JSON (expected ',' or ']' after element {n})")
+                pos += 1
+                skip_space()
+            last = None
+            while True:
+                try:
+                    obj, end = dec.raw_decode(buf, pos)
+                    break
+                except json.JSONDecodeError as e:
+                    # cut by the block's end, read on; a real error stays where it was with more text
+                    where = (e.msg, done + e.pos)
+                    if eof or (where == last and not e.msg.startswith("Unterminated string")) or not more():
+                        raise DataFormatError(f"{path}:{line}: not valid JSON ({e.msg})") from None
+                    last = where
+            n += 1
+            if not isinstance(obj, dict):
+                raise DataFormatError(f"{path}:{line}: element {n} of the JSON array is {type(obj).__name__}, "
+                                      "expected an object")
+            if _SURROGATE_ESCAPE.search(buf, pos, end) and _has_lone_surrogate(obj):
+                raise DataFormatError(f"{path}:{line}: lone surrogate escape in a string (\\ud800-\\udfff without "
+                                      "its pair): not text, cannot be written as UTF-8")
+            yield line, obj
+            line += buf.count("\n", pos, end)
+            pos = end
+
+
 def _iter_records(path: Path) -> Iterator[tuple[int, dict]]:
+    """``(line number, object)`` of a JSONL file, or of a file holding one JSON array (:func:`_iter_json_array`)."""
     if path.suffix == ".parquet":
         raise DataFormatError(
             f"{path}: parquet input is a Search-R1-format QA file here (no paragraphs); pool a JSONL with paragraphs"
         )
-    yield from iter_json_lines(path)
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip(b" \t\r\n\xef\xbb\xbf")
+    if head.startswith(b"["):
+        yield from _iter_json_array(path)
+    else:
+        yield from iter_json_lines(path)
 
 
 def pool_corpus(

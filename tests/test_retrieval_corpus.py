@@ -381,3 +381,33 @@ def test_pool_wiki18_lines_without_a_title_field_keep_their_title_line(tmp_path)
     chunks = read_corpus(tmp_path / "chunked.jsonl")
     assert [(p.id, p.title) for p in chunks[:3]] == [("0-0", "Aaron"), ("0-1", "Aaron"), ("0-2", "Aaron")]
     assert chunks[1].contents == "Aaron\n" + " ".join(f"w{i}" for i in range(10, 20))
+
+
+def test_pool_streams_raw_hotpotqa_and_2wiki_json_array_files(tmp_path):
+    # the raw HotpotQA (hotpot_dev_distractor_v1.json) and 2WikiMultihopQA (dev.json) releases are one JSON
+    # array, not JSONL: they were refused ('expected a JSON object, got list' / 'not valid JSON')
+    from corpora.pool import _iter_json_array
+
+    recs = [
+        {"_id": f"q{i}", "question": f"q{i} \u00e9?", "answer": f"a{i}",
+         "context": [[f"T{i}", ["s one ", "s two"]], ["Shared", ["same"]]], "supporting_facts": [[f"T{i}", 0]]}
+        for i in range(5)
+    ]
+    one_line, pretty = tmp_path / "dev.json", tmp_path / "dev_pretty.json"
+    one_line.write_text(json.dumps(recs))
+    pretty.write_text("\ufeff" + json.dumps(recs, indent=2))
+    for src in (one_line, pretty):
+        for block in (7, 64, 1 << 20):  # elements cut by block ends
+            assert [o for _, o in _iter_json_array(src, block=block)] == recs
+    stats = pool_corpus([pretty], tmp_path / "c.jsonl", qa_out=tmp_path / "qa.jsonl")
+    assert stats["records"] == 5 and stats["passages"] == 6 and stats["duplicates"] == 4
+    assert [q.metadata["supporting_ids"] for q in read_qa(tmp_path / "qa.jsonl")] == [["p0"], ["p2"], ["p3"], ["p4"], ["p5"]]
+    lines = [line for line, _ in _iter_json_array(pretty, block=16)]
+    assert lines == [2 + i * len(json.dumps(recs[0], indent=2).splitlines()) for i in range(5)]
+    bad = tmp_path / "bad.json"
+    bad.write_text('[\n{"_id": "q", "question": "q", "context": []},\n3\n]')
+    with pytest.raises(DataFormatError, match=r"bad\.json:3: element 2 of the JSON array is int"):
+        pool_corpus([bad], tmp_path / "out.jsonl")
+    bad.write_text('[\n{"_id": "q", "question": "q", "context": []},\n{"_id": oops}\n]')
+    with pytest.raises(DataFormatError, match=r"bad\.json:3: not valid JSON"):
+        pool_corpus([bad], tmp_path / "out.jsonl")

@@ -10,7 +10,8 @@ HELP = "Pool the context paragraphs of multi-hop QA files into a deduplicated (t
 
 EPILOG = """inputs (streamed, auto-detected per line):
   IRCoT-processed QA (contexts[].paragraph_text), e.g. ../shared/data/hotpotqa/dev_400_with_contexts.ircot.jsonl
-  raw HotpotQA / 2WikiMultihopQA (context = [[title, sentences]]), raw MuSiQue (paragraphs[])
+  raw HotpotQA / 2WikiMultihopQA (context = [[title, sentences]]; JSONL, or their releases' one JSON array),
+  raw MuSiQue (paragraphs[])
   a corpus JSONL ({id, contents} or {id, title, text}), to deduplicate or --chunk-words it
 note: the 2WikiMultihopQA and MuSiQue files in ../shared/data are Search-R1 exports (questions and
 answers only, no paragraphs), so only HotpotQA can be pooled from there; bring the raw 2Wiki/MuSiQue files
@@ -25,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
     p.add_argument(
-        "--from", dest="sources", nargs="+", required=True, metavar="FILE", help="input JSONL files"
+        "--from", dest="sources", nargs="+", required=True, metavar="FILE", help="input JSONL files (or JSON array files)"
     )
     p.add_argument("--out", required=True, help="corpus JSONL to write {id, title, contents}")
     p.add_argument("--qa-out", default=None, help="also write the questions as QA JSONL with supporting_ids")
