@@ -138,14 +138,18 @@ def write_docstore(corpus: str | Path, index_dir: str | Path, show_progress: boo
     offsets = [0]
     tmp = index_dir / (PASSAGES + ".tmp")
     seen: set[str] = set()
-    with open(tmp, "wb") as f:
-        for p in tqdm(iter_corpus(corpus), desc="read corpus", unit="psg", disable=not show_progress):
-            if p.id in seen:
-                raise ValueError(f"{corpus}: duplicate passage id {p.id!r} (ids must be unique)")
-            seen.add(p.id)
-            line = (json.dumps(p.to_json(), ensure_ascii=False) + "\n").encode("utf-8")
-            f.write(line)
-            offsets.append(offsets[-1] + len(line))
+    try:
+        with open(tmp, "wb") as f:
+            for p in tqdm(iter_corpus(corpus), desc="read corpus", unit="psg", disable=not show_progress):
+                if p.id in seen:
+                    raise ValueError(f"{corpus}: duplicate passage id {p.id!r} (ids must be unique)")
+                seen.add(p.id)
+                line = (json.dumps(p.to_json(), ensure_ascii=False) + "\n").encode("utf-8")
+                f.write(line)
+                offsets.append(offsets[-1] + len(line))
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # (as large as the corpus read so far)
+        raise
     tmp_off = index_dir / (OFFSETS + ".tmp")
     with open(tmp_off, "wb") as f:
         np.save(f, np.asarray(offsets, dtype=np.int64))

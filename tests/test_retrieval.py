@@ -519,3 +519,13 @@ def test_cached_retriever_can_be_copied_and_hides_no_missing_attribute(retriever
     assert twin.inner is retriever and twin.search(["Eiffel"], 1) == retriever.search(["Eiffel"], 1)
     with pytest.raises(AttributeError):
         cached._no_such_attribute  # noqa: B018
+
+
+def test_a_bad_corpus_line_leaves_no_temporary_passage_file(tmp_path):
+    # the half-written passages.jsonl.tmp stayed behind (as large as the corpus read so far)
+    p = write_corpus(tmp_path / "c.jsonl")
+    with open(p, "a") as f:
+        f.write("{not json\n")
+    with pytest.raises(DataFormatError, match=r"c\.jsonl:6"):
+        build_index(p, tmp_path / "i", build_dense=False, show_progress=False)
+    assert not list((tmp_path / "i").glob("*.tmp"))
