@@ -112,13 +112,15 @@ def tiny_policy_path(cfg: Config, log=print) -> Path:
     return path
 
 
-def load_llm(cfg: Config, model_path: str | Path | None = None):
+def load_llm(cfg: Config, model_path: str | Path | None = None, *, episodes: bool = True):
     """The policy backend (``agent.backend.kind``: transformers, vllm or openai) for ``model_path``, else
-    ``policy.model``, else the tiny policy."""
+    ``policy.model``, else the tiny policy. A model that runs agent episodes (``episodes``; not a judge) must
+    hold ``agent.max_total_tokens`` (:func:`check_context_length`)."""
     from agent.backends import make_llm
 
     path = model_path or cfg.policy.model or tiny_policy_path(cfg)
-    check_context_length(cfg, path)
+    if episodes:
+        check_context_length(cfg, path)
     return make_llm(cfg.agent.backend, str(path), cfg.policy.dtype, cfg.policy.device, cfg.seed)
 
 

@@ -225,7 +225,7 @@ def test_cli_judge_model_on_the_agent_path(tmp_path, monkeypatch, capsys):
     from sleuth.commands import evaluate
 
     judge = JudgeLLM("cli-judge")
-    monkeypatch.setattr(pipeline, "load_llm", lambda cfg, model_path=None: judge if model_path == "my-judge" else ScriptedLLM())
+    monkeypatch.setattr(pipeline, "load_llm", lambda cfg, model_path=None, **kw: judge if model_path == "my-judge" else ScriptedLLM())
     monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: KeywordRetriever(PASSAGES))
     p = argparse.ArgumentParser()
     evaluate.add_arguments(p)

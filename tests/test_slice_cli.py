@@ -302,7 +302,7 @@ def test_eval_judge_line_says_when_no_answer_reached_the_judge(tmp_path, monkeyp
     from sleuth import pipeline
 
     monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: None)
-    monkeypatch.setattr(pipeline, "load_llm", lambda cfg, model=None: object())
+    monkeypatch.setattr(pipeline, "load_llm", lambda cfg, model=None, **kw: object())
     monkeypatch.setattr(pipeline, "evaluate_agent", lambda llm, r, ex, cfg: ({"n": len(ex)}, []))
     monkeypatch.setattr(pipeline, "write_eval_outputs", lambda *a: None)
     monkeypatch.setattr(eval.run, "judge_records", lambda recs, llm, **kw: recs)
@@ -494,6 +494,7 @@ def test_an_episode_budget_beyond_the_models_context_is_refused_before_loading(t
     ok = load_config(None, [f"out_dir={tmp_path}", "agent.max_total_tokens=1024"])
     assert pipeline.load_llm(ok, tiny_policy_dir) == "loaded"
     assert pipeline.load_llm(cfg, "some/hub-id") == "loaded"  # no local config to read: not checked
+    assert pipeline.load_llm(cfg, tiny_policy_dir, episodes=False) == "loaded"  # a judge runs no episode
 
 
 def _run_cfg(tiny_data, bm25_index, tmp_path, *extra):

@@ -68,7 +68,8 @@ def run(args) -> int:
         judge_model = None
     judge_llm = None
     if judge_model:  # the policy judging itself reuses the loaded backend
-        judge_llm = llm if judge_model == (args.model or cfg.policy.model) else load_llm(other_model_config(cfg), judge_model)
+        judge_llm = llm if judge_model == (args.model or cfg.policy.model) else load_llm(
+            other_model_config(cfg), judge_model, episodes=False)  # a judge reads one answer, not an episode
     judge_options = {"unparseable": cfg.eval.judge_unparseable}
     if args.benchmarks:
         from eval.run import SUMMARY, format_summary, run_benchmarks
