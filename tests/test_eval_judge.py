@@ -199,7 +199,7 @@ def test_cli_judge_model(tmp_path, monkeypatch, capsys):
     judge = JudgeLLM("cli-judge")
     loaded = []
 
-    def fake_load_llm(cfg, model_path=None):
+    def fake_load_llm(cfg, model_path=None, **kw):
         loaded.append(model_path)
         return judge if model_path == "my-judge" else ScriptedLLM()
 
