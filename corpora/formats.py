@@ -163,7 +163,8 @@ def iter_corpus(path: str | Path) -> Iterator[Passage]:
             title = str(obj.get("title") or contents.partition("\n")[0].strip('"'))
             yield Passage(id=pid, title=title, contents=contents)
         elif "text" in obj:
-            yield Passage.make(pid, str(obj.get("title", "")), passage_field(obj, "text", path, lineno))
+            title = obj.get("title")  # (null: no title, not the title 'None')
+            yield Passage.make(pid, "" if title is None else str(title), passage_field(obj, "text", path, lineno))
         else:
             raise DataFormatError(f"{path}:{lineno}: missing field 'contents' (or 'text')")
 

@@ -411,3 +411,10 @@ def test_pool_streams_raw_hotpotqa_and_2wiki_json_array_files(tmp_path):
     bad.write_text('[\n{"_id": "q", "question": "q", "context": []},\n{"_id": oops}\n]')
     with pytest.raises(DataFormatError, match=r"bad\.json:3: not valid JSON"):
         pool_corpus([bad], tmp_path / "out.jsonl")
+
+
+def test_corpus_text_record_with_a_null_title_has_no_title(tmp_path):
+    # DPR-style {"id", "title", "text"} with "title": null was read as the title 'None' ("None\ntext")
+    src = tmp_path / "dpr.jsonl"
+    src.write_text(json.dumps({"id": "1", "title": None, "text": "body only"}) + "\n")
+    assert [(p.title, p.contents) for p in read_corpus(src)] == [("", "body only")]
