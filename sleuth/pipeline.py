@@ -180,13 +180,14 @@ def evaluate_agent(llm, retriever, examples: list[QAExample], cfg: Config) -> tu
     paragraphs among everything retrieved), search_calls, turns, generated_tokens, format_ok, wall_s
     (seconds per question).
     """
-    from agent.loop import run_episodes
+    from agent.loop import rule_judge, run_episodes
     from eval.methods import trajectory_record
     from eval.metrics import aggregate
 
     t0 = time.time()
+    # the rule judge: answers are scored below, and an LLM judge (agent.judge=llm) would cost a generation each
     trajs = run_episodes(examples, llm, retriever, cfg.agent, temperature=cfg.eval.temperature,
-                         top_k=cfg.retrieval.top_k, seed=cfg.seed)
+                         top_k=cfg.retrieval.top_k, seed=cfg.seed, judge=rule_judge())
     wall = (time.time() - t0) / max(len(examples), 1)
     records = [trajectory_record(t) | {"wall_s": wall} for t in trajs]
     summary = aggregate(records, by_hops=False)

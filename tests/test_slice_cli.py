@@ -647,3 +647,21 @@ def test_ask_scores_with_the_configured_llm_judge(tiny_policy_dir, tmp_path, mon
                  f"policy.model={tiny_policy_dir}", "agent.judge=llm", "agent.llm_judge.model=judges/big",
                  "agent.max_turns=1", "agent.max_new_tokens=4", "agent.max_total_tokens=256"]) == 0
     assert len(judges) == 1
+
+
+def test_evaluation_runs_no_llm_judge(tiny_llm, retriever, tmp_path):
+    """With agent.judge=llm every evaluation episode (quickstart, sleuth eval, train.eval_every) also asked the
+    LLM judge, though the evaluation scores answers with EM/F1 and used the verdict only for format_ok: one
+    wasted generation per question. Evaluation episodes are judged by the rules now."""
+    from corpora.formats import QAExample
+    from sleuth import pipeline
+    from sleuth.config import load_config
+    from tests.test_agent_fakes import Recorder, ScriptLLM
+
+    rec = Recorder(ScriptLLM(tiny_llm.tokenizer, {"capital": ["<search> Paris </search>", "<answer> Paris </answer>"]}))
+    cfg = load_config(None, [f"out_dir={tmp_path}", "agent.judge=llm"])
+
+    summary, _ = pipeline.evaluate_agent(rec, retriever, [QAExample("q", "What is the capital of France?",
+                                                                         ["Paris"])], cfg)
+    assert summary["em"] == 1.0 and summary["format_ok"] == 1.0
+    assert not any("VERDICT" in tiny_llm.tokenizer.decode(p) for p in rec.prompts)
