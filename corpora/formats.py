@@ -157,6 +157,11 @@ def iter_corpus(path: str | Path) -> Iterator[Passage]:
     if not path.exists():
         raise FileNotFoundError(f"corpus file not found: {path}")
     for lineno, obj in iter_json_lines(path):
+        if "contents" not in obj and "text" not in obj and {"contexts", "context", "paragraphs"} & obj.keys():
+            raise DataFormatError(
+                f"{path}:{lineno}: a QA record with context paragraphs, not a passage: pool the file into a "
+                f"corpus first with: sleuth corpus --from {path} --out CORPUS.jsonl"
+            )
         pid = passage_field(obj, "id", path, lineno)
         if "contents" in obj:
             contents = passage_field(obj, "contents", path, lineno)

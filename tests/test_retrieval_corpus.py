@@ -418,3 +418,11 @@ def test_corpus_text_record_with_a_null_title_has_no_title(tmp_path):
     src = tmp_path / "dpr.jsonl"
     src.write_text(json.dumps({"id": "1", "title": None, "text": "body only"}) + "\n")
     assert [(p.title, p.contents) for p in read_corpus(src)] == [("", "body only")]
+
+
+def test_a_qa_file_given_as_a_corpus_says_to_pool_it_first(tmp_path):
+    # an IRCoT QA file passed to `sleuth index --corpus` failed with "missing field 'id'"
+    src = tmp_path / "ircot.jsonl"
+    src.write_text(json.dumps(_ircot("q1", [("A", "alpha", True)])) + "\n")
+    with pytest.raises(DataFormatError, match=r"ircot\.jsonl:1: a QA record .* sleuth corpus --from"):
+        read_corpus(src)
