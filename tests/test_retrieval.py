@@ -529,3 +529,22 @@ def test_a_bad_corpus_line_leaves_no_temporary_passage_file(tmp_path):
     with pytest.raises(DataFormatError, match=r"c\.jsonl:6"):
         build_index(p, tmp_path / "i", build_dense=False, show_progress=False)
     assert not list((tmp_path / "i").glob("*.tmp"))
+
+
+def test_a_rebuild_that_fails_on_a_bad_corpus_line_keeps_the_old_index(tmp_path):
+    """The manifest was deleted before the new corpus was read, so a rebuild from a corpus with one bad line
+    (or a duplicate id, or Ctrl-C while reading) left the old, complete index unloadable. The old files are
+    only replaced once the new corpus has been read in full, and the manifest with them."""
+    corpus = write_corpus(tmp_path / "c.jsonl")
+    build_index(corpus, tmp_path / "i", build_dense=False, show_progress=False)
+    before = load_retriever(tmp_path / "i", "bm25").search(["Eiffel"], 2)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(corpus.read_text() + "{oops\n")
+    with pytest.raises(DataFormatError, match="bad.jsonl:6"):
+        build_index(bad, tmp_path / "i", build_dense=False, show_progress=False)
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text(corpus.read_text() + corpus.read_text().splitlines(keepends=True)[1])
+    with pytest.raises(ValueError, match="duplicate passage id 'd1'"):
+        build_index(dup, tmp_path / "i", build_dense=False, show_progress=False)
+    assert load_retriever(tmp_path / "i", "bm25").search(["Eiffel"], 2) == before
+    assert not list((tmp_path / "i").glob("*.tmp"))
