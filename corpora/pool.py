@@ -119,6 +119,7 @@ def _paragraphs(obj: dict, path: Path, lineno: int) -> tuple[list[tuple[str, str
             "id": str(obj.get("question_id", obj.get("_id", obj.get("id", lineno)))),
             "question": str(q),
             "answers": answers,
+            "answerable": obj.get("answerable"),
         }
     return paras, qa
 
@@ -217,7 +218,9 @@ def pool_corpus(
     written as FlashRAG QA JSONL whose ``metadata.supporting_ids`` lists the ids of each question's
     supporting paragraphs (all chunks). Dedup keeps a 16-byte digest and the ids per passage, so memory
     grows with the number of distinct passages only.
-    Returns counts: ``records``, ``paragraphs``, ``passages`` (written), ``duplicates``, ``questions``.
+    Returns counts: ``records``, ``paragraphs``, ``passages`` (written), ``duplicates``, ``questions``,
+    ``duplicate_questions`` (an id already written by an earlier source: the first copy is kept) and
+    ``unanswerable`` (MuSiQue-full's ``"answerable": false`` questions, left out of ``qa_out``).
 
     Raises :class:`~corpora.formats.DataFormatError` naming the file and line of a malformed record and of a
     corpus-JSONL passage (not a duplicate by content) whose id is already written, by another corpus or as
@@ -228,8 +231,10 @@ def pool_corpus(
     seen: dict[bytes, list[str]] = {}
     taken: set[str] = set()  # every id written
     next_n = [0]  # generated ids count up from here
-    stats = {"records": 0, "paragraphs": 0, "passages": 0, "duplicates": 0, "questions": 0}
+    stats = {"records": 0, "paragraphs": 0, "passages": 0, "duplicates": 0, "questions": 0,
+             "duplicate_questions": 0, "unanswerable": 0}
     questions: list[QAExample] = []
+    question_ids: set[str] = set()
 
     def chunk_ids(base: str, n_chunks: int) -> list[str]:
         return [base] if n_chunks == 1 else [f"{base}-{j}" for j in range(n_chunks)]
@@ -294,6 +299,13 @@ def pool_corpus(
                     if is_sup:
                         supporting += seen[key]
                 if qa_out is not None and qa is not None and qa["answers"]:
+                    if qa.get("answerable") is False:  # MuSiQue-full: the paragraphs do not support the gold
+                        stats["unanswerable"] += 1
+                        continue
+                    if qa["id"] in question_ids:  # the same question in two sources: the first copy is kept
+                        stats["duplicate_questions"] += 1
+                        continue
+                    question_ids.add(qa["id"])
                     meta = {"supporting_ids": supporting, "source": src.name}
                     if dataset:
                         meta["dataset"] = dataset

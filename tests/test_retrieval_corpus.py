@@ -426,3 +426,18 @@ def test_a_qa_file_given_as_a_corpus_says_to_pool_it_first(tmp_path):
     src.write_text(json.dumps(_ircot("q1", [("A", "alpha", True)])) + "\n")
     with pytest.raises(DataFormatError, match=r"ircot\.jsonl:1: a QA record .* sleuth corpus --from"):
         read_corpus(src)
+
+
+def test_pooled_questions_are_unique_and_answerable(tmp_path):
+    """Pooling two files that share questions (a dev file and its IRCoT-processed copy) wrote each question
+    twice under one id, and MuSiQue-full's unanswerable questions ("answerable": false, whose gold the
+    paragraphs do not support) were kept as training questions. The first copy of an id is kept, the
+    unanswerable ones are left out, and both are counted."""
+    src = tmp_path / "a.jsonl"
+    unanswerable = _ircot("q9", [("C", "gamma", False)]) | {"answerable": False}
+    src.write_text("".join(json.dumps(r) + "\n" for r in [_ircot("q1", [("A", "alpha", True)]), unanswerable]))
+    again = tmp_path / "b.jsonl"
+    again.write_text(json.dumps(_ircot("q1", [("A", "alpha", True)])) + "\n")
+    stats = pool_corpus([src, again], tmp_path / "out.jsonl", qa_out=tmp_path / "qa.jsonl")
+    assert [q.id for q in read_qa(tmp_path / "qa.jsonl")] == ["q1"]
+    assert stats["questions"] == 1 and stats["duplicate_questions"] == 1 and stats["unanswerable"] == 1

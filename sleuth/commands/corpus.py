@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{stats['passages']} passages from {stats['paragraphs']} paragraphs in {stats['records']} records "
         f"({stats['duplicates']} duplicates dropped) -> {args.out}"
-        + (f"; {stats['questions']} questions -> {args.qa_out}" if args.qa_out else "")
+        + (f"; {stats['questions']} questions -> {args.qa_out} ({stats['duplicate_questions']} repeated ids and "
+           f"{stats['unanswerable']} unanswerable left out)" if args.qa_out else "")
     )
     return 0
