@@ -75,7 +75,8 @@ class RequestError(ValueError):
 def parse_request(body: bytes, limits: ServerLimits) -> tuple[list[str], int, bool]:
     """Validate a ``/retrieve`` body; returns (queries, topk, return_scores) or raises :class:`RequestError`."""
     if len(body) > limits.max_body_bytes:
-        raise RequestError(f"request body is {len(body)} bytes; the limit is {limits.max_body_bytes}", 413)
+        raise RequestError(f"request body is {len(body)} bytes; the limit is {limits.max_body_bytes} (max_body_bytes)",
+                           413)
     try:
         obj = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -316,7 +317,7 @@ class RetrieveEndpoint:
         limit = self.limits.max_body_bytes
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
-                raise RequestError(f"request body is {int(value)} bytes; the limit is {limit}", 413)
+                raise RequestError(f"request body is {int(value)} bytes; the limit is {limit} (max_body_bytes)", 413)
         parts, n = [], 0
         while True:
             msg = await receive()
@@ -325,7 +326,7 @@ class RetrieveEndpoint:
             chunk = msg.get("body", b"")
             n += len(chunk)
             if n > limit:
-                raise RequestError(f"request body is over {limit} bytes; the limit is {limit}", 413)
+                raise RequestError(f"request body is over {limit} bytes; the limit is {limit} (max_body_bytes)", 413)
             parts.append(chunk)
             if not msg.get("more_body", False):
                 return b"".join(parts)

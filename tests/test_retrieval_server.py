@@ -136,9 +136,9 @@ def test_request_body_limit_with_and_without_content_length(bm25):
     with _Server(create_app(bm25, ServerLimits(max_body_bytes=200))) as s:
         big = json.dumps({"queries": ["Everest " * 40], "topk": 1}).encode()
         r = httpx2.post(s.url + "/retrieve", content=big, headers={"Content-Type": "application/json"})
-        assert r.status_code == 413 and "limit is 200" in r.json()["error"]
+        assert r.status_code == 413 and "limit is 200 (max_body_bytes)" in r.json()["error"]
         r = httpx2.post(s.url + "/retrieve", content=iter([big[:150], big[150:]]))  # chunked: no length
-        assert r.status_code == 413 and "limit is 200" in r.json()["error"]
+        assert r.status_code == 413 and "limit is 200 (max_body_bytes)" in r.json()["error"]
         assert httpx2.get(s.url + "/retrieve").status_code == 405
         r = httpx2.post(s.url + "/retrieve", json={"queries": ["Everest"], "topk": 1})
         assert r.status_code == 200 and r.json()["result"][0][0]["id"] == "d2"

@@ -340,7 +340,8 @@ def test_retrieval_url_searches_a_running_server_instead_of_an_index(retriever, 
 
 
 @pytest.mark.parametrize("argv", [["--topk", "0"], ["--max-topk", "0"], ["--max-queries", "0"], ["--max-hits", "-1"],
-                                  ["--max-query-chars", "0"], ["--cache-size", "-2"], ["--topk", "5", "--max-topk", "2"]])
+                                  ["--max-query-chars", "0"], ["--cache-size", "-2"],
+                                  ["--max-body-bytes", "0"], ["--topk", "5", "--max-topk", "2"]])
 def test_serve_retrieval_limits_are_checked_before_serving(tmp_path, argv, capsys):
     """`serve-retrieval --topk 0` (or a --max-topk below --topk, --max-queries 0, ...) started a server that
     answered every request (or every one without a topk) with HTTP 400; they are usage errors now, before the
@@ -676,3 +677,17 @@ def test_index_counts_must_be_positive(tmp_path, flag, capsys):
     with pytest.raises(SystemExit) as e:
         main(["index", "--corpus", str(src), "--out", str(tmp_path / "i"), flag, "0"])
     assert e.value.code == 2 and flag in capsys.readouterr().err and not (tmp_path / "i").exists()
+
+
+def test_serve_retrieval_body_limit_is_configurable(bm25_index, monkeypatch):
+    """There was no flag for the 16 MiB request-body limit (a large batch of long queries got HTTP 413 with
+    no way around it); ``--max-body-bytes`` sets it, and /health reports it."""
+    import asyncio
+
+    import retrieval.server
+
+    apps = []
+    monkeypatch.setattr(retrieval.server, "serve", lambda app, *a, **k: apps.append(app))
+    assert main(["serve-retrieval", "--index", str(bm25_index), "--max-body-bytes", "1000"]) == 0
+    (health,) = [r.endpoint for r in apps[0].routes if getattr(r, "path", "") == "/health"]
+    assert asyncio.run(health())["limits"]["max_body_bytes"] == 1000

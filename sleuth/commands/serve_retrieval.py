@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="answer an empty query with no hits instead of HTTP 400",
     )
+    p.add_argument("--max-body-bytes", type=positive_int, default=16 << 20,
+                   help="largest request body accepted, in bytes (default 16 MiB; above: HTTP 413)")
     p.add_argument("--cache-size", type=non_negative_int, default=0, help="LRU query cache entries (0 = off)")
     p.add_argument("--max-wait-ms", type=float, default=0.0, help="extra wait to gather a batch")
     p.add_argument("--mmap", action="store_true", help="memory-map the index instead of loading it")
@@ -50,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         max_hits=args.max_hits,
         default_topk=args.topk,
         allow_empty_queries=args.allow_empty_queries,
+        max_body_bytes=args.max_body_bytes,
     )
     info = {"index": str(args.index), "method": args.method, "num_passages": man["num_passages"]}
     bm25 = getattr(retriever, "bm25", None)
