@@ -605,29 +605,6 @@ def rl_train(
     One training at a time per ``run_dir``: rank 0 holds it (:func:`training.checkpoint.run_dir_lock`) for
     the whole run, and another ``rl_train`` on it raises ``RuntimeError`` before writing anything.
     """
-    rank0 = int(os.environ.get("RANK", "0")) == 0  # rank 0 writes the run directory (set by torchrun)
-    with run_dir_lock(run_dir) if rank0 else contextlib.nullcontext():
-        return _rl_train(cfg, model, tokenizer, retriever, train_examples, Path(run_dir), resume=resume,
-                         llm_factory=llm_factory, sync_weights=sync_weights, on_step=on_step, evaluate=evaluate,
-                         judge=judge)
-
-
-def _rl_train(
-    cfg: Any,
-    model: Any,
-    tokenizer: Any,
-    retriever: Retriever,
-    train_examples: list[QAExample],
-    run_dir: str | Path,
-    *,
-    resume: bool = False,
-    llm_factory: Callable[[Any, Any], Any] | None = None,
-    sync_weights: Callable[[Any, dict[str, torch.Tensor]], None] | None = None,
-    on_step: Callable[[int, dict[str, Any]], None] | None = None,
-    evaluate: Callable[[Any], dict[str, float]] | None = None,
-    judge: Any = None,
-) -> dict[str, Any]:
-    """:func:`rl_train`'s body, run while ``run_dir`` is held."""
     from agent.hf import TransformersLLM
 
     tc = cfg.train
@@ -644,242 +621,243 @@ def _rl_train(
         if tc.questions_per_step % W:
             raise ValueError(f"train.questions_per_step={tc.questions_per_step} must be a multiple of the "
                              f"world size {W} (every rank rolls out as many questions)")
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    ckpt = latest_checkpoint(run_dir) if resume else None
-    if W > 1:  # every rank must resume the same step (and load the same weights): a shared run directory
-        seen = gather_objects(ckpt.name if ckpt is not None else None)
-        if len(set(seen)) > 1:
-            raise ValueError(f"the ranks see different latest checkpoints of {run_dir} (by rank: {seen}); the run "
-                             "directory must be on a file system every rank sees")
+    with run_dir_lock(run_dir) if rank == 0 else contextlib.nullcontext():  # rank 0 writes run_dir
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        ckpt = latest_checkpoint(run_dir) if resume else None
+        if W > 1:  # every rank must resume the same step (and load the same weights): a shared run directory
+            seen = gather_objects(ckpt.name if ckpt is not None else None)
+            if len(set(seen)) > 1:
+                raise ValueError(f"the ranks see different latest checkpoints of {run_dir} (by rank: {seen}); the run "
+                                 "directory must be on a file system every rank sees")
 
-    # reference model (KL): the initial policy, saved once so that a resumed run uses the same one
-    ref_model = None
-    if tc.kl_coef > 0:
-        ref_dir = run_dir / "reference"
-        ref_model = copy.deepcopy(model).eval()
-        if ckpt is not None and (ref_dir / "config.json").exists():
-            load_pretrained_weights(ref_model, ref_dir)  # one file or shards
-        elif rank == 0 and not (ref_dir / "config.json").exists():
-            import shutil
+        # reference model (KL): the initial policy, saved once so that a resumed run uses the same one
+        ref_model = None
+        if tc.kl_coef > 0:
+            ref_dir = run_dir / "reference"
+            ref_model = copy.deepcopy(model).eval()
+            if ckpt is not None and (ref_dir / "config.json").exists():
+                load_pretrained_weights(ref_model, ref_dir)  # one file or shards
+            elif rank == 0 and not (ref_dir / "config.json").exists():
+                import shutil
 
-            tmp = run_dir / ".reference.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            ref_model.save_pretrained(tmp)
-            shutil.rmtree(ref_dir, ignore_errors=True)
-            tmp.rename(ref_dir)
-        for p in ref_model.parameters():
-            p.requires_grad_(False)
+                tmp = run_dir / ".reference.tmp"
+                shutil.rmtree(tmp, ignore_errors=True)
+                ref_model.save_pretrained(tmp)
+                shutil.rmtree(ref_dir, ignore_errors=True)
+                tmp.rename(ref_dir)
+            for p in ref_model.parameters():
+                p.requires_grad_(False)
 
-    if tc.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-    policy = model
-    if tc.lora:
-        if ckpt is not None and (ckpt / "base" / "model.safetensors").exists():
-            from safetensors.torch import load_file
+        if tc.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+        policy = model
+        if tc.lora:
+            if ckpt is not None and (ckpt / "base" / "model.safetensors").exists():
+                from safetensors.torch import load_file
 
-            model.load_state_dict(load_file(str(ckpt / "base" / "model.safetensors")), strict=False)
-        base_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        policy = apply_lora(model, tc)
-        if ckpt is not None and "lora" in (saved := read_extra(ckpt)):  # before sharding: plain tensors
-            from peft import set_peft_model_state_dict
+                model.load_state_dict(load_file(str(ckpt / "base" / "model.safetensors")), strict=False)
+            base_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            policy = apply_lora(model, tc)
+            if ckpt is not None and "lora" in (saved := read_extra(ckpt)):  # before sharding: plain tensors
+                from peft import set_peft_model_state_dict
 
-            set_peft_model_state_dict(policy, saved["lora"])
+                set_peft_model_state_dict(policy, saved["lora"])
 
-    # rollout side: the same object on one process; a full copy (LoRA wrapper included) when the update side
-    # is sharded, refreshed from the gathered full weights after every update
-    rollout_model = copy.deepcopy(policy) if W > 1 else None
-    fwd = LogprobModule(policy)
-    if W > 1:
-        shard(fwd, mixed_precision=tc.bf16 and torch.cuda.is_available())
-    params = [p for p in fwd.parameters() if p.requires_grad]
-    device = next(fwd.parameters()).device
-    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / tc.warmup_steps) if tc.warmup_steps else 1.0)
-    critic = critic_opt = None
-    if tc.algorithm == "ppo":
-        from training.critic import ValueModel
+        # rollout side: the same object on one process; a full copy (LoRA wrapper included) when the update side
+        # is sharded, refreshed from the gathered full weights after every update
+        rollout_model = copy.deepcopy(policy) if W > 1 else None
+        fwd = LogprobModule(policy)
+        if W > 1:
+            shard(fwd, mixed_precision=tc.bf16 and torch.cuda.is_available())
+        params = [p for p in fwd.parameters() if p.requires_grad]
+        device = next(fwd.parameters()).device
+        optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / tc.warmup_steps) if tc.warmup_steps else 1.0)
+        critic = critic_opt = None
+        if tc.algorithm == "ppo":
+            from training.critic import ValueModel
 
-        critic = ValueModel(_unwrap(policy), shared=tc.critic == "shared")
-        critic_opt = torch.optim.AdamW(critic.trainable_parameters(), lr=tc.critic_lr)
-    data = DataStream(train_examples, cfg.seed)
-    start, best, best_step = 0, None, None
-    if ckpt is not None:
-        # the full, name-keyed optimizer state (rank 0 reads it and broadcasts; any world size), then the
-        # scheduler (this rank's RNG streams once the rollout backend is built)
-        if (ckpt / "optimizer.pt").exists():
-            load_full_optimizer_state(fwd, optimizer, load_optimizer_state(ckpt) if rank == 0 else {})
-        elif W > 1:
-            warnings.warn(f"{ckpt} has no optimizer.pt: the optimizer restarts from zero moments", stacklevel=1)
-        # (a checkpoint of the older one-process format keeps optimizer.state_dict() in trainer.pt)
-        state = load_trainer_state(ckpt, optimizer if W == 1 else None, scheduler, rank=rank, world_size=W,
-                                   rng=False)  # the RNG streams: after llm_factory (below)
-        start, data.position, best = state["step"], state["data_position"], state.get("best")
-        best_step = state.get("best_step")
-        if rank == 0 and best_step == start and best is not None and best_source(run_dir) != ckpt.name:
-            save_best(run_dir, ckpt, best)  # killed inside save_best right after this checkpoint: redo it
-        extra = state["extra"]
-        if state.get("world_size", 1) != W:
-            warnings.warn(f"resuming a run saved on {state.get('world_size', 1)} ranks on {W}: same weights, "
-                          "optimizer and data position, but another split of the questions over ranks and other "
-                          "sampling streams, so not bit-identical to an uninterrupted run", stacklevel=1)
-        if critic is not None and "critic" in extra:
-            critic.load_state_dict(extra["critic"])
-            critic_opt.load_state_dict(extra["critic_optimizer"])
-        _apply_config_lr(optimizer, scheduler, tc.lr, "train.lr", rank)
-        if critic_opt is not None:
-            _apply_config_lr(critic_opt, None, tc.critic_lr, "train.critic_lr", rank)
+            critic = ValueModel(_unwrap(policy), shared=tc.critic == "shared")
+            critic_opt = torch.optim.AdamW(critic.trainable_parameters(), lr=tc.critic_lr)
+        data = DataStream(train_examples, cfg.seed)
+        start, best, best_step = 0, None, None
+        if ckpt is not None:
+            # the full, name-keyed optimizer state (rank 0 reads it and broadcasts; any world size), then the
+            # scheduler (this rank's RNG streams once the rollout backend is built)
+            if (ckpt / "optimizer.pt").exists():
+                load_full_optimizer_state(fwd, optimizer, load_optimizer_state(ckpt) if rank == 0 else {})
+            elif W > 1:
+                warnings.warn(f"{ckpt} has no optimizer.pt: the optimizer restarts from zero moments", stacklevel=1)
+            # (a checkpoint of the older one-process format keeps optimizer.state_dict() in trainer.pt)
+            state = load_trainer_state(ckpt, optimizer if W == 1 else None, scheduler, rank=rank, world_size=W,
+                                       rng=False)  # the RNG streams: after llm_factory (below)
+            start, data.position, best = state["step"], state["data_position"], state.get("best")
+            best_step = state.get("best_step")
+            if rank == 0 and best_step == start and best is not None and best_source(run_dir) != ckpt.name:
+                save_best(run_dir, ckpt, best)  # killed inside save_best right after this checkpoint: redo it
+            extra = state["extra"]
+            if state.get("world_size", 1) != W:
+                warnings.warn(f"resuming a run saved on {state.get('world_size', 1)} ranks on {W}: same weights, "
+                              "optimizer and data position, but another split of the questions over ranks and other "
+                              "sampling streams, so not bit-identical to an uninterrupted run", stacklevel=1)
+            if critic is not None and "critic" in extra:
+                critic.load_state_dict(extra["critic"])
+                critic_opt.load_state_dict(extra["critic_optimizer"])
+            _apply_config_lr(optimizer, scheduler, tc.lr, "train.lr", rank)
+            if critic_opt is not None:
+                _apply_config_lr(critic_opt, None, tc.critic_lr, "train.critic_lr", rank)
 
-    gen_model = rollout_model if rollout_model is not None else policy
-    llm = (llm_factory or TransformersLLM)(gen_model, tokenizer)
-    if ckpt is not None:  # after the backend's start, which may seed the global RNGs (vLLM's engine does)
-        restore_rng(state["rng_states"], rank, W)
-    logger = MetricsLogger(run_dir, truncate_after=start, tensorboard=rank == 0) if rank == 0 else None
-    if rank == 0:  # each step's sample trajectories carry it (metadata["step"]), as metrics records do
-        drop_steps_after(run_dir / "trajectories.jsonl", start, lambda r: r.get("metadata", {}).get("step", 0))
-    alarms = Alarms(tc.alarm_min_format_ok, tc.alarm_min_entropy, tc.alarm_patience, tc.alarm_action)
-    nonfinite = 0
-    if ckpt is not None:  # the alarm's patience and the skipped-step count run on across the interruption
-        alarms.restore(state.get("alarms_below", {}))
-        nonfinite = int(state.get("nonfinite", 0))
-    last: dict[str, Any] = {}
-    stopped = None
+        gen_model = rollout_model if rollout_model is not None else policy
+        llm = (llm_factory or TransformersLLM)(gen_model, tokenizer)
+        if ckpt is not None:  # after the backend's start, which may seed the global RNGs (vLLM's engine does)
+            restore_rng(state["rng_states"], rank, W)
+        logger = MetricsLogger(run_dir, truncate_after=start, tensorboard=rank == 0) if rank == 0 else None
+        if rank == 0:  # each step's sample trajectories carry it (metadata["step"]), as metrics records do
+            drop_steps_after(run_dir / "trajectories.jsonl", start, lambda r: r.get("metadata", {}).get("step", 0))
+        alarms = Alarms(tc.alarm_min_format_ok, tc.alarm_min_entropy, tc.alarm_patience, tc.alarm_action)
+        nonfinite = 0
+        if ckpt is not None:  # the alarm's patience and the skipped-step count run on across the interruption
+            alarms.restore(state.get("alarms_below", {}))
+            nonfinite = int(state.get("nonfinite", 0))
+        last: dict[str, Any] = {}
+        stopped = None
 
-    def save(step: int, best_metric: float | None = None) -> None:
-        """Every rank calls it (the optimizer state and the RNG states are gathered); rank 0 writes the
-        checkpoint (and copies it to ``best`` when ``best_metric`` is given) while the others wait without the
-        collective timeout (a large checkpoint may take longer; :func:`training.distributed.run_on_rank0`), so
-        nobody reads a checkpoint before it is complete and a failed write fails every rank."""
-        # full optimizer state (rank 0 gets it); none before the first optimizer step (all steps skipped)
-        opt_state = full_optimizer_state(fwd, optimizer) if optimizer.state else None
-        rngs = gather_objects(rng_state())
+        def save(step: int, best_metric: float | None = None) -> None:
+            """Every rank calls it (the optimizer state and the RNG states are gathered); rank 0 writes the
+            checkpoint (and copies it to ``best`` when ``best_metric`` is given) while the others wait without the
+            collective timeout (a large checkpoint may take longer; :func:`training.distributed.run_on_rank0`), so
+            nobody reads a checkpoint before it is complete and a failed write fails every rank."""
+            # full optimizer state (rank 0 gets it); none before the first optimizer step (all steps skipped)
+            opt_state = full_optimizer_state(fwd, optimizer) if optimizer.state else None
+            rngs = gather_objects(rng_state())
 
-        def write() -> None:
-            src = rollout_model if rollout_model is not None else policy  # full weights (synced copy under FSDP)
-            target = _MergedView(src) if tc.lora else src
-            extra: dict[str, Any] = {}
-            if tc.lora:
-                extra["lora"] = _lora_state(src)
-            if critic is not None:
-                extra["critic"], extra["critic_optimizer"] = critic.state_dict(), critic_opt.state_dict()
-
-            def write_base(d: Path) -> None:  # LoRA's frozen base weights, so resume rebuilds base + adapters
-                from safetensors.torch import save_file
-
-                (d / "base").mkdir(exist_ok=True)
-                save_file({k: v.contiguous() for k, v in base_state.items()}, str(d / "base" / "model.safetensors"))
-
-            path = save_checkpoint(run_dir, step, target, tokenizer, None, scheduler,
-                                   trainer_state={"data_position": data.position, "best": best, "best_step": best_step,
-                                                  "algorithm": tc.algorithm, "world_size": W,
-                                                  "alarms_below": alarms.state(), "nonfinite": nonfinite},
-                                   keep=tc.keep_checkpoints, extra=extra, optimizer_state=opt_state, rng_states=rngs,
-                                   write_files=write_base if tc.lora else None)
-            if best_metric is not None:
-                save_best(run_dir, path, best_metric)
-
-        run_on_rank0(write)
-
-    if W > 1 and ckpt is None:  # independent sampling streams per rank (a resumed run restores them)
-        torch.manual_seed(cfg.seed + rank)
-        random.seed(cfg.seed + rank)
-
-    for step in range(start, tc.steps):
-        t0 = time.time()
-        questions = data.next(tc.questions_per_step)
-        per_rank = questions[rank::W] if W > 1 else questions
-        policy.eval()
-        if callable(getattr(retriever, "set_step", None)):  # ZeroSearch's noise curriculum follows training
-            retriever.set_step(step, tc.steps)
-        trajs, ds_stats = rollout(per_rank, llm, retriever, cfg, data, judge)
-        t_roll = time.time() - t0
-        batch = collate(trajs, tokenizer.pad_token_id, cfg.agent.max_total_tokens)
-        batch.temperature = cfg.agent.temperature  # score the distribution the rollout sampled from
-        with torch.no_grad():
-            idx, micro, _ = split_micro_batches(batch, tc)  # update_policy's split: old log-probs align
-            # the update's autocast (bf16 on GPU), so that the first epoch's ratio is exactly 1
-            with _autocast(device, tc.bf16):
-                old = [fwd(mb, False)[0].detach() for mb in micro]
-            kl_tokens = values = gold = None
-            if ref_model is not None and tc.kl_mode == "reward":
-                full_old = torch.zeros_like(batch.loss_mask)
-                full_ref = torch.zeros_like(batch.loss_mask)
-                for i, mb, o in zip(idx, micro, old, strict=True):
-                    full_old[i, : o.shape[1]] = o.to(full_old.device)
-                    with _autocast(device, tc.bf16):
-                        full_ref[i, : o.shape[1]] = LogprobModule(ref_model)(mb, False)[0].to(full_ref.device)
-                kl_tokens = kl_penalty(full_old, full_ref, batch.loss_mask, tc.kl_type)
-            if critic is not None:
-                values = torch.zeros_like(batch.loss_mask)
-                for i, mb in zip(idx, micro, strict=True):
-                    v = critic(mb).detach().cpu()
-                    values[i, : v.shape[1]] = v
-            if tc.algorithm == "igpo":
-                gold = gold_answer_probs(gen_model, tokenizer, trajs, max_len=cfg.agent.max_total_tokens)
-        adv = compute_advantages(tc, batch, trajs, values=values, gold_probs=gold, kl_tokens=kl_tokens)
-        batch.token_advantages = adv["advantages"]
-        if "returns" in adv:
-            batch.returns, batch.old_values = adv["returns"], values
-        policy.train()
-        try:
-            loss_stats = update_policy(fwd, ref_model, optimizer, batch, tc, scheduler=scheduler, critic=critic,
-                                       critic_optimizer=critic_opt, old_logprobs=old)
-            # a backend holding its own weights (vLLM) gets them under the base model's names (LoRA merged)
-            if W > 1:  # the rollout copy is what checkpoints and evaluate see: refreshed with any backend
-                state = {k.removeprefix("model."): v for k, v in full_state_dict(fwd).items()}
-                sync_rollout_weights(None, rollout_model, state)
+            def write() -> None:
+                src = rollout_model if rollout_model is not None else policy  # full weights (synced copy under FSDP)
+                target = _MergedView(src) if tc.lora else src
+                extra: dict[str, Any] = {}
                 if tc.lora:
-                    state = merged_lora_state(rollout_model)
-                sync_rollout_weights(llm, None, state) if sync_weights is None else sync_weights(llm, state)
-            elif sync_weights is not None or hasattr(llm, "update_weights"):
-                state = merged_lora_state(policy) if tc.lora else full_state_dict(_unwrap(policy))
-                sync_rollout_weights(llm, None, state) if sync_weights is None else sync_weights(llm, state)
-        except FloatingPointError as e:
-            nonfinite += 1
-            warnings.warn(f"step {step + 1}: {e}; step skipped ({nonfinite}/{tc.max_nonfinite_steps})", stacklevel=1)
-            loss_stats = {"skipped": 1.0}
-            if nonfinite >= tc.max_nonfinite_steps:
-                raise RuntimeError(f"stopping: {nonfinite} non-finite losses (train.max_nonfinite_steps)") from e
-        policy.eval()
-        # mean |advantage| over the policy tokens of every rank (sums reduced: the same value as one process)
-        adv_abs = all_reduce_sum(float((batch.token_advantages.abs() * batch.loss_mask).sum()))
-        adv_abs_mean = adv_abs / max(all_reduce_sum(float(batch.loss_mask.sum())), 1.0)
-        record = {**rollout_stats(trajs), **ds_stats, **loss_stats, "adv_abs_mean": adv_abs_mean,
-                  "rollout_s": t_roll, "step_s": time.time() - t0}
-        if W > 1:  # one record for the whole batch, the same on every rank (so alarms decide alike)
-            record = merge_rank_records(gather_objects((record, len(trajs))), set(loss_stats))
-            record["adv_abs_mean"] = adv_abs_mean
-        if evaluate is not None and tc.eval_every and ((step + 1) % tc.eval_every == 0 or step + 1 == tc.steps):
-            # rank 0 evaluates its full rollout copy while the others wait without the collective timeout
-            # (an evaluation may take longer); an error there fails every rank at once
-            scores = run_on_rank0(lambda: evaluate(gen_model))
-            record.update({f"eval_{k}": v for k, v in scores.items()})
-        fired = alarms.check(step + 1, record)
-        if fired:
-            record["alarms"] = fired
-        if logger is not None:
-            logger.log(step + 1, record)
-            for t in trajs[: tc.group_size]:
-                t.metadata["step"] = step + 1
-            save_trajectories(run_dir / "trajectories.jsonl", trajs[: tc.group_size], append=True)
-        last = record
-        if on_step is not None:
-            on_step(step + 1, record)
-        metric = record.get("eval_em", None)
-        # a NaN metric (an empty eval) is no best: once best were NaN, no later metric would beat it
-        improved = metric is not None and math.isfinite(metric) and (best is None or metric > best)
-        if improved:
-            best, best_step = metric, step + 1
-        if (step + 1) % tc.save_every == 0 or step + 1 == tc.steps or improved or alarms.should_stop:
-            save(step + 1, metric if improved else None)
-        if alarms.should_stop:
-            stopped = fired
-            break
-    return {"steps": tc.steps, "start_step": start, "last": last, "best_eval_em": best, "stopped": stopped}
+                    extra["lora"] = _lora_state(src)
+                if critic is not None:
+                    extra["critic"], extra["critic_optimizer"] = critic.state_dict(), critic_opt.state_dict()
+
+                def write_base(d: Path) -> None:  # LoRA's frozen base weights, so resume rebuilds base + adapters
+                    from safetensors.torch import save_file
+
+                    (d / "base").mkdir(exist_ok=True)
+                    save_file({k: v.contiguous() for k, v in base_state.items()}, str(d / "base" / "model.safetensors"))
+
+                path = save_checkpoint(run_dir, step, target, tokenizer, None, scheduler,
+                                       trainer_state={"data_position": data.position, "best": best, "best_step": best_step,
+                                                      "algorithm": tc.algorithm, "world_size": W,
+                                                      "alarms_below": alarms.state(), "nonfinite": nonfinite},
+                                       keep=tc.keep_checkpoints, extra=extra, optimizer_state=opt_state, rng_states=rngs,
+                                       write_files=write_base if tc.lora else None)
+                if best_metric is not None:
+                    save_best(run_dir, path, best_metric)
+
+            run_on_rank0(write)
+
+        if W > 1 and ckpt is None:  # independent sampling streams per rank (a resumed run restores them)
+            torch.manual_seed(cfg.seed + rank)
+            random.seed(cfg.seed + rank)
+
+        for step in range(start, tc.steps):
+            t0 = time.time()
+            questions = data.next(tc.questions_per_step)
+            per_rank = questions[rank::W] if W > 1 else questions
+            policy.eval()
+            if callable(getattr(retriever, "set_step", None)):  # ZeroSearch's noise curriculum follows training
+                retriever.set_step(step, tc.steps)
+            trajs, ds_stats = rollout(per_rank, llm, retriever, cfg, data, judge)
+            t_roll = time.time() - t0
+            batch = collate(trajs, tokenizer.pad_token_id, cfg.agent.max_total_tokens)
+            batch.temperature = cfg.agent.temperature  # score the distribution the rollout sampled from
+            with torch.no_grad():
+                idx, micro, _ = split_micro_batches(batch, tc)  # update_policy's split: old log-probs align
+                # the update's autocast (bf16 on GPU), so that the first epoch's ratio is exactly 1
+                with _autocast(device, tc.bf16):
+                    old = [fwd(mb, False)[0].detach() for mb in micro]
+                kl_tokens = values = gold = None
+                if ref_model is not None and tc.kl_mode == "reward":
+                    full_old = torch.zeros_like(batch.loss_mask)
+                    full_ref = torch.zeros_like(batch.loss_mask)
+                    for i, mb, o in zip(idx, micro, old, strict=True):
+                        full_old[i, : o.shape[1]] = o.to(full_old.device)
+                        with _autocast(device, tc.bf16):
+                            full_ref[i, : o.shape[1]] = LogprobModule(ref_model)(mb, False)[0].to(full_ref.device)
+                    kl_tokens = kl_penalty(full_old, full_ref, batch.loss_mask, tc.kl_type)
+                if critic is not None:
+                    values = torch.zeros_like(batch.loss_mask)
+                    for i, mb in zip(idx, micro, strict=True):
+                        v = critic(mb).detach().cpu()
+                        values[i, : v.shape[1]] = v
+                if tc.algorithm == "igpo":
+                    gold = gold_answer_probs(gen_model, tokenizer, trajs, max_len=cfg.agent.max_total_tokens)
+            adv = compute_advantages(tc, batch, trajs, values=values, gold_probs=gold, kl_tokens=kl_tokens)
+            batch.token_advantages = adv["advantages"]
+            if "returns" in adv:
+                batch.returns, batch.old_values = adv["returns"], values
+            policy.train()
+            try:
+                loss_stats = update_policy(fwd, ref_model, optimizer, batch, tc, scheduler=scheduler, critic=critic,
+                                           critic_optimizer=critic_opt, old_logprobs=old)
+                # a backend holding its own weights (vLLM) gets them under the base model's names (LoRA merged)
+                if W > 1:  # the rollout copy is what checkpoints and evaluate see: refreshed with any backend
+                    state = {k.removeprefix("model."): v for k, v in full_state_dict(fwd).items()}
+                    sync_rollout_weights(None, rollout_model, state)
+                    if tc.lora:
+                        state = merged_lora_state(rollout_model)
+                    sync_rollout_weights(llm, None, state) if sync_weights is None else sync_weights(llm, state)
+                elif sync_weights is not None or hasattr(llm, "update_weights"):
+                    state = merged_lora_state(policy) if tc.lora else full_state_dict(_unwrap(policy))
+                    sync_rollout_weights(llm, None, state) if sync_weights is None else sync_weights(llm, state)
+            except FloatingPointError as e:
+                nonfinite += 1
+                warnings.warn(f"step {step + 1}: {e}; step skipped ({nonfinite}/{tc.max_nonfinite_steps})", stacklevel=1)
+                loss_stats = {"skipped": 1.0}
+                if nonfinite >= tc.max_nonfinite_steps:
+                    raise RuntimeError(f"stopping: {nonfinite} non-finite losses (train.max_nonfinite_steps)") from e
+            policy.eval()
+            # mean |advantage| over the policy tokens of every rank (sums reduced: the same value as one process)
+            adv_abs = all_reduce_sum(float((batch.token_advantages.abs() * batch.loss_mask).sum()))
+            adv_abs_mean = adv_abs / max(all_reduce_sum(float(batch.loss_mask.sum())), 1.0)
+            record = {**rollout_stats(trajs), **ds_stats, **loss_stats, "adv_abs_mean": adv_abs_mean,
+                      "rollout_s": t_roll, "step_s": time.time() - t0}
+            if W > 1:  # one record for the whole batch, the same on every rank (so alarms decide alike)
+                record = merge_rank_records(gather_objects((record, len(trajs))), set(loss_stats))
+                record["adv_abs_mean"] = adv_abs_mean
+            if evaluate is not None and tc.eval_every and ((step + 1) % tc.eval_every == 0 or step + 1 == tc.steps):
+                # rank 0 evaluates its full rollout copy while the others wait without the collective timeout
+                # (an evaluation may take longer); an error there fails every rank at once
+                scores = run_on_rank0(lambda: evaluate(gen_model))
+                record.update({f"eval_{k}": v for k, v in scores.items()})
+            fired = alarms.check(step + 1, record)
+            if fired:
+                record["alarms"] = fired
+            if logger is not None:
+                logger.log(step + 1, record)
+                for t in trajs[: tc.group_size]:
+                    t.metadata["step"] = step + 1
+                save_trajectories(run_dir / "trajectories.jsonl", trajs[: tc.group_size], append=True)
+            last = record
+            if on_step is not None:
+                on_step(step + 1, record)
+            metric = record.get("eval_em", None)
+            # a NaN metric (an empty eval) is no best: once best were NaN, no later metric would beat it
+            improved = metric is not None and math.isfinite(metric) and (best is None or metric > best)
+            if improved:
+                best, best_step = metric, step + 1
+            if (step + 1) % tc.save_every == 0 or step + 1 == tc.steps or improved or alarms.should_stop:
+                save(step + 1, metric if improved else None)
+            if alarms.should_stop:
+                stopped = fired
+                break
+        return {"steps": tc.steps, "start_step": start, "last": last, "best_eval_em": best, "stopped": stopped}
 
 
 def _apply_config_lr(optimizer: Any, scheduler: Any | None, lr: float, key: str, rank: int) -> None:
