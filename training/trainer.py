@@ -520,14 +520,14 @@ def merged_lora_state(peft_model: Any) -> dict[str, torch.Tensor]:
 
 
 class _MergedView:
-    """``save_pretrained`` of a LoRA policy as a plain model directory (adapters merged into a copy)."""
+    """``save_pretrained`` of a LoRA policy as a plain model directory: the base model's config and the
+    merged weights of :func:`merged_lora_state` (no copy of the model is made)."""
 
     def __init__(self, peft_model: Any):
         self.peft_model = peft_model
 
     def save_pretrained(self, path: Any) -> None:
-        merged = copy.deepcopy(self.peft_model).merge_and_unload()
-        merged.save_pretrained(path)
+        _unwrap(self.peft_model).save_pretrained(path, state_dict=merged_lora_state(self.peft_model))
 
 
 def load_pretrained_weights(model: Any, path: str | Path) -> None:
