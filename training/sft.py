@@ -61,7 +61,7 @@ def sft_train(model: Any, tokenizer: Any, trajs: list[Trajectory], cfg: Any, see
             if not n:  # no policy token: no data behind a step (AdamW's momentum alone would move weights)
                 sched.step()
                 continue
-            loss = -(lp * mask).sum() / n.clamp(min=1)
+            loss = -(lp * mask).sum() / n
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite SFT loss at epoch {epoch}")
             opt.zero_grad(set_to_none=True)

@@ -807,14 +807,14 @@ def rl_train(
                 loss_stats = update_policy(fwd, ref_model, optimizer, batch, tc, scheduler=scheduler, critic=critic,
                                            critic_optimizer=critic_opt, old_logprobs=old)
                 # a backend holding its own weights (vLLM) gets them under the base model's names (LoRA merged)
+                state = None
                 if W > 1:  # the rollout copy is what checkpoints and evaluate see: refreshed with any backend
-                    state = {k.removeprefix("model."): v for k, v in full_state_dict(fwd).items()}
-                    sync_rollout_weights(None, rollout_model, state)
-                    if tc.lora:
-                        state = merged_lora_state(rollout_model)
-                    sync_rollout_weights(llm, None, state) if sync_weights is None else sync_weights(llm, state)
+                    full = {k.removeprefix("model."): v for k, v in full_state_dict(fwd).items()}
+                    sync_rollout_weights(None, rollout_model, full)
+                    state = merged_lora_state(rollout_model) if tc.lora else full
                 elif sync_weights is not None or hasattr(llm, "update_weights"):
                     state = merged_lora_state(policy) if tc.lora else full_state_dict(_unwrap(policy))
+                if state is not None:
                     sync_rollout_weights(llm, None, state) if sync_weights is None else sync_weights(llm, state)
             except FloatingPointError as e:
                 nonfinite += 1
