@@ -274,6 +274,15 @@ def run_sft_stage(cfg: Config, log=print) -> Path:
     return out
 
 
+def held_out_questions(cfg: Config) -> list[QAExample]:
+    """The held-out questions runs are scored on: ``data.test``, sub-sampled to ``eval.limit`` with
+    ``seed`` as ``sleuth eval`` draws them under the same config (so the quickstart, ``train.eval_every``
+    and ``sleuth eval`` score the same questions)."""
+    from eval.datasets import subsample
+
+    return subsample(read_qa(data_paths(cfg)["test"]), cfg.eval.limit, cfg.seed)
+
+
 def held_out_evaluator(cfg: Config, tokenizer, retriever):
     """The trainer's ``evaluate(model) -> {"em": ..., ...}`` for ``train.eval_every`` (``None`` when it is 0):
     :func:`evaluate_agent` on the held-out questions (``data.test``, the seeded ``eval.limit`` sub-sample that
@@ -284,9 +293,8 @@ def held_out_evaluator(cfg: Config, tokenizer, retriever):
     import torch
 
     from agent.hf import TransformersLLM
-    from eval.datasets import subsample
 
-    test = subsample(read_qa(data_paths(cfg)["test"]), cfg.eval.limit, cfg.seed)
+    test = held_out_questions(cfg)
 
     def evaluate(model) -> dict[str, float]:
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []

@@ -25,13 +25,13 @@ def run(args) -> int:
     import time
 
     from corpora import read_qa
-    from eval.datasets import subsample
     from sleuth.config import load_config
     from sleuth.pipeline import (
         check_rollout_backend,
         data_paths,
         ensure_index,
         evaluate_agent,
+        held_out_questions,
         load_llm,
         markdown_table,
         open_retriever,
@@ -50,8 +50,7 @@ def run(args) -> int:
     log = lambda msg: print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
     ensure_index(cfg, log)
     retriever = open_retriever(cfg)
-    # the seeded sub-sample `sleuth eval` draws under the same config, so it scores the same questions
-    test = subsample(read_qa(data_paths(cfg)["test"]), cfg.eval.limit, cfg.seed)
+    test = held_out_questions(cfg)  # the questions `sleuth eval` scores under the same config
     train_ids = {e.id for e in read_qa(data_paths(cfg)["train"])}
     for split, n in (("test", len(test)), ("train", len(train_ids))):  # before minutes of SFT and GRPO
         if not n:
