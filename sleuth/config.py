@@ -130,8 +130,9 @@ class TrainConfig(Section):
     # estimator options
     stratified_alpha: float = Field(0.5, ge=0.0, le=1.0, description="Stratified GRPO: weight of SAN vs global")
     critic: Literal["none", "separate", "shared"] = Field(
-        "none", description="value model for PPO: a copy of the policy backbone with a value head, or a head "
-                            "on the policy's own hidden states")
+        "none", description="value model for PPO: separate (a copy of the policy backbone with a value head; "
+                            "also under torchrun) or shared (a head on the policy's own hidden states; one "
+                            "process only)")
     critic_lr: float = 1e-3
     vf_coef: float = Field(0.5, ge=0.0)
     vf_clip: float = Field(0.2, ge=0.0)

@@ -63,6 +63,8 @@ def worker(phase: str, policy_dir: str, index_dir: str, out_dir: str) -> None:
         return failure_worker(out)
     if phase == "extras":
         return extras_worker(policy_dir, index_dir, out)
+    if phase == "ppo":
+        return ppo_worker(policy_dir, index_dir, out)
     rank, W = D.init_from_env("gloo", timeout_s=120)
     assert W == 2
     torch.set_num_threads(1)
@@ -225,6 +227,77 @@ def extras_worker(policy_dir: str, index_dir: str, out: Path) -> None:
     (out / f"done.extras.rank{rank}").touch()
 
 
+def ppo_worker(policy_dir: str, index_dir: str, out: Path) -> None:
+    """PPO with a separate critic on 2 ranks: 3 steps straight, and 2 steps + a resume for the third. Each
+    rank records its full policy and critic weights and the record after every step, and rank 0 the critic's
+    optimizer state right after the resume loaded it."""
+    import training.trainer as T
+    from agent.hf import load_model_and_tokenizer
+    from retrieval.index import load_retriever
+    from tests.conftest import QUESTIONS
+    from tests.test_trainer import SeededLLM, load, varying_judge
+    from training import distributed as D
+    from training.checkpoint import latest_checkpoint
+
+    rank, _W = D.init_from_env("gloo", timeout_s=120)
+    torch.set_num_threads(1)
+    retriever = load_retriever(index_dir, "bm25")
+    made, real_value_model = {}, None
+
+    def remember(*a, **kw):  # the critic rl_train builds (the full weights are gathered after each step)
+        made["critic"] = real_value_model(*a, **kw)
+        return made["critic"]
+
+    real_load = T._load_critic_optimizer
+
+    def recorded_load(critic, optimizer, state, r, W):
+        real_load(critic, optimizer, state, r, W)
+        full = D.full_optimizer_state(critic, optimizer)
+        if r == 0:
+            torch.save(full, out / "ppo_loaded_critic_optimizer.pt")
+
+    real_whiten = T.batch_masked_whiten
+
+    def recorded_whiten(values, mask):  # PPO's advantages of the first step, before and after whitening
+        res = real_whiten(values, mask)
+        if not (out / f"whiten.rank{rank}.pt").exists():
+            torch.save((values, mask, res), out / f"whiten.rank{rank}.pt")
+        return res
+
+    import training.critic as C
+
+    real_value_model = C.ValueModel
+    C.ValueModel, T._load_critic_optimizer, T.batch_masked_whiten = remember, recorded_load, recorded_whiten
+    try:
+        for name, steps, resume in (("ppo_straight", 3, False), ("ppo_split", 2, False), ("ppo_split", 3, True)):
+            held = {}
+
+            def factory(model, tok, held=held):
+                held["model"] = model
+                return SeededLLM(model, tok)
+
+            def on_step(step, record, name=name, held=held):
+                critic = D.full_state_dict(made["critic"])  # a collective: every rank
+                with open(out / f"steps.{name}.rank{rank}.jsonl", "a") as f:
+                    f.write(json.dumps({"step": step, "params": state_hash(held["model"]),
+                                        "critic": hashlib.sha256(b"".join(
+                                            v.float().contiguous().numpy().tobytes() for _, v in sorted(critic.items())
+                                        )).hexdigest(), "record": json.dumps(record, sort_keys=True)}) + "\n")
+                if rank == 0 and step == 3:
+                    torch.save({"policy": {k: v.clone() for k, v in held["model"].state_dict().items()},
+                                "critic": critic}, out / f"final.{name}.pt")
+
+            model, tok = (load_model_and_tokenizer(str(latest_checkpoint(out / name)), device="cpu") if resume
+                          else load(policy_dir))
+            T.rl_train(cfg_for(steps, "train.algorithm=ppo", "train.critic=separate", "train.critic_lr=1e-2"), model,
+                       tok, retriever, QUESTIONS, out / name, resume=resume, judge=varying_judge, llm_factory=factory,
+                       on_step=on_step)
+    finally:
+        C.ValueModel, T._load_critic_optimizer, T.batch_masked_whiten = real_value_model, real_load, real_whiten
+    D.shutdown()
+    (out / f"done.ppo.rank{rank}").touch()
+
+
 def nan_on_one_rank(rank: int, policy_dir: str, out: Path) -> None:
     """A non-finite loss on rank 1 only: both ranks skip the step (FloatingPointError), none hangs."""
     import training.kernels as K
@@ -381,6 +454,44 @@ def test_torchrun_train_checkpoint_resume(tiny_policy_dir, bm25_index, retriever
     for k, s in saved_opt["state"].items():
         assert torch.equal(seen["state"][k]["exp_avg"], s["exp_avg"])
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+
+
+@pytest.mark.slow
+def test_ppo_with_a_separate_critic_under_torchrun(tiny_policy_dir, bm25_index, tmp_path):
+    """PPO's critic is sharded with FSDP2 on its own: both ranks hold the same policy and critic after every
+    step and both move; the checkpoint holds the full critic and its name-keyed optimizer state, which a
+    resume restores exactly; 2 steps + resume + 1 step == 3 steps straight, critic included."""
+    out = tmp_path
+    torchrun("ppo", tiny_policy_dir, bm25_index, out)
+    for name, steps in (("ppo_straight", [1, 2, 3]), ("ppo_split", [1, 2, 3])):
+        a, b = read_steps(out, name, 0), read_steps(out, name, 1)
+        assert [x["step"] for x in a] == [x["step"] for x in b] == steps
+        assert [(x["params"], x["critic"], x["record"]) for x in a] == [(x["params"], x["critic"], x["record"])
+                                                                       for x in b], f"{name}: ranks differ"
+        assert len({x["params"] for x in a}) == len({x["critic"] for x in a}) == 3  # both models moved every step
+        assert all(json.loads(x["record"])["vf_loss"] > 0 for x in a)
+    ckpt2 = torch.load(out / "ppo_split" / "checkpoints" / "step_000002" / "trainer.pt", weights_only=False)["extra"]
+    saved = ckpt2["critic_optimizer"]
+    assert saved["state"] and all(isinstance(k, str) and "exp_avg" in v for k, v in saved["state"].items())
+    assert "head.weight" in ckpt2["critic"] and not any(k.startswith("_fsdp") for k in ckpt2["critic"])
+    loaded = torch.load(out / "ppo_loaded_critic_optimizer.pt")
+    assert set(loaded["state"]) == set(saved["state"])
+    for k, s in saved["state"].items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(loaded["state"][k][key], s[key]), f"critic {k}.{key} not restored"
+    # the advantages are whitened over both ranks' tokens, as one process whitens the whole batch
+    from training.advantages import masked_whiten
+
+    (v0, m0, w0), (v1, m1, w1) = (torch.load(out / f"whiten.rank{r}.pt") for r in (0, 1))
+    T = max(v0.shape[1], v1.shape[1])
+    pad = lambda x: torch.nn.functional.pad(x, (0, T - x.shape[1]))
+    whole = masked_whiten(torch.cat([pad(v0), pad(v1)]), torch.cat([pad(m0), pad(m1)]))
+    torch.testing.assert_close(torch.cat([pad(w0), pad(w1)]), whole, rtol=1e-5, atol=1e-5)
+    assert abs(float((w0 * m0).sum() / m0.sum())) > 1e-3  # not each rank's own whitening
+    straight, split = torch.load(out / "final.ppo_straight.pt"), torch.load(out / "final.ppo_split.pt")
+    for part in ("policy", "critic"):
+        for k, v in straight[part].items():
+            torch.testing.assert_close(split[part][k], v, rtol=0, atol=1e-6, msg=f"{part} {k}: resumed run differs")
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """FSDP2 on CPU: two gloo processes (torchrun) each updating on half the batch produce the same parameters
-after a step as one process on the whole batch. The ranks split their halves by a token budget into
+after a step as one process on the whole batch, for the policy and for PPO's separate value model (sharded
+on its own, :func:`training.distributed.shard_value_model`). The ranks split their halves by a token budget into
 different numbers of micro-batches (2 and 3), which :func:`training.distributed.pad_micro_batches` evens out.
 
 Run as a script by torchrun (the worker); as a test it computes the one-process reference in-process and
@@ -46,6 +47,8 @@ def build():
     batch = Batch(input_ids=ids * attn, attention_mask=attn, roles=roles, loss_mask=loss_mask_from_roles(roles[:, 1:]),
                   turn_ids=torch.zeros(N, T, dtype=torch.long), rewards=torch.zeros(N), groups=torch.zeros(N, dtype=torch.long),
                   advantages=torch.tensor([1.0, -0.5, 0.3, -1.2, 0.8, -0.4]))
+    batch.returns = torch.randn(N, T - 1, generator=g) * batch.loss_mask  # PPO's critic targets
+    batch.old_values = torch.zeros(N, T - 1)
     return model, batch
 
 
@@ -55,14 +58,27 @@ def train_cfg():
     return TrainConfig(lr=0.5, micro_batch=2, max_grad_norm=1.0, bf16=False)
 
 
-def reference_params() -> dict[str, torch.Tensor]:
+def critic_for(model):
+    """PPO's separate value model of ``model``, its head set off zero so that the backbone gets gradients."""
+    from training.critic import ValueModel
+
+    critic = ValueModel(model)
+    with torch.no_grad():
+        critic.head.weight.copy_(torch.linspace(-1, 1, critic.head.weight.numel()).view_as(critic.head.weight))
+    return critic
+
+
+def reference_params() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     from training.trainer import update_policy
 
     model, batch = build()
+    critic = critic_for(model)
     opt = torch.optim.SGD(model.parameters(), lr=train_cfg().lr)  # Adam would turn float noise in
     # gradients that are zero in exact arithmetic (k_proj biases) into +-lr steps
-    update_policy(model, None, opt, batch, train_cfg())
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    copt = torch.optim.SGD(critic.parameters(), lr=train_cfg().lr)
+    update_policy(model, None, opt, batch, train_cfg(), critic=critic, critic_optimizer=copt)
+    return ({k: v.detach().clone() for k, v in model.state_dict().items()},
+            {k: v.detach().clone() for k, v in critic.state_dict().items()})
 
 
 def worker(out: str) -> None:
@@ -72,12 +88,15 @@ def worker(out: str) -> None:
     rank, W = D.init_from_env("gloo")
     torch.set_num_threads(1)
     model, batch = build()
+    critic = D.shard_value_model(critic_for(model))  # built from the full policy, before it is sharded
     fwd = D.shard(D.LogprobModule(model))
     opt = torch.optim.SGD(fwd.parameters(), lr=train_cfg().lr)
+    copt = torch.optim.SGD(critic.parameters(), lr=train_cfg().lr)
     rows = torch.arange(len(batch))[rank::W]
     # rows 0,2,4 (lengths 20,12,9) -> 2 micro-batches of <= 30 padded tokens; rows 1,3,5 (17,20,15) -> 3
-    update_policy(fwd, None, opt, batch.select(rows), train_cfg().model_copy(update={"micro_batch_tokens": 30}))
-    state = {k.removeprefix("model."): v for k, v in D.full_state_dict(fwd).items()}
+    update_policy(fwd, None, opt, batch.select(rows), train_cfg().model_copy(update={"micro_batch_tokens": 30}),
+                  critic=critic, critic_optimizer=copt)
+    state = ({k.removeprefix("model."): v for k, v in D.full_state_dict(fwd).items()}, D.full_state_dict(critic))
     if rank == 0:
         torch.save(state, out + ".tmp")
         os.replace(out + ".tmp", out)
@@ -96,9 +115,9 @@ def test_two_gloo_processes_match_one(tmp_path):
                            str(Path(__file__)), str(out)], check=False,
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.exists(), f"torchrun wrote no result (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
-    got = torch.load(out)
+    got, got_critic = torch.load(out)
     torch.set_num_threads(1)
-    ref = reference_params()
+    ref, ref_critic = reference_params()
     assert set(ref) <= set(got) | {"lm_head.weight"}
     moved = False
     for k, v in ref.items():
@@ -107,6 +126,12 @@ def test_two_gloo_processes_match_one(tmp_path):
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=f"{k} differs between 2 ranks and 1")
         moved |= not torch.equal(v, build()[0].state_dict()[k])
     assert moved
+    assert set(got_critic) == set(ref_critic)
+    initial = critic_for(build()[0]).state_dict()
+    for k, v in ref_critic.items():
+        torch.testing.assert_close(got_critic[k], v, rtol=1e-5, atol=1e-6, msg=f"critic {k} differs between 2 ranks and 1")
+    assert not torch.equal(ref_critic["head.bias"], initial["head.bias"])
+    assert any(not torch.equal(ref_critic[k], initial[k]) for k in ref_critic if k.startswith("backbone.layers"))
 
 
 if __name__ == "__main__":

@@ -121,29 +121,41 @@ def test_token_budget_micro_batches_equal_one_full_batch(tiny_policy_dir, retrie
         torch.testing.assert_close(results[0][k], results[1][k], rtol=1e-4, atol=1e-6)
 
 
-def test_resume_is_exact(tiny_policy_dir, retriever, tmp_path):
-    """3 steps straight == 2 steps + resume from the checkpoint + 1 step (same weights, same data)."""
+@pytest.mark.parametrize("extra", [(), ("train.algorithm=ppo", "train.critic=separate", "train.critic_lr=1e-2"),
+                                   ("train.algorithm=ppo", "train.critic=shared", "train.critic_lr=1e-2")])
+def test_resume_is_exact(extra, tiny_policy_dir, retriever, tmp_path):
+    """3 steps straight == 2 steps + resume from the checkpoint + 1 step (same weights, same data); with PPO
+    the critic and its optimizer state are restored too (the critic's weights after step 3 are equal)."""
     from agent.hf import load_model_and_tokenizer
-    from training.checkpoint import latest_checkpoint
+    from training.checkpoint import latest_checkpoint, read_extra
     from training.trainer import rl_train
 
-    cfg3 = make_cfg("train.steps=3", "train.warmup_steps=2")
+    cfg3 = make_cfg("train.steps=3", "train.warmup_steps=2", *extra)
     model, tok = load(tiny_policy_dir)
     rl_train(cfg3, model, tok, retriever, QUESTIONS, tmp_path / "straight", judge=varying_judge,
              llm_factory=SeededLLM)
     straight = model.state_dict()
 
     model, tok = load(tiny_policy_dir)
-    rl_train(make_cfg("train.steps=2", "train.warmup_steps=2"), model, tok, retriever, QUESTIONS,
+    rl_train(make_cfg("train.steps=2", "train.warmup_steps=2", *extra), model, tok, retriever, QUESTIONS,
              tmp_path / "split", judge=varying_judge, llm_factory=SeededLLM)
     ckpt = latest_checkpoint(tmp_path / "split")
     assert ckpt.name == "step_000002"
+    if extra:  # the critic's optimizer state is saved keyed by parameter name (any world size resumes it)
+        saved = read_extra(ckpt)["critic_optimizer"]
+        assert saved["state"] and all(isinstance(k, str) for k in saved["state"])
+        assert set(saved["state"]) == set(read_extra(ckpt)["critic"])
     model, tok = load_model_and_tokenizer(str(ckpt), device="cpu")
     out = rl_train(cfg3, model, tok, retriever, QUESTIONS, tmp_path / "split", resume=True, judge=varying_judge,
                    llm_factory=SeededLLM)
     assert out["start_step"] == 2
     for k, v in straight.items():  # equal up to float summation order (group members may swap places)
         torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=1e-6)
+    if extra:
+        a, b = (read_extra(latest_checkpoint(tmp_path / run))["critic"] for run in ("straight", "split"))
+        assert set(a) == set(b) and a
+        for k, v in a.items():
+            torch.testing.assert_close(b[k], v, rtol=0, atol=1e-6, msg=f"critic {k}")
     steps = [int(line.split('"step": ')[1].split(",")[0]) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
 
@@ -510,6 +522,40 @@ def test_nonfinite_value_loss_raises_before_any_weight_moves(shared, tiny_policy
         assert torch.equal(before[k], v), k
     for k, v in critic.state_dict().items():
         assert torch.equal(before_c[k], v), k
+
+
+def test_ppo_with_a_shared_critic_is_refused_under_torchrun(tiny_policy_dir, retriever, tmp_path, monkeypatch):
+    """A shared critic's head rides on the sharded policy's backbone: refused under torchrun with a message
+    that names the layout that works, before anything is written."""
+    import training.trainer as T
+
+    monkeypatch.setattr(T, "init_from_env", lambda timeout_s=None: (0, 2))
+    model, tok = load(tiny_policy_dir)
+    with pytest.raises(ValueError, match="train.critic=shared .*torchrun.*train.critic=separate"):
+        T.rl_train(make_cfg("train.algorithm=ppo", "train.critic=shared"), model, tok, retriever, QUESTIONS,
+                   tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_critic_optimizer_state_of_the_one_process_format_still_resumes(tiny_policy_dir):
+    """Checkpoints written before PPO ran under torchrun hold ``optimizer.state_dict()`` (keyed by position):
+    one process restores it; under torchrun the moments restart with a warning."""
+    from training.critic import ValueModel
+    from training.trainer import _load_critic_optimizer
+
+    model, _ = load(tiny_policy_dir)
+    critic = ValueModel(model)
+    opt = torch.optim.AdamW(critic.trainable_parameters(), lr=1e-2)
+    critic.head.bias.grad = torch.ones_like(critic.head.bias)
+    opt.step()
+    old = opt.state_dict()
+    fresh = torch.optim.AdamW(critic.trainable_parameters(), lr=1e-2)
+    _load_critic_optimizer(critic, fresh, old, 0, 1)
+    assert torch.equal(fresh.state[critic.head.bias]["exp_avg"], opt.state[critic.head.bias]["exp_avg"])
+    other = torch.optim.AdamW(critic.trainable_parameters(), lr=1e-2)
+    with pytest.warns(UserWarning, match="zero moments"):
+        _load_critic_optimizer(critic, other, old, 1, 2)
+    assert not other.state
 
 
 def test_resume_loads_a_sharded_reference_model(tiny_policy_dir, retriever, tmp_path, monkeypatch):

@@ -6,6 +6,9 @@ Two layouts (``train.critic``), as in verl / OpenRLHF:
   the critic from the actor) with a linear value head, trained by its own optimizer;
 * ``shared``: a value head on the policy's own final hidden states, computed without gradient into the
   policy (a cheap critic: the backbone is shared, the value loss trains the head only).
+
+Under torchrun only ``separate``: it is built from the full policy before that is sharded, then sharded on
+its own (:func:`training.distributed.shard_value_model`).
 """
 
 from __future__ import annotations

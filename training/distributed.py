@@ -195,10 +195,13 @@ class LogprobModule(nn.Module):
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a Hugging Face causal LM (``model.model.layers`` and alikes)."""
+    """The transformer blocks of a Hugging Face causal LM (``model.model.layers`` and alikes) or of its bare
+    backbone (``model.layers``, ``model.h``); ``ValueError`` when there are none."""
     from training.batch import _unwrap
 
-    base = getattr(_unwrap(model), _unwrap(model).base_model_prefix)
+    model = _unwrap(model)
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix) if prefix and hasattr(model, prefix) else model
     layers = getattr(base, "layers", None) or getattr(base, "h", None)
     if layers is None:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
@@ -218,6 +221,22 @@ def shard(module: LogprobModule, mixed_precision: bool = False) -> LogprobModule
         fully_shard(layer, **kw)
     fully_shard(module, **kw)
     return module
+
+
+def shard_value_model(critic: nn.Module) -> nn.Module:
+    """Apply FSDP2 ``fully_shard`` to every decoder layer of a separate value model's backbone
+    (:class:`training.critic.ValueModel`) and to the value model (the root unit: value head, embeddings,
+    final norm), in place, as verl's FSDP critic worker does. FSDP2 then averages its gradients over ranks,
+    as it does the policy's. No mixed precision: the critic runs in its parameters' dtype, as on one process.
+    Raises ``ValueError`` for a shared critic (its backbone is the policy's)."""
+    from torch.distributed.fsdp import fully_shard
+
+    if getattr(critic, "shared", False):
+        raise ValueError("a shared value model rides on the policy's backbone and cannot be sharded on its own")
+    for layer in decoder_layers(critic.backbone):
+        fully_shard(layer)
+    fully_shard(critic)
+    return critic
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -66,6 +66,7 @@ from training.distributed import (
     pad_micro_batches,
     run_on_rank0,
     shard,
+    shard_value_model,
     sync_rollout_weights,
     world,
 )
@@ -187,6 +188,22 @@ def batch_outcome_advantages(name: str, rewards: torch.Tensor, groups: torch.Ten
     return adv[start : start + len(rewards)]
 
 
+def batch_masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """:func:`training.advantages.masked_whiten` (``[N, T]`` float) over the whole batch: under torchrun the
+    mean and variance are those of every rank's masked entries (sums reduced in float64), so PPO's advantages
+    are whitened as one process whitens the whole batch. A collective under torchrun; the plain function on
+    one process."""
+    if world()[1] == 1:
+        return A.masked_whiten(values, mask, eps)
+    m = mask.float()
+    n = all_reduce_sum(float(m.sum()))
+    if n < 2:
+        return torch.zeros_like(values)
+    mean = all_reduce_sum(float((values * m).sum())) / n
+    var = all_reduce_sum(float((((values - mean) ** 2) * m).sum())) / (n - 1)
+    return (values - mean) * (var + eps) ** -0.5 * m
+
+
 def compute_advantages(
     tc: Any,
     batch: Batch,
@@ -203,7 +220,8 @@ def compute_advantages(
     ``kl_tokens`` ``[N, T-1]`` the per-token KL to the reference when it is a reward penalty (summed into
     the outcome reward for outcome estimators, per token for PPO). ``tc.search_cost`` charges each search
     turn. Returns ``{"advantages"}`` plus ``{"returns"}`` for PPO. Raises ``ValueError`` when an estimator's
-    input is missing.
+    input is missing. A collective under torchrun for the estimators with batch statistics (REINFORCE++,
+    Stratified GRPO's global term, PPO's whitening): every rank must call it.
     """
     name = tc.algorithm
     mask = batch.loss_mask
@@ -226,8 +244,8 @@ def compute_advantages(
         token_r = A.last_token_rewards(costs, mask)
         if kl_tokens is not None:
             token_r = token_r - tc.kl_coef * kl_tokens * mask
-        adv, ret = A.gae_advantages(token_r, values, mask, tc.gamma, tc.lam)
-        return {"advantages": adv, "returns": ret}
+        adv, ret = A.gae_advantages(token_r, values, mask, tc.gamma, tc.lam, whiten=False)
+        return {"advantages": batch_masked_whiten(adv, mask), "returns": ret}
     if name == "igpo":
         if gold_probs is None:
             raise ValueError("igpo needs the per-turn gold-answer probabilities")
@@ -285,6 +303,9 @@ def update_policy(
     the NaN it spread makes every rank's gradient norm non-finite. With
     ``cfg.packing`` the micro-batches are packed (:meth:`training.batch.Batch.select`); under torchrun they are
     padded to the same count on every rank (:func:`training.distributed.pad_micro_batches`, zero weight).
+    ``critic`` (PPO, with ``batch.returns`` and ``batch.old_values``) is a :class:`training.critic.ValueModel`,
+    under torchrun FSDP2-sharded (:func:`training.distributed.shard_value_model`); its value loss is weighted
+    by the same global token counts and it runs every padded micro-batch too.
     """
     from training.kernels import policy_loss
 
@@ -347,19 +368,24 @@ def update_policy(
 
             critic_optimizer.zero_grad(set_to_none=True)
             vl = vf_norm = torch.zeros(())
-            for mb in micro[:n_real]:
+            # under torchrun every rank runs every (padded) micro-batch, as FSDP2 needs, and a NaN is caught at
+            # the gradient norm, which the reduction makes the same on every rank
+            for j, mb in enumerate(micro if W > 1 else micro[:n_real]):
                 v = critic(mb)
                 vl, vs = value_loss(v, mb.old_values.to(v.device), mb.returns.to(v.device),
                                     mb.loss_mask.to(v.device), cfg.vf_clip)
-                share = float(mb.loss_mask.sum()) / max(total_tokens, 1.0)
-                if not torch.isfinite(vl):
+                share = float(mb.loss_mask.sum()) / max(total_tokens, 1.0) if j < n_real else 0.0
+                if not torch.isfinite(vl) and W == 1:
                     break
                 (cfg.vf_coef * vl * share * W).backward()
                 for k, val in vs.items():
                     stats_acc[k] = stats_acc.get(k, 0.0) + val * share
             else:
                 vf_norm = torch.nn.utils.clip_grad_norm_(critic.trainable_parameters(), cfg.max_grad_norm)
-            if not torch.isfinite(vl) or not torch.isfinite(vf_norm):
+                if hasattr(vf_norm, "full_tensor"):
+                    vf_norm = vf_norm.full_tensor()
+            # under torchrun the norm alone decides: a rank's own loss would let the ranks decide apart
+            if (W == 1 and not torch.isfinite(vl)) or not torch.isfinite(vf_norm):
                 optimizer.zero_grad(set_to_none=True)
                 critic_optimizer.zero_grad(set_to_none=True)
                 raise FloatingPointError(f"non-finite value loss ({float(vl.detach())}) or value-model gradient norm "
@@ -599,8 +625,11 @@ def rl_train(
     for it without ``train.dist_timeout_s``). Resuming with the
     same number of ranks continues exactly; with another number it continues from the same weights,
     optimizer state and data position (with a warning); ranks that see different latest checkpoints (a run
-    directory not shared by every rank) raise ``ValueError``. Not yet under torchrun: PPO's critic
-    (``ValueError``).
+    directory not shared by every rank) raise ``ValueError``. PPO's ``separate`` critic is built from the
+    full policy and sharded on its own (:func:`training.distributed.shard_value_model`), its advantages are
+    whitened over every rank's tokens, and its checkpoint holds the full critic and its name-keyed optimizer
+    state; a ``shared`` critic is refused under torchrun (``ValueError``): its head rides on the sharded
+    policy's backbone.
 
     One training at a time per ``run_dir``: rank 0 holds it (:func:`training.checkpoint.run_dir_lock`) for
     the whole run, and another ``rl_train`` on it raises ``RuntimeError`` before writing anything.
@@ -615,9 +644,10 @@ def rl_train(
     # torchrun: one process group over every rank (no-op on one process, or when the caller made it)
     rank, W = init_from_env(timeout_s=tc.dist_timeout_s)
     if W > 1:
-        if tc.algorithm in A.NEEDS_CRITIC:
-            raise ValueError(f"train.algorithm={tc.algorithm} (a value model) is not supported under torchrun "
-                             "(world size > 1) yet: the critic is not sharded and its gradients are not reduced")
+        if tc.algorithm in A.NEEDS_CRITIC and tc.critic == "shared":
+            raise ValueError("train.critic=shared is not supported under torchrun (world size > 1): its value head "
+                             "rides on the sharded policy's backbone; use train.critic=separate (a value model "
+                             "sharded on its own, as verl's critic)")
         if tc.questions_per_step % W:
             raise ValueError(f"train.questions_per_step={tc.questions_per_step} must be a multiple of the "
                              f"world size {W} (every rank rolls out as many questions)")
@@ -670,6 +700,15 @@ def rl_train(
         # rollout side: the same object on one process; a full copy (LoRA wrapper included) when the update side
         # is sharded, refreshed from the gathered full weights after every update
         rollout_model = copy.deepcopy(policy) if W > 1 else None
+        critic = None
+        if tc.algorithm == "ppo":  # from the full policy, before it is sharded; then sharded on its own
+            from training.critic import ValueModel
+
+            critic = ValueModel(_unwrap(policy), shared=tc.critic == "shared")
+            if ckpt is not None and "critic" in (saved := read_extra(ckpt)):
+                critic.load_state_dict(saved["critic"])
+            if W > 1:
+                shard_value_model(critic)
         fwd = LogprobModule(policy)
         if W > 1:
             shard(fwd, mixed_precision=tc.bf16 and torch.cuda.is_available())
@@ -678,11 +717,8 @@ def rl_train(
         optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: min(1.0, (s + 1) / tc.warmup_steps) if tc.warmup_steps else 1.0)
-        critic = critic_opt = None
-        if tc.algorithm == "ppo":
-            from training.critic import ValueModel
-
-            critic = ValueModel(_unwrap(policy), shared=tc.critic == "shared")
+        critic_opt = None
+        if critic is not None:
             critic_opt = torch.optim.AdamW(critic.trainable_parameters(), lr=tc.critic_lr)
         data = DataStream(train_examples, cfg.seed)
         start, best, best_step = 0, None, None
@@ -705,9 +741,8 @@ def rl_train(
                 warnings.warn(f"resuming a run saved on {state.get('world_size', 1)} ranks on {W}: same weights, "
                               "optimizer and data position, but another split of the questions over ranks and other "
                               "sampling streams, so not bit-identical to an uninterrupted run", stacklevel=1)
-            if critic is not None and "critic" in extra:
-                critic.load_state_dict(extra["critic"])
-                critic_opt.load_state_dict(extra["critic_optimizer"])
+            if critic is not None and extra.get("critic_optimizer"):
+                _load_critic_optimizer(critic, critic_opt, extra["critic_optimizer"], rank, W)
             _apply_config_lr(optimizer, scheduler, tc.lr, "train.lr", rank)
             if critic_opt is not None:
                 _apply_config_lr(critic_opt, None, tc.critic_lr, "train.critic_lr", rank)
@@ -735,6 +770,10 @@ def rl_train(
             # full optimizer state (rank 0 gets it); none before the first optimizer step (all steps skipped)
             opt_state = full_optimizer_state(fwd, optimizer) if optimizer.state else None
             rngs = gather_objects(rng_state())
+            critic_state = critic_opt_state = None
+            if critic is not None:  # full weights and name-keyed optimizer state, as the policy's (collectives)
+                critic_state = full_state_dict(critic)
+                critic_opt_state = full_optimizer_state(critic, critic_opt) if critic_opt.state else None
 
             def write() -> None:
                 src = rollout_model if rollout_model is not None else policy  # full weights (synced copy under FSDP)
@@ -743,7 +782,7 @@ def rl_train(
                 if tc.lora:
                     extra["lora"] = _lora_state(src)
                 if critic is not None:
-                    extra["critic"], extra["critic_optimizer"] = critic.state_dict(), critic_opt.state_dict()
+                    extra["critic"], extra["critic_optimizer"] = critic_state, critic_opt_state
 
                 def write_base(d: Path) -> None:  # LoRA's frozen base weights, so resume rebuilds base + adapters
                     from safetensors.torch import save_file
@@ -858,6 +897,19 @@ def rl_train(
                 stopped = fired
                 break
         return {"steps": tc.steps, "start_step": start, "last": last, "best_eval_em": best, "stopped": stopped}
+
+
+def _load_critic_optimizer(critic: Any, optimizer: Any, state: dict[str, Any], rank: int, W: int) -> None:
+    """Restore the critic's optimizer from a checkpoint: the full, name-keyed state (rank 0 broadcasts it; any
+    world size), or the position-keyed ``optimizer.state_dict()`` that checkpoints before PPO ran under
+    torchrun hold (one process only; under torchrun the moments restart, with a warning)."""
+    if not any(isinstance(p, int) for g in state.get("param_groups", []) for p in g.get("params", [])):
+        load_full_optimizer_state(critic, optimizer, state if rank == 0 else {})
+    elif W == 1:
+        optimizer.load_state_dict(state)
+    else:
+        warnings.warn("the checkpoint's critic optimizer state is of the one-process format: the critic's "
+                      "optimizer restarts from zero moments", stacklevel=2)
 
 
 def _apply_config_lr(optimizer: Any, scheduler: Any | None, lr: float, key: str, rank: int) -> None:
