@@ -45,17 +45,23 @@ __device__ __forceinline__ Token surrogate(float lp, float old, float adv, const
   return {fmaxf(pg1, pg2), pg2 > pg1 ? 1.f : 0.f, -lr, r, d * dclamp};
 }
 
+// k3 as verl's low_var_kl: the log-ratio clamped to +-20, the estimate to at most kK3Max
+// (training.losses.K3_MAX); no gradient where either clamp is active (torch.clamp passes it on the closed range)
+constexpr float kK3Max = 10.f;
+
 __device__ __forceinline__ float kl_value(float lp, float ref, int kind) {
   if (kind == 1) return lp - ref;
   const float d = fminf(fmaxf(ref - lp, -20.f), 20.f);
-  return expf(d) - d - 1.f;
+  return fminf(expf(d) - d - 1.f, kK3Max);
 }
 
 __device__ __forceinline__ float kl_grad(float lp, float ref, int kind) {  // d kl / d lp
   if (kind == 1) return 1.f;
   const float raw = ref - lp;
   if (raw < -20.f || raw > 20.f) return 0.f;
-  return 1.f - expf(raw);
+  const float e = expf(raw);
+  if (e - raw - 1.f > kK3Max) return 0.f;
+  return 1.f - e;
 }
 
 __global__ void __launch_bounds__(kThreads) row_kernel(const float* __restrict__ lp, const float* __restrict__ old,

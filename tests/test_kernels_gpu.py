@@ -254,6 +254,30 @@ def test_policy_loss_matches_reference(B, T, agg, kl_type, keep):
         assert _rel(ent_k.grad, ent_r.grad) < 1e-5
 
 
+@pytest.mark.parametrize("agg", LOSS_AGG_MODES)
+def test_policy_loss_k3_clamps_match_reference(agg):
+    """k3's two clamps (log-ratio +-20, estimate <= 10, as verl's low_var_kl) in the kernel as in the
+    reference: a reference model far from the policy puts many tokens past them."""
+    lp, old, adv, mask, _, ent = _ppo_inputs(64, 300, seed=5)
+    g = torch.Generator(device=DEV).manual_seed(6)
+    ref = lp + torch.randn(lp.shape, generator=g, device=DEV) * 12
+    d = ref - lp
+    clamped = ((d > 20) | (d < -20) | (torch.exp(d.clamp(-20, 20)) - d.clamp(-20, 20) - 1 > 10)) & (mask > 0)
+    assert 0.2 < float(clamped.sum() / mask.sum()) < 0.9  # both sides of the clamps are exercised
+    kw = {"clip_low": 0.2, "clip_high": 0.28, "loss_agg": agg, "kl_coef": 0.1, "kl_type": "k3"}
+    lp_k = lp.clone().requires_grad_(True)
+    loss, stats = K.policy_loss(lp_k, old, adv, mask, ref_logprobs=ref, entropy=ent, impl="cuda", **kw)
+    loss.backward()
+    lp_r = lp.double().requires_grad_(True)
+    loss_r, stats_r = ppo_clip_loss(lp_r, old.double(), adv.double(), mask.double(), ref_logprobs=ref.double(),
+                                    entropy=ent.double(), **kw)
+    loss_r.backward()
+    assert abs(loss.item() - loss_r.item()) <= 1e-5 * max(1.0, abs(loss_r.item()))
+    for k in stats:
+        assert abs(stats[k] - stats_r[k]) <= 1e-5 * max(1.0, abs(stats_r[k])), k
+    assert _rel(lp_k.grad, lp_r.grad) < 1e-5
+
+
 def test_policy_loss_without_optional_terms_and_nan_at_masked_positions():
     lp, old, adv, mask, _, _ = _ppo_inputs(16, 257, seed=1)
     lp = lp.masked_fill(mask == 0, float("nan"))  # garbage where masked must not leak

@@ -333,7 +333,7 @@ def _ppo_naive(
                     v = v + kl_coef * (lp[b, t] - ref[b, t])
                 else:
                     d = (ref[b, t] - lp[b, t]).clamp(-20, 20)
-                    v = v + kl_coef * (torch.exp(d) - d - 1)
+                    v = v + kl_coef * min(torch.exp(d) - d - 1, 10.0)
             if ent is not None:
                 v = v - ent_coef * ent[b, t]
             per[b][t] = v
@@ -431,7 +431,8 @@ def _ppo_kernel_emulation(lp, old, adv, mask, *, cl, ch, agg, ref, kl_coef, kl_t
         dk = torch.ones_like(lp)
     else:
         rr = ref - lp
-        dk = torch.where((rr >= -20) & (rr <= 20), 1 - torch.exp(rr), 0.0)
+        inside = (rr >= -20) & (rr <= 20) & (torch.exp(rr) - rr - 1 <= 10)  # k3's two clamps (verl's low_var_kl)
+        dk = torch.where(inside, 1 - torch.exp(rr), 0.0)
     scale = mask * w[:, None]
     return scale * (d + kl_coef * dk), -ent_coef * scale
 
@@ -442,7 +443,9 @@ def test_ppo_kernel_gradient_formula_matches_autograd(agg, kl_type):
     lp, old, adv, mask, ref, ent = _ppo_inputs(B=4, T=6, seed=11)
     old[0, 0] = lp[0, 0]  # ratio exactly 1: a tie of the two surrogate branches
     old[0, 1] = lp[0, 1] - 30.0  # log-ratio beyond the +-20 clamp: no gradient
-    ref[1, 0] = lp[1, 0] + 25.0  # k3 clamp
+    ref[1, 0] = lp[1, 0] + 25.0  # k3: log-ratio clamp
+    ref[1, 1] = lp[1, 1] + 4.0  # k3: estimate clamp (e^4 - 5 > 10)
+    ref[1, 2] = lp[1, 2] - 12.0  # k3: estimate clamp from below the log-ratio clamp (e^-12 + 11 > 10)
     lp.requires_grad_(True)
     ent.requires_grad_(True)
     kw = {
@@ -515,6 +518,13 @@ def test_kl_estimates():
     d = ref - lp
     torch.testing.assert_close(k3, torch.exp(d) - d - 1)
     assert (k3 >= 0).all() and k3[0] == 0
+    # verl's low_var_kl bound: at most 10, no gradient beyond it; unclamped just inside it
+    lp = torch.tensor([-1.0, -1.0, -1.0, -1.0], requires_grad=True)
+    ref = torch.tensor([3.0, -13.0, -30.0, 1.0])
+    k3 = kl_estimate(lp, ref, "k3")
+    assert k3[:3].tolist() == [10.0, 10.0, 10.0] and 0 < float(k3[3]) < 10
+    (g,) = torch.autograd.grad(k3.sum(), lp)
+    assert g[:3].tolist() == [0.0, 0.0, 0.0] and g[3] != 0
     with pytest.raises(ValueError, match="KL estimator"):
         kl_estimate(lp, ref, "k2")
 

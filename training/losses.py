@@ -114,18 +114,24 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
     raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {LOSS_AGG_MODES}")
 
 
+#: the bound of the k3 estimate per token (verl's ``low_var_kl`` clamps it to [-10, 10]; k3 is never negative)
+K3_MAX = 10.0
+
+
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token KL(pi || pi_ref) estimate from sampled tokens.
 
     ``k1 = log pi - log pi_ref``; ``k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1`` (unbiased,
-    non-negative; GRPO's choice). Raises ``ValueError`` for an unknown kind.
+    non-negative; GRPO's choice), as verl's ``low_var_kl``: the log-ratio clamped to +-20 before the exp and
+    the estimate to at most 10 (a token the policy made >13x less likely than the reference adds at most 10,
+    and no gradient). Raises ``ValueError`` for an unknown kind.
     """
     d = ref_logprobs - logprobs
     if kind == "k1":
         return -d
     if kind == "k3":
         d = d.clamp(-20.0, 20.0)
-        return torch.exp(d) - d - 1.0
+        return (torch.exp(d) - d - 1.0).clamp(max=K3_MAX)
     raise ValueError(f"unknown KL estimator {kind!r}; expected 'k1' or 'k3'")
 
 
