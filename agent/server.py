@@ -19,13 +19,13 @@
 
 All requests share one :class:`agent.scheduler.Scheduler` living in the server's event loop, so concurrent
 requests are episodes whose generation and search calls are batched together. Limits: request bodies over
-``max_body_bytes`` get 413, bodies that are not JSON (or nest too deeply to decode) 400, empty or over-long
-questions 422 (over ``max_question_chars``, or a prompt that leaves no token of the agent's
-``max_total_tokens`` to generate: the message says by how many tokens), text with a lone surrogate 422,
-more than ``max_inflight`` episodes 503, an episode over ``request_timeout_s`` 504, a backend failure 502 -
-each with the reason in ``{"error": {"message", "type"}}``; the server keeps serving. With ``api_key`` set,
-every route but ``/health`` needs ``Authorization: Bearer <key>`` (401 otherwise). Binds 127.0.0.1 by
-default (see ``sleuth serve``).
+``max_body_bytes`` get 413, bodies that are not JSON (or nest too deeply to decode, or hold an integer of
+over 4,300 digits) 400, empty or over-long questions 422 (over ``max_question_chars``, or a prompt that
+leaves no token of the agent's ``max_total_tokens`` to generate: the message says by how many tokens),
+text with a lone surrogate 422, more than ``max_inflight`` episodes 503, an episode over
+``request_timeout_s`` 504, a backend failure 502 - each with the reason in ``{"error": {"message",
+"type"}}``; the server keeps serving. With ``api_key`` set, every route but ``/health`` needs
+``Authorization: Bearer <key>`` (401 otherwise). Binds 127.0.0.1 by default (see ``sleuth serve``).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
                 raise HTTPError(413, f"request body exceeds {limits.max_body_bytes} bytes")
         try:
             obj = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past the int-string digit limit
             raise HTTPError(400, f"request body is not valid JSON ({e})") from None
         except RecursionError:  # valid JSON, but deeper than the decoder's recursion limit
             raise HTTPError(400, "request body is JSON nested too deeply") from None

@@ -400,3 +400,15 @@ def test_a_judge_given_to_the_server_scores_answers_sent_with_golds(tiny_llm, re
         assert r.status_code == 200 and r.json()["verdict"] is None
     assert judged == ["Paris", "Paris"]
     assert not any("VERDICT" in tiny_llm.tokenizer.decode(p) for p in rec.prompts)  # the policy never judged
+
+
+def test_json_number_past_the_int_digit_limit_gets_400_not_500(server):
+    # 5,000 digits is valid JSON within max_body_bytes, but past Python's int-string limit (4,300): json.loads
+    # raises a plain ValueError (neither JSONDecodeError nor UnicodeDecodeError)
+    for path, body in (("/ask", b'{"question": "capital of France?", "top_k": ' + b"1" * 5000 + b"}"),
+                       ("/v1/chat/completions", b'{"messages": [], "n": ' + b"9" * 5000 + b"}")):
+        r = httpx2.post(server.url + path, headers={**_h(), "content-type": "application/json"}, content=body)
+        assert r.status_code == 400, (path, r.status_code, r.text[:300])
+        assert "not valid JSON" in r.json()["error"]["message"] and "digits" in r.json()["error"]["message"]
+    r = httpx2.post(server.url + "/ask", headers=_h(), json={"question": "What is the capital of France?"})
+    assert r.status_code == 200 and r.json()["answer"] == "Paris"
