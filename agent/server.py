@@ -243,8 +243,12 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
         q = check_question(content)
         cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         model = obj.get("model") or model_name
-        if isinstance(model, str):
-            _check_unicode(model, "the model name")  # echoed in the reply
+        if not isinstance(model, str):
+            raise HTTPError(422, "model must be a string")
+        _check_unicode(model, "the model name")  # echoed in the reply
+        stream = obj.get("stream", False)
+        if stream is not None and not isinstance(stream, bool):
+            raise HTTPError(422, "stream must be true or false")
 
         def reply(traj: Trajectory) -> tuple[str, str, dict[str, Any]]:
             finish = "stop" if traj.answer is not None else "length"
@@ -252,7 +256,7 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
                      "evidence": evidence_of(traj)}
             return traj.answer or "", finish, extra
 
-        if not obj.get("stream"):
+        if not stream:
             traj = await episode(q, [], None)
             text, finish, extra = reply(traj)
             n_prompt, n_gen = traj.prompt_len, traj.num_policy_tokens

@@ -412,3 +412,18 @@ def test_json_number_past_the_int_digit_limit_gets_400_not_500(server):
         assert "not valid JSON" in r.json()["error"]["message"] and "digits" in r.json()["error"]["message"]
     r = httpx2.post(server.url + "/ask", headers=_h(), json={"question": "What is the capital of France?"})
     assert r.status_code == 200 and r.json()["answer"] == "Paris"
+
+
+def test_chat_model_and_stream_of_the_wrong_type_get_422(server):
+    # a non-string model was echoed back as the reply's model (["\ud800"]: a 500 when encoding the reply;
+    # {"a": 1}: a 200 that no OpenAI client can parse), and any truthy stream ("false") streamed
+    url, ok = server.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    for body, field in ((b'{"model": ["\\ud800"], "messages": [{"role": "user", "content": "France?"}]}', "model"),
+                        (b'{"model": {"a": 1}, "messages": [{"role": "user", "content": "France?"}]}', "model"),
+                        (b'{"stream": "false", "messages": [{"role": "user", "content": "France?"}]}', "stream")):
+        r = httpx2.post(url, headers={**_h(), "content-type": "application/json"}, content=body)
+        assert r.status_code == 422, (body, r.status_code, r.text[:300])
+        assert field in r.json()["error"]["message"]
+    r = httpx2.post(url, headers=_h(), json=ok | {"model": None, "stream": False})
+    assert r.status_code == 200 and r.json()["model"] == "sleuth-agent"
+    assert r.json()["choices"][0]["message"]["content"] == "Paris"
