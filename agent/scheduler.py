@@ -101,7 +101,7 @@ class Scheduler:
         items, self._queues[kind] = q[: self.max_batch], q[self.max_batch :]
         self._inflight += len(items)
         try:
-            results = await asyncio.to_thread(self._runners[kind], [p for p, _ in items])
+            results = await asyncio.to_thread(self._run, kind, [p for p, _ in items])
             for (_, fut), res in zip(items, results, strict=True):
                 if not fut.done():
                     fut.set_result(res)
@@ -113,6 +113,15 @@ class Scheduler:
             self._inflight -= len(items)
             self._busy[kind] = False
             self._poke()
+
+    def _run(self, kind: str, payloads: list[Any]) -> list[Any]:
+        """The batch's backend call (in the worker thread). A ``StopIteration`` it raises becomes a
+        ``RuntimeError``: an asyncio future cannot hold one, so the batch's result would never arrive and the
+        scheduler would stay busy (every later request of that kind waiting forever)."""
+        try:
+            return self._runners[kind](payloads)
+        except StopIteration as e:
+            raise RuntimeError(f"the {kind} backend raised StopIteration{f': {e}' if str(e) else ''}") from e
 
     def _run_generate(self, payloads: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
         """One backend call per distinct sampling setting; ``max_new_tokens`` is the batch maximum and each

@@ -427,3 +427,27 @@ def test_chat_model_and_stream_of_the_wrong_type_get_422(server):
     r = httpx2.post(url, headers=_h(), json=ok | {"model": None, "stream": False})
     assert r.status_code == 200 and r.json()["model"] == "sleuth-agent"
     assert r.json()["choices"][0]["message"]["content"] == "Paris"
+
+
+def test_a_backend_raising_stopiteration_fails_its_request_and_the_server_keeps_serving(tiny_llm, retriever, agent_cfg):
+    # StopIteration (a bare next() in a backend or retriever) cannot be set on an asyncio future: the batch's
+    # awaited result never arrived and the scheduler stayed busy, so every later request timed out too
+    llm = ScriptLLM(tiny_llm.tokenizer, SCRIPTS)
+    calls = []
+
+    class Flaky:
+        tokenizer = tiny_llm.tokenizer
+
+        def generate(self, prompts, params):
+            calls.append(len(prompts))
+            if len(calls) == 1:
+                raise StopIteration
+            return llm.generate(prompts, params)
+
+    app = create_app(Flaky(), retriever, agent_cfg, top_k=2, limits=ServeLimits(request_timeout_s=5))
+    with ServerThread(app) as srv:
+        q = {"question": "What is the capital of France?"}
+        r = httpx2.post(srv.url + "/ask", json=q, timeout=30)
+        assert r.status_code == 502 and "StopIteration" in r.json()["error"]["message"], (r.status_code, r.text)
+        r = httpx2.post(srv.url + "/ask", json=q, timeout=30)
+        assert r.status_code == 200 and r.json()["answer"] == "Paris", (r.status_code, r.text)
