@@ -537,6 +537,34 @@ def test_ppo_with_a_shared_critic_is_refused_under_torchrun(tiny_policy_dir, ret
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("handed_over_training", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+def test_ppo_critic_estimates_in_eval_mode_and_trains_in_train_mode(shared, handed_over_training, tiny_policy_dir,
+                                                                      retriever, tmp_path, monkeypatch):
+    """As verl's critic (``compute_values`` in eval mode, ``update_critic`` in train mode): PPO's value
+    estimates (GAE's baseline, the value clip's old values) come from the critic's backbone in eval mode, its
+    value loss from it in train mode. Before, nothing set the separate critic's mode: its backbone kept the
+    mode the policy had when it was copied (eval after ``from_pretrained``), so dropout (GPT-2's
+    ``resid_pdrop``, ``train.lora_dropout``) was off in its update, or on in its estimates for a policy
+    handed over in train mode."""
+    import training.critic as C
+    import training.trainer as T
+
+    model, tok = load(tiny_policy_dir)
+    model.train(handed_over_training)  # the mode the policy is handed over in must not matter
+    modes: dict[bool, set[bool]] = {True: set(), False: set()}  # grad enabled -> the backbone's modes seen
+
+    class Recording(C.ValueModel):
+        def forward(self, batch):
+            modes[torch.is_grad_enabled()] |= {m.training for m in self._body().modules()}
+            return super().forward(batch)
+
+    monkeypatch.setattr(C, "ValueModel", Recording)
+    T.rl_train(make_cfg("train.steps=1", "train.algorithm=ppo", f"train.critic={'shared' if shared else 'separate'}"),
+               model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
+    assert modes == {False: {False}, True: {True}}, modes
+
+
 def test_a_critic_optimizer_state_of_the_one_process_format_still_resumes(tiny_policy_dir):
     """Checkpoints written before PPO ran under torchrun hold ``optimizer.state_dict()`` (keyed by position):
     one process restores it; under torchrun the moments restart with a warning."""

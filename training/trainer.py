@@ -810,6 +810,8 @@ def rl_train(
             questions = data.next(tc.questions_per_step)
             per_rank = questions[rank::W] if W > 1 else questions
             policy.eval()
+            if critic is not None:  # as verl's critic: values estimated in eval mode, the update in train mode
+                critic.eval()
             if callable(getattr(retriever, "set_step", None)):  # ZeroSearch's noise curriculum follows training
                 retriever.set_step(step, tc.steps)
             trajs, ds_stats = rollout(per_rank, llm, retriever, cfg, data, judge)
@@ -842,6 +844,8 @@ def rl_train(
             if "returns" in adv:
                 batch.returns, batch.old_values = adv["returns"], values
             policy.train()
+            if critic is not None:
+                critic.train()
             try:
                 loss_stats = update_policy(fwd, ref_model, optimizer, batch, tc, scheduler=scheduler, critic=critic,
                                            critic_optimizer=critic_opt, old_logprobs=old)
