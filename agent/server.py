@@ -25,7 +25,8 @@ leaves no token of the agent's ``max_total_tokens`` to generate: the message say
 text with a lone surrogate 422, more than ``max_inflight`` episodes 503, an episode over
 ``request_timeout_s`` 504, a backend failure 502 - each with the reason in ``{"error": {"message",
 "type"}}``; the server keeps serving. With ``api_key`` set, every route but ``/health`` needs
-``Authorization: Bearer <key>`` (401 otherwise). Binds 127.0.0.1 by default (see ``sleuth serve``).
+``Authorization: Bearer <key>`` (401 otherwise). A client that disconnects before its answer (streamed or
+not) cancels its episode. Binds 127.0.0.1 by default (see ``sleuth serve``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import secrets
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,6 +180,28 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
         app.state.served += 1
         return traj
 
+    async def unless_hung_up(request: Request, coro: Awaitable[Trajectory]) -> Trajectory:
+        """Await ``coro`` (an :func:`episode`) unless the client disconnects first: then the episode is
+        cancelled (its slot of ``max_inflight`` and its queued backend calls are freed) and a 499
+        :class:`HTTPError` is raised (no one reads it). The request body must have been read."""
+        task = asyncio.ensure_future(coro)
+
+        async def hung_up() -> None:  # after the body, the server's next message is the disconnect
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watch = asyncio.ensure_future(hung_up())
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not task.done():
+                task.cancel()
+        if task.cancelled() or not task.done():
+            await asyncio.gather(task, return_exceptions=True)  # let the episode unwind
+            raise HTTPError(499, "the client closed the request", "client_closed_request")
+        return task.result()
+
     def evidence_of(traj: Trajectory) -> list[dict[str, Any]]:
         seen, out = set(), []
         for i in traj.retrieved_ids:
@@ -212,7 +236,7 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
         k = obj.get("top_k")
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= limits.max_top_k):
             raise HTTPError(422, f"top_k must be an integer in [1, {limits.max_top_k}]")
-        traj = await episode(q, golds, k)
+        traj = await unless_hung_up(request, episode(q, golds, k))
         return {"answer": traj.answer, "stop_reason": traj.stop_reason, "evidence": evidence_of(traj),
                 "searches": traj.num_search_calls, "verdict": traj.verdict if golds else None,
                 "trajectory": traj.to_json()}
@@ -257,7 +281,7 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
             return traj.answer or "", finish, extra
 
         if not stream:
-            traj = await episode(q, [], None)
+            traj = await unless_hung_up(request, episode(q, [], None))
             text, finish, extra = reply(traj)
             n_prompt, n_gen = traj.prompt_len, traj.num_policy_tokens
             return {"id": cid, "object": "chat.completion", "created": created, "model": model,

@@ -451,3 +451,23 @@ def test_a_backend_raising_stopiteration_fails_its_request_and_the_server_keeps_
         assert r.status_code == 502 and "StopIteration" in r.json()["error"]["message"], (r.status_code, r.text)
         r = httpx2.post(srv.url + "/ask", json=q, timeout=30)
         assert r.status_code == 200 and r.json()["answer"] == "Paris", (r.status_code, r.text)
+
+
+def test_client_disconnect_cancels_a_non_streamed_episode(tiny_llm, retriever, agent_cfg):
+    # a client that gave up (its timeout, a closed tab) left its episode running to the end or to the server's
+    # timeout, holding one of max_inflight slots: hostile clients could fill them all by hanging up
+    llm = GatedLLM(tiny_llm.tokenizer, SCRIPTS)
+    app = create_app(llm, retriever, agent_cfg, top_k=2, limits=ServeLimits(request_timeout_s=20))
+    q = "What is the capital of France?"
+    with ServerThread(app) as srv:
+        for path, body in (("/ask", {"question": q}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": q}]})):
+            with pytest.raises(httpx2.TimeoutException):  # the second turn waits for the gate: the client hangs up
+                httpx2.post(srv.url + path, json=body, timeout=1.0)
+            deadline = time.time() + 5
+            while httpx2.get(srv.url + "/health").json()["inflight"] and time.time() < deadline:
+                time.sleep(0.05)
+            assert httpx2.get(srv.url + "/health").json()["inflight"] == 0, path
+        llm.gate.set()  # let the backend thread finish
+        r = httpx2.post(srv.url + "/ask", json={"question": q}, timeout=30)
+        assert r.status_code == 200 and r.json()["answer"] == "Paris"
+    assert llm.waited[0] is True  # the gate was still holding the first episode when the client left
