@@ -23,10 +23,11 @@ requests are episodes whose generation and search calls are batched together. Li
 over 4,300 digits) 400, empty or over-long questions 422 (over ``max_question_chars``, or a prompt that
 leaves no token of the agent's ``max_total_tokens`` to generate: the message says by how many tokens),
 text with a lone surrogate 422, more than ``max_inflight`` episodes 503, an episode over
-``request_timeout_s`` 504, a backend failure 502 - each with the reason in ``{"error": {"message",
-"type"}}``; the server keeps serving. With ``api_key`` set, every route but ``/health`` needs
-``Authorization: Bearer <key>`` (401 otherwise). A client that disconnects before its answer (streamed or
-not) cancels its episode. Binds 127.0.0.1 by default (see ``sleuth serve``).
+``request_timeout_s`` 504, a backend failure 502, an unknown route 404 or method 405, anything
+unexpected 500 - each with the reason in ``{"error": {"message", "type"}}``; the server keeps serving.
+With ``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer <key>`` (401 otherwise).
+A client that disconnects before its answer (streamed or not) cancels its episode. Binds 127.0.0.1 by
+default (see ``sleuth serve``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent.llm import LLM
 from agent.loop import EventSink, Judge, make_context, prompt_ids, rule_judge, run_episode
@@ -215,6 +217,14 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, exc: HTTPError):
         return _error(exc.status, exc.message, exc.kind)
+
+    @app.exception_handler(StarletteHTTPException)  # an unknown route (404), a wrong method (405)
+    async def _route_error(request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
+
+    @app.exception_handler(Exception)  # a bug: still a JSON 500 with the reason (the traceback is logged)
+    async def _internal_error(request: Request, exc: Exception):
+        return _error(500, f"internal server error ({type(exc).__name__}: {exc})", "server_error")
 
     # -- routes ---------------------------------------------------------------------------------------
     @app.get("/health")

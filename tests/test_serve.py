@@ -471,3 +471,31 @@ def test_client_disconnect_cancels_a_non_streamed_episode(tiny_llm, retriever, a
         r = httpx2.post(srv.url + "/ask", json={"question": q}, timeout=30)
         assert r.status_code == 200 and r.json()["answer"] == "Paris"
     assert llm.waited[0] is True  # the gate was still holding the first episode when the client left
+
+
+def test_unknown_routes_and_unexpected_failures_answer_in_the_error_shape(tiny_llm, retriever, agent_cfg):
+    # 404/405 came as FastAPI's {"detail": ...} and an unexpected exception (here the tokenizer failing on a
+    # question) as a text/plain "Internal Server Error": neither had {"error": {"message", "type"}}
+    class Tok:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def encode(self, text, **kw):
+            if "BOOM" in text:
+                raise ValueError("tokenizer exploded")
+            return self.inner.encode(text, **kw)
+
+    llm = ScriptLLM(Tok(tiny_llm.tokenizer), SCRIPTS)
+    app = create_app(llm, retriever, agent_cfg, top_k=2, limits=ServeLimits(request_timeout_s=20))
+    with ServerThread(app) as srv:
+        for r, status in ((httpx2.get(srv.url + "/nope"), 404), (httpx2.get(srv.url + "/ask"), 405),
+                          (httpx2.post(srv.url + "/ask", json={"question": "BOOM?"}), 500)):
+            assert r.status_code == status, (r.status_code, r.text)
+            err = r.json()["error"]
+            assert err["message"] and err["type"], err
+        assert "tokenizer exploded" in err["message"]
+        r = httpx2.post(srv.url + "/ask", json={"question": "What is the capital of France?"}, timeout=30)
+        assert r.status_code == 200 and r.json()["answer"] == "Paris"
