@@ -345,6 +345,39 @@ def test_nonfinite_loss_is_skipped_then_stops(tiny_policy_dir, retriever, tmp_pa
         assert torch.equal(before[k], v)  # no parameter moved on a NaN step
 
 
+def test_a_nonfinite_later_ppo_epoch_still_pushes_the_epochs_that_stepped(tiny_policy_dir, retriever, tmp_path,
+                                                                           monkeypatch):
+    """With ``train.ppo_epochs=2`` a NaN loss in the second epoch raises after the first epoch's optimizer step:
+    the step is counted as skipped, but the policy did move, so a rollout side that holds its own weights
+    (vLLM; the rollout copy under torchrun, which checkpoints save) must get them. Before, the push sat in the
+    skipped branch: the next rollout sampled from stale weights and a checkpoint saved them beside the moved
+    optimizer state."""
+    import training.kernels as K
+    from training.trainer import rl_train
+
+    real, stepped = K.policy_loss, {"n": 0}
+    real_step = torch.optim.AdamW.step
+
+    def nan_after_a_step(*a, **kw):
+        loss, stats = real(*a, **kw)
+        return (loss * float("nan") if stepped["n"] else loss), stats
+
+    def counting_step(self, *a, **kw):
+        stepped["n"] += 1
+        return real_step(self, *a, **kw)
+
+    monkeypatch.setattr(K, "policy_loss", nan_after_a_step)
+    monkeypatch.setattr(torch.optim.AdamW, "step", counting_step)
+    pushed = []
+    model, tok = load(tiny_policy_dir)
+    with pytest.warns(UserWarning, match="step skipped"):
+        rl_train(make_cfg("train.steps=1", "train.ppo_epochs=2"), model, tok, retriever, QUESTIONS, tmp_path,
+                 judge=varying_judge, sync_weights=lambda llm, state: pushed.append(state))
+    assert stepped["n"] == 1 and pushed, "the first epoch stepped; its weights were not pushed"
+    for k, v in model.state_dict().items():
+        assert torch.equal(pushed[-1][k], v), k
+
+
 def test_dynamic_sampling_drops_flat_groups_and_refills(tiny_policy_dir, retriever):
     from agent.hf import TransformersLLM
     from training.trainer import DataStream, rollout

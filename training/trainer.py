@@ -298,7 +298,8 @@ def update_policy(
     the update is the on-policy policy gradient. Micro-batches follow ``cfg.micro_batch`` rows and
     ``cfg.micro_batch_tokens``; each is weighted so that the step equals one full-batch step, also across
     ranks (global token and sequence counts). A non-finite loss raises ``FloatingPointError`` before any
-    parameter moves (a non-finite value loss of PPO's critic too: neither model steps): at once on one
+    parameter moves in its epoch (with ``cfg.ppo_epochs > 1`` the earlier epochs' steps stand; a non-finite
+    value loss of PPO's critic too: neither model steps): at once on one
     process; under torchrun after the backward (so no rank is left waiting in the gradient reduction), when
     the NaN it spread makes every rank's gradient norm non-finite. With
     ``cfg.packing`` the micro-batches are packed (:meth:`training.batch.Batch.select`); under torchrun they are
@@ -846,25 +847,28 @@ def rl_train(
             policy.train()
             if critic is not None:
                 critic.train()
+            moved = True
             try:
                 loss_stats = update_policy(fwd, ref_model, optimizer, batch, tc, scheduler=scheduler, critic=critic,
                                            critic_optimizer=critic_opt, old_logprobs=old)
-                # a backend holding its own weights (vLLM) gets them under the base model's names (LoRA merged)
-                state = None
-                if W > 1:  # the rollout copy is what checkpoints and evaluate see: refreshed with any backend
-                    full = {k.removeprefix("model."): v for k, v in full_state_dict(fwd).items()}
-                    sync_rollout_weights(None, rollout_model, full)
-                    state = merged_lora_state(rollout_model) if tc.lora else full
-                elif sync_weights is not None or hasattr(llm, "update_weights"):
-                    state = merged_lora_state(policy) if tc.lora else full_state_dict(_unwrap(policy))
-                if state is not None:
-                    sync_rollout_weights(llm, None, state) if sync_weights is None else sync_weights(llm, state)
             except FloatingPointError as e:
+                # the same decision on every rank; with ppo_epochs > 1 the epochs before the NaN have stepped
+                moved = tc.ppo_epochs > 1
                 nonfinite += 1
                 warnings.warn(f"step {step + 1}: {e}; step skipped ({nonfinite}/{tc.max_nonfinite_steps})", stacklevel=1)
                 loss_stats = {"skipped": 1.0}
                 if nonfinite >= tc.max_nonfinite_steps:
                     raise RuntimeError(f"stopping: {nonfinite} non-finite losses (train.max_nonfinite_steps)") from e
+            # a backend holding its own weights (vLLM) gets them under the base model's names (LoRA merged)
+            state = None
+            if moved and W > 1:  # the rollout copy is what checkpoints and evaluate see: refreshed with any backend
+                full = {k.removeprefix("model."): v for k, v in full_state_dict(fwd).items()}
+                sync_rollout_weights(None, rollout_model, full)
+                state = merged_lora_state(rollout_model) if tc.lora else full
+            elif moved and (sync_weights is not None or hasattr(llm, "update_weights")):
+                state = merged_lora_state(policy) if tc.lora else full_state_dict(_unwrap(policy))
+            if state is not None:
+                sync_rollout_weights(llm, None, state) if sync_weights is None else sync_weights(llm, state)
             policy.eval()
             # mean |advantage| over the policy tokens of every rank (sums reduced: the same value as one process)
             adv_abs = all_reduce_sum(float((batch.token_advantages.abs() * batch.loss_mask).sum()))
