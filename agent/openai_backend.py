@@ -22,7 +22,6 @@ scheduler turns that into a failed episode with the reason.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 from typing import Any
@@ -134,9 +133,8 @@ class OpenAICompatibleLLM:
             text = choice["text"]
             if not isinstance(text, str):
                 raise TypeError("choices[0].text is not a string")
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
-            raise BackendError(f"malformed completion from {self.base_url} ({type(e).__name__}: {e}): "
-                               f"{r.text[:200]!r}") from None
+        except (ValueError, KeyError, IndexError, TypeError) as e:  # ValueError: not JSON, not UTF-8
+            raise self._malformed(r, e) from None
         lp = choice.get("logprobs") or {}
         toks = lp.get("tokens") if isinstance(lp, dict) else None
         ids: list[int] | None = None
@@ -145,12 +143,17 @@ class OpenAICompatibleLLM:
                 ids = [int(t.split(":", 1)[1]) for t in toks]
             except ValueError:
                 ids = None
+            if ids is not None and min(ids) < 0:
+                raise self._malformed(r, ValueError(f"negative token id {min(ids)}"))
         exact = ids is not None
         logprobs = None
         if exact:
             raw = lp.get("token_logprobs")
             if isinstance(raw, list) and len(raw) == len(ids):
-                logprobs = [float(x) if x is not None else 0.0 for x in raw]
+                try:
+                    logprobs = [float(x) if x is not None else 0.0 for x in raw]
+                except (ValueError, TypeError) as e:
+                    raise self._malformed(r, e) from None
         else:
             self.stats["inexact"] += 1
             ids = encode(self.tokenizer, restore_stop(text, choice, params.stop))
@@ -161,6 +164,11 @@ class OpenAICompatibleLLM:
             logprobs = logprobs[: len(cut)]
         return Generation(cut, cut_text if exact else decode(self.tokenizer, cut), reason, logprobs,
                           meta={"exact": exact})
+
+    def _malformed(self, r: httpx2.Response, e: Exception) -> BackendError:
+        """The :class:`BackendError` of a 200 reply that is not a completion (``e`` says what is wrong)."""
+        return BackendError(f"malformed completion from {self.base_url} ({type(e).__name__}: {e}): "
+                            f"{r.text[:200]!r}")
 
 
 def restore_stop(text: str, choice: dict, stop: tuple[str, ...]) -> str:

@@ -165,3 +165,27 @@ def test_a_retry_after_wait_is_not_carried_to_retries_for_other_failures(scripte
     g = asyncio.run(run())
     assert g.text == "<answer> Paris </answer>"
     assert slept == [pytest.approx(0.3), pytest.approx(0.02)]  # the 429's wait, then the plain backoff
+
+
+@pytest.mark.parametrize("body", [
+    b'{"choices": [{"text": "a", "logprobs": {"tokens": ["token_id:5"], "token_logprobs": ["abc"]}}]}',
+    b'{"choices": [{"text": "a", "logprobs": {"tokens": ["token_id:5"], "token_logprobs": [{"x": 1}]}}]}',
+    b'{"choices": [{"text": "a", "logprobs": {"tokens": ["token_id:-5"], "token_logprobs": [-1.0]}}]}',
+    b'{"choices": [{"text": "a\xff"}]}',  # not UTF-8
+])
+def test_a_malformed_completion_body_is_a_backend_error(tiny_llm, body):
+    """Junk log-probs, a negative token id or a body that is not UTF-8 escaped as ValueError, TypeError,
+    OverflowError or UnicodeDecodeError instead of the promised BackendError naming the server."""
+    from fastapi import FastAPI
+    from fastapi.responses import Response
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions():
+        return Response(body, media_type="application/json")
+
+    with ServerThread(app) as srv:
+        llm = _client(srv.url, tiny_llm.tokenizer, max_retries=0)
+        with pytest.raises(BackendError, match="malformed completion"):
+            llm.generate([[1, 2]], SamplingParams(max_new_tokens=4, stop=("</search>",)))
