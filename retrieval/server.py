@@ -79,7 +79,7 @@ def parse_request(body: bytes, limits: ServerLimits) -> tuple[list[str], int, bo
                            413)
     try:
         obj = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's 4,300-digit limit
         raise RequestError(f"request body is not valid JSON ({e})") from None
     if not isinstance(obj, dict):
         raise RequestError("request body must be a JSON object with 'queries'")

@@ -151,6 +151,15 @@ def test_not_json_and_health(server):
     assert h["status"] == "ok" and h["method"] == "bm25" and h["limits"]["max_topk"] == 100
 
 
+def test_a_number_past_the_int_digit_limit_is_a_400(server):
+    """Valid JSON whose integer has more digits than Python converts (4,300) raised a plain ValueError from
+    json.loads, which the endpoint did not catch: a 500 instead of the 400 that says why."""
+    body = b'{"queries": ["Everest"], "topk": ' + b"1" * 5000 + b"}"
+    r = httpx2.post(server.url + "/retrieve", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"] and "digits" in r.json()["error"]
+    assert httpx2.post(server.url + "/retrieve", json={"queries": ["Everest"], "topk": 1}).status_code == 200
+
+
 def test_client_round_trip_and_errors(server, bm25):
     with RemoteRetriever(server.url, max_batch=2) as c:
         qs = ["Everest", "glucose sunlight", "Trigiani author", "Big Stone Gap"]
