@@ -238,7 +238,8 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
         check_auth(request)
         obj = await read_json(request)
         q = check_question(obj.get("question"))
-        golds = obj.get("golden_answers") or []
+        golds = obj.get("golden_answers")
+        golds = [] if golds is None else golds
         if not isinstance(golds, list) or not all(isinstance(g, str) for g in golds):
             raise HTTPError(422, "golden_answers must be a list of strings")
         for g in golds:

@@ -344,6 +344,15 @@ def test_question_whose_prompt_exceeds_the_token_budget_gets_422_with_the_excess
     assert r.status_code == 200 and r.json()["answer"] == "Paris"
 
 
+def test_golden_answers_of_the_wrong_type_get_422(server):
+    """``{}``, ``0``, ``""`` and ``false`` are no list of strings: they were read as "no gold" (``or []``)."""
+    for golds in ({}, 0, "", False, "Paris", [1]):
+        r = httpx2.post(server.url + "/ask", headers=_h(), json={"question": "capital of France?", "golden_answers": golds})
+        assert r.status_code == 422 and "golden_answers" in r.json()["error"]["message"], (golds, r.status_code)
+    r = httpx2.post(server.url + "/ask", headers=_h(), json={"question": "capital of France?", "golden_answers": None})
+    assert r.status_code == 200  # null is the field left out
+
+
 def test_question_with_a_lone_surrogate_gets_422_not_500(server):
     # "\ud800" is valid JSON but no Unicode text: the tokenizer (and UTF-8 output) cannot take it
     for path, body in (("/ask", b'{"question": "capital of France \\ud800?"}'),
