@@ -691,3 +691,28 @@ def test_serve_retrieval_body_limit_is_configurable(bm25_index, monkeypatch):
     assert main(["serve-retrieval", "--index", str(bm25_index), "--max-body-bytes", "1000"]) == 0
     (health,) = [r.endpoint for r in apps[0].routes if getattr(r, "path", "") == "/health"]
     assert asyncio.run(health())["limits"]["max_body_bytes"] == 1000
+
+
+@pytest.mark.parametrize("command", ["serve-retrieval", "serve"])
+def test_a_port_in_use_is_refused_before_loading_and_names_the_flag(command, tmp_path, capsys):
+    """A second `serve-retrieval` on a busy port printed "serving ... at http://HOST:PORT/retrieve", loaded the
+    index, then died with uvicorn's "[Errno 98] ... address already in use" and exit status 3 (`serve` after
+    loading the model); the port is checked first now and the error names --port."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = main([command, "--index", str(tmp_path / "nope"), "--port", str(port)])
+    captured = capsys.readouterr()
+    assert code == 2 and f"port {port}" in captured.err and "--port" in captured.err, captured
+    assert "sleuth index" not in captured.err and "serving" not in captured.out
+
+
+@pytest.mark.parametrize("command", ["serve-retrieval", "serve"])
+@pytest.mark.parametrize("port", ["-1", "65536", "http"])
+def test_a_port_out_of_range_is_a_usage_error(command, port, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--port", port])
+    assert e.value.code == 2 and "--port" in capsys.readouterr().err

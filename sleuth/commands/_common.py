@@ -27,6 +27,33 @@ def non_negative_int(value: str) -> int:
     return _int_at_least(value, 0, "non-negative")
 
 
+def port_number(value: str) -> int:
+    """argparse type of a TCP port to listen on: an integer in 1..65535."""
+    n = _int_at_least(value, 1, "port")
+    if n > 65535:
+        raise argparse.ArgumentTypeError(f"must be <= 65535, got {n}")
+    return n
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind ``host:port`` once and let it go, so that a busy port (another server on it) or a bad ``--host``
+    stops a server command before it loads an index or a model. Raises ``OSError`` whose message names the
+    port and the fix (``--port``, ``--host``)."""
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+            s.bind((host, port))
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise OSError(f"port {port} on {host} is in use (another server?); stop it or pick another with "
+                          f"--port") from None
+        raise OSError(f"cannot listen on {host}:{port} ({e.strerror or e}); check --host and --port") from None
+
+
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", default=None, help="YAML config (default: built-in defaults)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.lr=1e-4")

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import os
 
-from sleuth.commands._common import add_config_arguments, config_from_args, positive_int
+from sleuth.commands._common import (
+    add_config_arguments,
+    check_port_free,
+    config_from_args,
+    port_number,
+    positive_int,
+)
 
 HELP = "serve the agent over HTTP: POST /ask and OpenAI-compatible /v1/chat/completions (127.0.0.1 by default)"
 
@@ -14,7 +20,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", help="model directory or hub id (default: policy.model or the tiny policy)")
     p.add_argument("--index", help="index directory (default: retrieval.index_dir)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 exposes it)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("SLEUTH_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $SLEUTH_API_KEY; unset or empty: no key, open)")
     p.add_argument("--max-body-bytes", type=positive_int, default=64_000)
@@ -47,7 +53,8 @@ def run(args) -> int:
     cfg = config_from_args(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without an API key")
-    retriever = open_retriever(cfg, args.index)  # first: a missing index is the commonest mistake
+    check_port_free(args.host, args.port)  # before the index and the model load
+    retriever = open_retriever(cfg, args.index)  # first to load: a missing index is the commonest mistake
     model = args.model or cfg.policy.model or tiny_policy_path(cfg)
     check_context_length(cfg, model)
     llm = make_llm(cfg.agent.backend, str(model), cfg.policy.dtype, cfg.policy.device, cfg.seed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from retrieval.bm25 import BACKENDS
-from sleuth.commands._common import non_negative_int, positive_int
+from sleuth.commands._common import check_port_free, non_negative_int, port_number, positive_int
 
 HELP = "Serve an index over HTTP, Search-R1 compatible: POST /retrieve {queries, topk, return_scores}; GET /health."
 
@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="bm25", choices=["bm25", "dense", "hybrid", "lucene"],
                    help="retriever (lucene: the part built by `sleuth index --lucene`)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 exposes it)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000)")
     p.add_argument("--topk", type=positive_int, default=3, help="topk when a request gives none (Search-R1: 3)")
     p.add_argument("--max-topk", type=positive_int, default=1000, help="largest topk accepted")
     p.add_argument("--max-queries", type=positive_int, default=4096, help="most queries in one request")
@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.topk > args.max_topk:  # every request without a topk would be refused
         raise ValueError(f"--topk ({args.topk}) must not exceed --max-topk ({args.max_topk})")
+    check_port_free(args.host, args.port)  # before the index loads (minutes for a large one)
     retriever = load_retriever(args.index, args.method, cache_size=args.cache_size, mmap=args.mmap,
                                bm25_backend=args.bm25_backend)
     man = read_manifest(args.index)
