@@ -167,3 +167,14 @@ def test_truncated_judge_and_tool_call_tags_are_faults():
     assert malformed_tags("<judge>useful</judge>") == 0
     assert malformed_tags("<judge>useful</judge") == 2  # the cut closing tag, and <judge> left open
     assert malformed_tags("<tool_call") == 1 and malformed_tags("<judg") == 1
+
+
+def test_dashboard_of_a_run_directory_points_to_its_grpo_folder(tmp_path, capsys):
+    """`sleuth dashboard runs/quickstart` (the run, not its grpo/ folder) said only "is it a training run
+    directory?" though it is one; the error names the folder that holds the metrics."""
+    from sleuth.cli import main
+
+    (tmp_path / "grpo").mkdir()
+    (tmp_path / "grpo" / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": 0.5}) + "\n")
+    assert main(["dashboard", str(tmp_path)]) == 2
+    assert f"sleuth dashboard {tmp_path / 'grpo'}" in capsys.readouterr().err

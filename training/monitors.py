@@ -141,7 +141,10 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     for any other line that is not JSON."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
-        raise FileNotFoundError(f"no metrics.jsonl in {run_dir} (is it a training run directory?)")
+        inner = sorted(p.parent for p in Path(run_dir).glob("*/metrics.jsonl"))  # runs/quickstart -> its grpo/
+        hint = (f"; its training metrics are in {inner[0]}: sleuth dashboard {inner[0]}" if inner
+                else " (is it a training run directory?)")
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}{hint}")
     by_step = {int(rec["step"]): rec for _, rec in json_records(path)}  # a torn last line is skipped
     return [by_step[s] for s in sorted(by_step)]
 
