@@ -39,7 +39,8 @@ def find_summaries(run_dirs: list[str | Path]) -> list[dict[str, Any]]:
         paths = [d / "summary.json"] if (d / "summary.json").exists() else sorted(d.glob("*/summary.json"))
         if not paths:
             raise FileNotFoundError(f"no evaluation summary under {d} (expected {d}/<method>-<fingerprint>/summary.json "
-                                    "written by `sleuth eval`)")
+                                    "written by `sleuth eval --benchmarks`; `sleuth eval --qa` writes its table to "
+                                    "<name>.md beside <name>.json instead)")
         for p in paths:
             if any(Path(x["_path"]).resolve() == p.resolve() for x in out):
                 continue  # a run dir and one of its folders both given: each run once

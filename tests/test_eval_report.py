@@ -153,3 +153,12 @@ def test_em_by_hops_axis_starts_at_zero_when_every_em_is_zero(tmp_path, monkeypa
     # "rag" has no hop data for "sample": no bar there, where a 0 would read as "scored 0"
     heights = [p.get_height() for p in fig.axes[1].patches]
     assert heights[:2] == [0.0, 50.0] and all(math.isnan(h) for h in heights[2:]) and len(heights) == 4
+
+
+def test_report_of_an_eval_qa_folder_says_which_eval_writes_runs(tmp_path):
+    """`sleuth eval --qa FILE --out DIR` writes DIR/<name>.json and .md, not the <method>-<fingerprint> runs
+    that `sleuth report` reads; the error said only "written by `sleuth eval`"."""
+    (tmp_path / "ev").mkdir()
+    (tmp_path / "ev" / "qa.json").write_text(json.dumps({"metrics": {"em": 0.0}}))
+    with pytest.raises(FileNotFoundError, match="--benchmarks"):
+        find_summaries([tmp_path / "ev"])

@@ -9,7 +9,7 @@ HELP = "Report evaluation runs: EM/F1 tables (benchmarks x methods), EM-vs-searc
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                   help="run directories written by `sleuth eval` (or their <method>-<fingerprint> folders)")
+                   help="run directories written by `sleuth eval --benchmarks` (or their <method>-<fingerprint> folders)")
     p.add_argument("--out", default="runs/report", help="output directory (default: runs/report)")
 
 
