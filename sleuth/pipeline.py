@@ -112,13 +112,25 @@ def tiny_policy_path(cfg: Config, log=print) -> Path:
     return path
 
 
+def resolve_model_path(path: str | Path) -> str | Path:
+    """``path``, except that a checkpoints folder's ``latest`` pointer (``<run>/grpo/checkpoints/latest``, a file
+    holding the name of the last complete ``step_*`` folder) gives that folder. A hub id is returned as given."""
+    p = Path(path)
+    if p.name == "latest" and p.is_file():
+        target = p.parent / p.read_text().strip()
+        if target.is_dir():
+            return target
+    return path
+
+
 def load_llm(cfg: Config, model_path: str | Path | None = None, *, episodes: bool = True):
     """The policy backend (``agent.backend.kind``: transformers, vllm or openai) for ``model_path``, else
-    ``policy.model``, else the tiny policy. A model that runs agent episodes (``episodes``; not a judge) must
-    hold ``agent.max_total_tokens`` (:func:`check_context_length`)."""
+    ``policy.model``, else the tiny policy (a checkpoints ``latest`` pointer loads its step folder:
+    :func:`resolve_model_path`). A model that runs agent episodes (``episodes``; not a judge) must hold
+    ``agent.max_total_tokens`` (:func:`check_context_length`)."""
     from agent.backends import make_llm
 
-    path = model_path or cfg.policy.model or tiny_policy_path(cfg)
+    path = resolve_model_path(model_path or cfg.policy.model or tiny_policy_path(cfg))
     if episodes:
         check_context_length(cfg, path)
     return make_llm(cfg.agent.backend, str(path), cfg.policy.dtype, cfg.policy.device, cfg.seed)

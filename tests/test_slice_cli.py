@@ -716,3 +716,21 @@ def test_a_port_out_of_range_is_a_usage_error(command, port, capsys):
     with pytest.raises(SystemExit) as e:
         main([command, "--port", port])
     assert e.value.code == 2 and "--port" in capsys.readouterr().err
+
+
+def test_a_checkpoints_latest_pointer_is_a_model_path(tmp_path, monkeypatch):
+    """`sleuth ask/eval/serve --model RUN/grpo/checkpoints/latest` failed with "cannot load model ...: OSError":
+    `latest` is the pointer file naming the last complete step_* folder; it loads that folder now."""
+    import agent.backends
+    from sleuth import pipeline
+    from sleuth.config import load_config
+
+    ckpts = tmp_path / "grpo" / "checkpoints"
+    (ckpts / "step_000002").mkdir(parents=True)
+    (ckpts / "latest").write_text("step_000002")
+    built = []
+    monkeypatch.setattr(agent.backends, "make_llm", lambda backend, path, *a, **k: built.append(path))
+    cfg = load_config(None, [f"out_dir={tmp_path}"])
+    pipeline.load_llm(cfg, str(ckpts / "latest"))
+    pipeline.load_llm(cfg, "Qwen/Qwen2.5-3B-Instruct")  # a hub id is left as it is
+    assert built == [str(ckpts / "step_000002"), "Qwen/Qwen2.5-3B-Instruct"]

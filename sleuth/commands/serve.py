@@ -48,14 +48,20 @@ def run(args) -> int:
 
     from agent.backends import make_llm
     from agent.server import ServeLimits, create_app
-    from sleuth.pipeline import answer_judge, check_context_length, open_retriever, tiny_policy_path
+    from sleuth.pipeline import (
+        answer_judge,
+        check_context_length,
+        open_retriever,
+        resolve_model_path,
+        tiny_policy_path,
+    )
 
     cfg = config_from_args(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without an API key")
     check_port_free(args.host, args.port)  # before the index and the model load
     retriever = open_retriever(cfg, args.index)  # first to load: a missing index is the commonest mistake
-    model = args.model or cfg.policy.model or tiny_policy_path(cfg)
+    model = resolve_model_path(args.model or cfg.policy.model or tiny_policy_path(cfg))
     check_context_length(cfg, model)
     llm = make_llm(cfg.agent.backend, str(model), cfg.policy.dtype, cfg.policy.device, cfg.seed)
     limits = ServeLimits(max_body_bytes=args.max_body_bytes, request_timeout_s=args.timeout,
