@@ -25,13 +25,20 @@ def open_retriever(cfg: Config, index_dir: str | None = None, method: str | None
     ``retrieval.method: simulated`` wires ZeroSearch's simulated search engine: an LLM (``agent.simulator.model``,
     else the policy model) behind a plain ``generate`` callable, so the retrieval layer never imports agent.
     Otherwise ``retrieval.url`` (unless an ``index_dir`` is given here) is a running retrieval server, searched
-    over HTTP; a server that is down is a ``RetrievalServerError`` at the first search, saying so.
+    over HTTP; it is asked for ``/health`` here, so a server that is down is a ``RetrievalServerError`` saying
+    so before anything runs (the agent loop would keep it as one failed episode per question). A server that
+    answers without a ``/health`` route (Search-R1's own) is taken as running.
     """
     method = method or cfg.retrieval.method
     if cfg.retrieval.url and index_dir is None and method != "simulated":
         from retrieval.client import RemoteRetriever
 
-        return RemoteRetriever(cfg.retrieval.url)
+        remote = RemoteRetriever(cfg.retrieval.url)
+        try:
+            remote.health()
+        except ValueError:  # it answered (HTTP 4xx, or not JSON): it is up
+            pass
+        return remote
     if method == "simulated":
         from agent.backends import make_llm
         from agent.llm import SamplingParams, complete

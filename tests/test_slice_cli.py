@@ -734,3 +734,24 @@ def test_a_checkpoints_latest_pointer_is_a_model_path(tmp_path, monkeypatch):
     pipeline.load_llm(cfg, str(ckpts / "latest"))
     pipeline.load_llm(cfg, "Qwen/Qwen2.5-3B-Instruct")  # a hub id is left as it is
     assert built == [str(ckpts / "step_000002"), "Qwen/Qwen2.5-3B-Instruct"]
+
+
+def test_a_retrieval_server_that_is_down_stops_eval_before_it_runs(tmp_path, monkeypatch, capsys):
+    """`sleuth eval retrieval.url=...` with no server there ran every episode into a RetrievalServerError (each
+    kept as stop_reason 'error') and printed a table of zeros with exit status 0; the server is asked at
+    start now, before the model loads, and the error says to start one."""
+    import socket
+
+    import agent.backends
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    monkeypatch.setattr(agent.backends, "make_llm", lambda *a, **k: pytest.fail("model loaded before the server check"))
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text('{"id": "q1", "question": "Who?", "golden_answers": ["x"]}\n')
+    code = main(["eval", "--qa", str(qa), "--out", str(tmp_path / "ev"), f"retrieval.url=http://127.0.0.1:{port}",
+                 f"out_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "is it running" in err and "sleuth serve-retrieval" in err, err
+    assert not (tmp_path / "ev").exists()
