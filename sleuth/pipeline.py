@@ -197,7 +197,8 @@ def evaluate_agent(llm, retriever, examples: list[QAExample], cfg: Config) -> tu
 
     Returns ``(summary, trajectories)``; ``summary`` has n, em, f1, cover_em, recall (of supporting
     paragraphs among everything retrieved), search_calls, turns, generated_tokens, format_ok, wall_s
-    (seconds per question).
+    (seconds per question) and errors (episodes that stopped on an error, e.g. a failed search, scored 0;
+    the error is in each one's ``metadata["error"]``).
     """
     from agent.loop import rule_judge, run_episodes
     from eval.methods import trajectory_record
@@ -211,6 +212,7 @@ def evaluate_agent(llm, retriever, examples: list[QAExample], cfg: Config) -> tu
     records = [trajectory_record(t) | {"wall_s": wall} for t in trajs]
     summary = aggregate(records, by_hops=False)
     summary["format_ok"] = sum(bool(t.verdict.get("format_ok")) for t in trajs) / max(len(trajs), 1)
+    summary["errors"] = sum(t.stop_reason == "error" for t in trajs)
     return summary, trajs
 
 

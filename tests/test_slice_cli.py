@@ -1,5 +1,6 @@
 """The ``sleuth`` command line: every subcommand has --help; errors are clear and exit 2."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -755,3 +756,26 @@ def test_a_retrieval_server_that_is_down_stops_eval_before_it_runs(tmp_path, mon
     err = capsys.readouterr().err
     assert code == 2 and "is it running" in err and "sleuth serve-retrieval" in err, err
     assert not (tmp_path / "ev").exists()
+
+
+def test_eval_reports_episodes_that_stopped_on_an_error(tiny_llm, tmp_path, monkeypatch, capsys):
+    """A search that fails mid-evaluation (the retrieval server went down) ends its episode with stop_reason
+    'error', scored 0 like a wrong answer; `sleuth eval` printed the table as if all had run. The summary
+    counts them (`errors`) and eval prints how many and the first error."""
+    from retrieval.client import RetrievalServerError
+    from sleuth import pipeline
+    from tests.test_agent_fakes import ScriptLLM
+
+    class Down:
+        def search(self, queries, k):
+            raise RetrievalServerError("retrieval server at http://h:1 failed after 4 attempts; is it running?")
+
+    llm = ScriptLLM(tiny_llm.tokenizer, {"capital": ["<search> Paris </search>", "<answer> Paris </answer>"]})
+    monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: Down())
+    monkeypatch.setattr(pipeline, "load_llm", lambda cfg, model=None: llm)
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text('{"id": "q1", "question": "What is the capital of France?", "golden_answers": ["Paris"]}\n')
+    assert main(["eval", "--qa", str(qa), "--out", str(tmp_path / "ev"), f"out_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "1 of 1 episodes stopped on an error" in out and "is it running?" in out, out
+    assert json.loads((tmp_path / "ev" / "qa.json").read_text())["errors"] == 1

@@ -103,6 +103,10 @@ def run(args) -> int:
         acc, bad = summary.get("judge_acc"), summary.get("judge_unparseable")
         print(f"\nLLM-judge accuracy ({judge_model}): " + ("-" if acc is None else f"{100 * acc:.1f}%")
               + (" (no answer was sent to the judge)" if bad is None else f" (unparseable verdicts: {100 * bad:.1f}%)"))
+    failed = [t for t in trajs if t.stop_reason == "error"]
+    if failed:  # scored 0 like wrong answers: say so, or a dead retrieval server reads as a bad model
+        print(f"\nwarning: {len(failed)} of {len(trajs)} episodes stopped on an error and scored 0 "
+              f"(metadata.error in the trajectories); the first: {failed[0].metadata.get('error')}")
     print(f"\nwrote {out / (name + '.json')}, {out / (name + '.md')} and the trajectories")
     return 0
 
