@@ -146,6 +146,12 @@ def passage_field(obj: dict[str, Any], key: str, path: str | Path, lineno: int) 
     return str(v)
 
 
+# a Search-R1 / verl export row ({data_source, prompt, reward_model, ...}) met where a corpus or a FlashRAG QA
+# file was expected
+SEARCH_R1_QA = ("a Search-R1-format QA record (prompt, reward_model): sleuth eval --benchmarks reads these "
+                "(e.g. --benchmarks nq --data-dir DIR)")
+
+
 def iter_corpus(path: str | Path) -> Iterator[Passage]:
     """Stream passages from a corpus JSONL file without loading it whole.
 
@@ -161,6 +167,14 @@ def iter_corpus(path: str | Path) -> Iterator[Passage]:
             raise DataFormatError(
                 f"{path}:{lineno}: a QA record with context paragraphs, not a passage: pool the file into a "
                 f"corpus first with: sleuth corpus --from {path} --out CORPUS.jsonl"
+            )
+        if "contents" not in obj and "text" not in obj and {"prompt", "reward_model"} <= obj.keys():
+            raise DataFormatError(f"{path}:{lineno}: {SEARCH_R1_QA}, not a passage: a corpus JSONL has "
+                                  "{id, title, contents} per line")
+        if "contents" not in obj and "text" not in obj and {"question", "golden_answers"} <= obj.keys():
+            raise DataFormatError(
+                f"{path}:{lineno}: a QA record (a question and its answers), not a passage: a corpus JSONL has "
+                "{id, title, contents} per line; give QA files to sleuth eval --qa or data.train / data.test"
             )
         pid = passage_field(obj, "id", path, lineno)
         if "contents" in obj:
@@ -190,6 +204,9 @@ def iter_qa(path: str | Path) -> Iterator[QAExample]:
     if not path.exists():
         raise FileNotFoundError(f"QA file not found: {path}")
     for lineno, obj in iter_json_lines(path):
+        if "golden_answers" not in obj and {"prompt", "reward_model"} <= obj.keys():
+            raise DataFormatError(f"{path}:{lineno}: {SEARCH_R1_QA}; this reads FlashRAG QA JSONL "
+                                  "{id, question, golden_answers}")
         answers = _require(obj, "golden_answers", path, lineno)
         if isinstance(answers, str):
             answers = [answers]

@@ -441,3 +441,28 @@ def test_pooled_questions_are_unique_and_answerable(tmp_path):
     stats = pool_corpus([src, again], tmp_path / "out.jsonl", qa_out=tmp_path / "qa.jsonl")
     assert [q.id for q in read_qa(tmp_path / "qa.jsonl")] == ["q1"]
     assert stats["questions"] == 1 and stats["duplicate_questions"] == 1 and stats["unanswerable"] == 1
+
+
+@pytest.mark.parametrize("record", [
+    {"data_source": "nq", "prompt": [{"role": "user", "content": "Q?"}], "ability": "fact-reasoning",
+     "reward_model": {"ground_truth": {"target": ["a"]}}, "extra_info": {"index": 0}},  # Search-R1 export
+    {"id": "q1", "question": "Q?", "golden_answers": ["a"]},  # FlashRAG QA
+])
+def test_a_qa_file_without_paragraphs_given_as_a_corpus_says_what_it_is(tmp_path, record):
+    """`sleuth index --corpus ../shared/data/nq/test.searchr1.jsonl` (a QA file) failed with "missing field
+    'id' (has ['ability', 'data_source', ...])", or for a FlashRAG QA file "missing field 'contents'"; the error
+    says it is a QA file and where QA files go."""
+    src = tmp_path / "qa.jsonl"
+    src.write_text(json.dumps(record) + "\n")
+    with pytest.raises(DataFormatError, match=r"qa\.jsonl:1: a .*QA record .*sleuth eval --(qa|bench)") as e:
+        read_corpus(src)
+    assert "not a passage" in str(e.value)
+
+
+def test_a_search_r1_export_given_as_a_flashrag_qa_file_says_which_eval_reads_it(tmp_path):
+    """`sleuth eval --qa ../shared/data/nq/test.searchr1.jsonl` failed with "missing field 'golden_answers'"."""
+    src = tmp_path / "nq.jsonl"
+    src.write_text(json.dumps({"data_source": "nq", "prompt": [{"role": "user", "content": "Q?"}],
+                               "reward_model": {"ground_truth": {"target": ["a"]}}}) + "\n")
+    with pytest.raises(DataFormatError, match=r"nq\.jsonl:1: a Search-R1-format QA record .*--benchmarks"):
+        read_qa(src)
