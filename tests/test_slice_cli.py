@@ -779,3 +779,12 @@ def test_eval_reports_episodes_that_stopped_on_an_error(tiny_llm, tmp_path, monk
     out = capsys.readouterr().out
     assert "1 of 1 episodes stopped on an error" in out and "is it running?" in out, out
     assert json.loads((tmp_path / "ev" / "qa.json").read_text())["errors"] == 1
+
+
+def test_a_missing_question_does_not_call_the_overrides_required(capsys):
+    """`sleuth ask` with no question said "the following arguments are required: question, KEY=VALUE", though
+    the overrides are optional."""
+    with pytest.raises(SystemExit) as e:
+        main(["ask"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "required: question" in err and "KEY=VALUE" not in err.splitlines()[-1], err

@@ -56,7 +56,8 @@ def check_port_free(host: str, port: int) -> None:
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", default=None, help="YAML config (default: built-in defaults)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.lr=1e-4")
+    p.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="dotted overrides, e.g. train.lr=1e-4")  # default: not listed as required
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
