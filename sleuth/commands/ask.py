@@ -10,7 +10,7 @@ HELP = "ask the agent a question; prints the answer and the turn-by-turn traject
 def add_arguments(p) -> None:
     p.add_argument("question")
     add_config_arguments(p)
-    p.add_argument("--model", help="model directory or hub id (default: policy.model or the tiny policy)")
+    p.add_argument("--model", help="model directory (a checkpoint, or its checkpoints/latest) or hub id (default: policy.model, else the untrained tiny policy)")
     p.add_argument("--index", help="index directory (default: retrieval.index_dir)")
     p.add_argument("--answer", action="append", default=[], help="a gold answer, to score the episode")
     p.add_argument("--json", action="store_true", help="print the whole trajectory as JSON")

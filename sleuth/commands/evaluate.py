@@ -13,7 +13,7 @@ def add_arguments(p) -> None:
     p.add_argument("--qa", help="QA JSONL file, FlashRAG format (default: data.test, else the shipped sample's "
                    "test questions)")
     p.add_argument("--index", help="index directory (default: retrieval.index_dir)")
-    p.add_argument("--model", help="model directory or hub id (default: policy.model or the tiny policy)")
+    p.add_argument("--model", help="model directory (a checkpoint, or its checkpoints/latest) or hub id (default: policy.model, else the untrained tiny policy)")
     p.add_argument("--method", default="agent",
                    help="agent (default), or with --benchmarks: direct, rag, ircot, search_o1")
     p.add_argument("--judge-model", help="LLM-as-judge model directory or hub id, loaded like --model, or 'none' "

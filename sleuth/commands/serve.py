@@ -17,7 +17,7 @@ HELP = "serve the agent over HTTP: POST /ask and OpenAI-compatible /v1/chat/comp
 
 def add_arguments(p) -> None:
     add_config_arguments(p)
-    p.add_argument("--model", help="model directory or hub id (default: policy.model or the tiny policy)")
+    p.add_argument("--model", help="model directory (a checkpoint, or its checkpoints/latest) or hub id (default: policy.model, else the untrained tiny policy)")
     p.add_argument("--index", help="index directory (default: retrieval.index_dir)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 exposes it)")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000)")
