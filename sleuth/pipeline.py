@@ -267,7 +267,7 @@ def run_sft_stage(cfg: Config, log=print) -> Path:
         log(f"SFT: reusing {out}")
         return out
     paths = data_paths(cfg)
-    init = cfg.policy.model or tiny_policy_path(cfg, log)
+    init = resolve_model_path(cfg.policy.model or tiny_policy_path(cfg, log))
     check_context_length(cfg, init)
     llm = TransformersLLM.from_pretrained(str(init), cfg.policy.dtype, cfg.policy.device)
     retriever = open_retriever(cfg)

@@ -788,3 +788,26 @@ def test_a_missing_question_does_not_call_the_overrides_required(capsys):
         main(["ask"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "required: question" in err and "KEY=VALUE" not in err.splitlines()[-1], err
+
+
+def test_training_starts_from_a_checkpoints_latest_pointer(tmp_path, monkeypatch):
+    """policy.model=RUN/grpo/checkpoints/latest (train from an earlier run) reached from_pretrained as the
+    pointer file; SFT and training start from the step folder it names."""
+    from agent import hf
+    from sleuth import pipeline
+    from sleuth.config import load_config
+
+    ckpts = tmp_path / "old" / "checkpoints"
+    (ckpts / "step_000003").mkdir(parents=True)
+    (ckpts / "latest").write_text("step_000003\n")
+    seen = []
+
+    def stop(path, *a, **k):
+        seen.append(path)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hf.TransformersLLM, "from_pretrained", staticmethod(stop))
+    cfg = load_config(None, [f"out_dir={tmp_path / 'new'}", f"policy.model={ckpts / 'latest'}"])
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run_sft_stage(cfg)
+    assert seen == [str(ckpts / "step_000003")]

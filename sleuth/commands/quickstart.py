@@ -35,6 +35,7 @@ def run(args) -> int:
         load_llm,
         markdown_table,
         open_retriever,
+        resolve_model_path,
         run_rl_stage,
         run_sft_stage,
         save_run_config,
@@ -67,7 +68,7 @@ def run(args) -> int:
         rows[name] = summary
         log(f"eval {name}: EM {summary['em']:.3f}  F1 {summary['f1']:.3f}  searches {summary['search_calls']:.2f}")
 
-    init = cfg.policy.model or tiny_policy_path(cfg, log)
+    init = resolve_model_path(cfg.policy.model or tiny_policy_path(cfg, log))
     sft = run_sft_stage(cfg, log) if cfg.sft.enabled else init
     evaluate("after SFT (before RL)" if cfg.sft.enabled else "initial policy", sft)
     final = run_rl_stage(cfg, sft, resume=True, log=log)

@@ -25,6 +25,7 @@ def run(args) -> int:
     from sleuth.pipeline import (
         check_rollout_backend,
         ensure_index,
+        resolve_model_path,
         run_rl_stage,
         run_sft_stage,
         save_run_config,
@@ -40,7 +41,7 @@ def run(args) -> int:
         def setup() -> str:  # writes files: rank 0 only, the others wait for its result
             save_run_config(cfg)
             ensure_index(cfg)
-            return str(run_sft_stage(cfg) if cfg.sft.enabled else (cfg.policy.model or tiny_policy_path(cfg)))
+            return str(run_sft_stage(cfg) if cfg.sft.enabled else resolve_model_path(cfg.policy.model or tiny_policy_path(cfg)))
 
         init = run_on_rank0(setup)
         final = run_rl_stage(cfg, init, resume=args.resume)
