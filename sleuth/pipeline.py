@@ -19,26 +19,30 @@ def data_paths(cfg: Config) -> dict[str, Path]:
     return {k: Path(getattr(cfg.data, k) or sample[k]) for k in ("corpus", "train", "test")}
 
 
+#: seconds per socket operation of the start-up ``/health`` probe of ``retrieval.url`` (two attempts)
+HEALTH_PROBE_TIMEOUT_S = 10.0
+
+
 def open_retriever(cfg: Config, index_dir: str | None = None, method: str | None = None):
     """Load the configured retriever; raises ``IndexNotFoundError`` saying how to build a missing index.
 
     ``retrieval.method: simulated`` wires ZeroSearch's simulated search engine: an LLM (``agent.simulator.model``,
     else the policy model) behind a plain ``generate`` callable, so the retrieval layer never imports agent.
     Otherwise ``retrieval.url`` (unless an ``index_dir`` is given here) is a running retrieval server, searched
-    over HTTP; it is asked for ``/health`` here, so a server that is down is a ``RetrievalServerError`` saying
-    so before anything runs (the agent loop would keep it as one failed episode per question). A server that
-    answers without a ``/health`` route (Search-R1's own) is taken as running.
+    over HTTP; it is asked for ``/health`` here (:data:`HEALTH_PROBE_TIMEOUT_S` a socket operation, two
+    attempts), so a server that is down or hangs is a ``RetrievalServerError`` saying so before anything runs
+    (the agent loop would keep it as one failed episode per question). A server that answers without a
+    ``/health`` route (Search-R1's own) is taken as running.
     """
     method = method or cfg.retrieval.method
     if cfg.retrieval.url and index_dir is None and method != "simulated":
         from retrieval.client import RemoteRetriever
 
-        remote = RemoteRetriever(cfg.retrieval.url)
-        try:
-            remote.health()
+        try:  # a probe of its own: short timeout, one retry (the search client waits 60 s, 4 attempts)
+            RemoteRetriever(cfg.retrieval.url, timeout=HEALTH_PROBE_TIMEOUT_S, retries=1).health()
         except ValueError:  # it answered (HTTP 4xx, or not JSON): it is up
             pass
-        return remote
+        return RemoteRetriever(cfg.retrieval.url)
     if method == "simulated":
         from agent.backends import make_llm
         from agent.llm import SamplingParams, complete

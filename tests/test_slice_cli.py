@@ -758,6 +758,31 @@ def test_a_retrieval_server_that_is_down_stops_eval_before_it_runs(tmp_path, mon
     assert not (tmp_path / "ev").exists()
 
 
+def test_a_retrieval_server_that_accepts_but_never_answers_fails_the_start_quickly(tmp_path, monkeypatch, capsys):
+    """The start-up /health probe has its own short timeout and one retry: with the search client's (60 s a
+    socket operation, 4 attempts) a server that accepts connections but hangs held the start for 4 minutes."""
+    import socket
+    import time
+
+    import agent.backends
+    import sleuth.pipeline as P
+
+    monkeypatch.setattr(P, "HEALTH_PROBE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(agent.backends, "make_llm", lambda *a, **k: pytest.fail("model loaded before the server check"))
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text('{"id": "q1", "question": "Who?", "golden_answers": ["x"]}\n')
+    with socket.socket() as hung:  # listens (connections complete in the backlog) and never reads or answers
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)
+        t0 = time.monotonic()
+        code = main(["eval", "--qa", str(qa), "--out", str(tmp_path / "ev"),
+                     f"retrieval.url=http://127.0.0.1:{hung.getsockname()[1]}", f"out_dir={tmp_path}"])
+        took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert code == 2 and "is it running" in err and "TimeoutError" in err, err
+    assert took < 10, took
+
+
 def test_eval_reports_episodes_that_stopped_on_an_error(tiny_llm, tmp_path, monkeypatch, capsys):
     """A search that fails mid-evaluation (the retrieval server went down) ends its episode with stop_reason
     'error', scored 0 like a wrong answer; `sleuth eval` printed the table as if all had run. The summary
