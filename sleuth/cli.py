@@ -27,13 +27,13 @@ COMMANDS: dict[str, str] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="sleuth", description="Train, serve and evaluate LLM search agents with multi-turn RL."
+    parser = argparse.ArgumentParser(  # no prefixes of flags: a typo (--resum) must not pass for a flag
+        prog="sleuth", description="Train, serve and evaluate LLM search agents with multi-turn RL.", allow_abbrev=False
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, mod_name in COMMANDS.items():
         mod = importlib.import_module(f"sleuth.commands.{mod_name}")
-        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
+        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP, allow_abbrev=False)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser

@@ -737,6 +737,15 @@ def test_a_checkpoints_latest_pointer_is_a_model_path(tmp_path, monkeypatch):
     assert built == [str(ckpts / "step_000002"), "Qwen/Qwen2.5-3B-Instruct"]
 
 
+@pytest.mark.parametrize("argv", [["train", "--resum"], ["eval", "--benchmark", "nq"], ["ask", "--mod", "x", "q?"]])
+def test_an_abbreviated_flag_is_refused(argv, capsys):
+    """argparse took a prefix of a flag as the flag: `sleuth train --resum` (a typo) ran a training from the
+    start; a flag must be given whole."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and argv[1] in capsys.readouterr().err
+
+
 def test_a_retrieval_server_that_is_down_stops_eval_before_it_runs(tmp_path, monkeypatch, capsys):
     """`sleuth eval retrieval.url=...` with no server there ran every episode into a RetrievalServerError (each
     kept as stop_reason 'error') and printed a table of zeros with exit status 0; the server is asked at
