@@ -265,3 +265,33 @@ def test_logprobs_are_of_the_rollout_temperature(policy, packed):
     torch.testing.assert_close(lp[m], want_lp[m], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(ent[m], want_ent[m], rtol=1e-4, atol=1e-5)
     assert b.select(slice(0, 2)).temperature == 0.7  # micro-batches keep it
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_critic_follows_packing_with_the_same_values_and_grads(policy, shared, monkeypatch):
+    """PPO's value model runs a packed micro-batch packed too: the same values and gradients as padded, and
+    the backbone sees one [1, sum(lengths)] row, not the padded [N, T] (a packed micro-batch is budgeted on
+    the sum of real lengths, so its padded form may be many times train.micro_batch_tokens)."""
+    from training.critic import ValueModel
+
+    model, tok = policy
+    critic = ValueModel(model, shared=shared)
+    with torch.no_grad():
+        critic.head.weight.normal_(generator=torch.Generator().manual_seed(2))
+    b = make_batch(tok)
+    w = torch.randn(b.loss_mask.shape, generator=torch.Generator().manual_seed(3))
+    seen, out = [], {}
+    body = critic._body()
+    monkeypatch.setattr(body, "forward", lambda *a, _f=body.forward, **k: seen.append(k["input_ids"].shape) or _f(*a, **k))
+    for packed in (False, True):
+        critic.zero_grad(set_to_none=True)
+        v = critic(b.select(torch.arange(len(b)), packed=packed))
+        (v * w).sum().backward()
+        out[packed] = (v.detach(), grads(critic))
+    assert seen == [b.input_ids.shape, torch.Size([1, int(b.attention_mask.sum())])]
+    (v0, g0), (v1, g1) = out[False], out[True]
+    assert v1.shape == b.loss_mask.shape and torch.all(v1[b.loss_mask == 0] == 0) and v0.abs().sum() > 0
+    torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
+    assert g0.keys() == g1.keys() and len(g0) >= 2
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-4, atol=1e-6)

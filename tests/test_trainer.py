@@ -69,6 +69,7 @@ def load(tiny_policy_dir):
     ("grpo", []), ("dr_grpo", ["train.loss_agg=seq-mean-token-sum"]), ("rloo", []),
     ("reinforce_pp", ["train.kl_coef=0.1", "train.kl_mode=reward"]), ("stratified_grpo", []),
     ("ppo", ["train.critic=separate"]), ("ppo", ["train.critic=shared"]), ("igpo", ["train.search_cost=0.05"]),
+    ("ppo", ["train.critic=separate", "train.packing=true", "train.micro_batch_tokens=150"]),
     ("grpo", ["train.kl_coef=0.1", "train.entropy_coef=0.01", "train.micro_batch_tokens=150"]),
     ("grpo", ["train.clip_ratio_c=3"]),
 ])

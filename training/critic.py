@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.batch import Batch
+from training.batch import Batch, _packed_hidden
 
 
 def _is_sharded(module: nn.Module) -> bool:
@@ -59,14 +59,22 @@ class ValueModel(nn.Module):
         return self._backbone if self.shared else self.backbone
 
     def forward(self, batch: Batch) -> torch.Tensor:
+        """Values ``[N, T-1]`` float32 of ``batch``; a packed batch (``batch.packed``, ``train.packing``) runs
+        its rows' real tokens as one row, as the policy's log-probs do (:func:`training.batch._packed_hidden`),
+        with the same values; raises ``ValueError`` for a batch that cannot be packed (left padding)."""
         body = self._body()
         device = self.head.weight.device
         ctx = torch.no_grad() if self.shared else torch.enable_grad()
         with ctx:
-            out = body(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-                       use_cache=False)  # a KV cache of the whole batch, never read, is [layers, 2, N, T, kv] memory
-            hidden = out.last_hidden_state[:, :-1].float()
-        values = self.head(hidden).squeeze(-1)
+            if batch.packed:
+                hidden, valid = _packed_hidden(body, batch, device)  # [P, H] at the positions valid [N, T-1] marks
+            else:
+                out = body(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                           use_cache=False)  # a KV cache of the whole batch, never read, is [layers, 2, N, T, kv]
+                hidden = out.last_hidden_state[:, :-1]
+        values = self.head(hidden.float()).squeeze(-1)
+        if batch.packed:
+            values = values.new_zeros(valid.shape).masked_scatter(valid.to(device), values)
         return values * batch.loss_mask.to(device)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
