@@ -37,12 +37,14 @@ def cover_exact_match(prediction: str | None, golden_answers: list[str]) -> floa
 
     A plain substring test, exactly as Search-R1's ``subem_check`` and FlashRAG's ``Sub_ExactMatch`` (so
     gold ``"1972"`` covers ``"19721"``); numbers stay comparable with published cover-EM/subEM. A golden
-    answer that normalises to ``""`` (e.g. ``"the"``) never matches, instead of matching everything.
+    answer that normalises to ``""`` (HotpotQA's ``"The The"``, NQ's ``"A+"``) matches only a prediction
+    that also normalises to ``""``, as in :func:`exact_match` (so cover-EM >= EM), instead of matching
+    everything.
     """
     if prediction is None:
         return 0.0
     p = normalize_answer(prediction)
-    return float(any(g and g in p for g in (normalize_answer(x) for x in golden_answers)))
+    return float(any(g in p if g else g == p for g in (normalize_answer(x) for x in golden_answers)))
 
 
 def _f1(pred: str, gold: str) -> float:

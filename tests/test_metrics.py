@@ -112,6 +112,15 @@ def test_cover_em_is_substring_of_normalised_prediction():
     assert cover_exact_match("ＰＡＲＩＳ is the capital", ["Paris"]) == 1.0
 
 
+def test_cover_em_is_at_least_em_when_the_gold_normalises_to_empty():
+    # real golds that normalise to "": HotpotQA dev "The The" and "!!!", NQ test "A+", ")" and "---"
+    for gold in ["The The", "!!!", "A+", ")", "---"]:
+        assert exact_match(gold, [gold]) == 1.0
+        assert cover_exact_match(gold, [gold]) == 1.0  # the exact answer also covers itself
+    assert cover_exact_match("The The", ["The The", "Boy Hits Car"]) == 1.0
+    assert cover_exact_match("the band The The", ["The The"]) == 0.0  # still no match for everything else
+
+
 # -- recall@k ------------------------------------------------------------------------------------------
 def test_recall_at_k():
     retrieved = ["d3", "d1", "d3", "d7", "d2"]
