@@ -34,6 +34,7 @@ the file, line (or row) and field.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -44,6 +45,7 @@ from typing import Any
 
 from corpora.formats import DataFormatError, QAExample, iter_json_lines, nonblank_text
 
+log = logging.getLogger(__name__)
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_DIR = PROJECT_ROOT.parent / "shared" / "data"
 SAMPLE_TEST = PROJECT_ROOT / "corpora" / "sample" / "test.jsonl"
@@ -413,8 +415,9 @@ def read_qa_file(
     ``dataset`` names the source (stored as ``metadata["dataset"]``; ``"musique"`` also derives the hops of
     any record from a MuSiQue id prefix, ``2hop__...``); ``hops`` sets the hop count of questions that still
     have none. The official HotpotQA, 2Wiki and MuSiQue formats derive hops whatever ``dataset`` is.
-    Raises ``FileNotFoundError``, ``ValueError`` for an unknown ``fmt``, and :class:`DataFormatError`
-    naming the file, line and field of a malformed record, or a duplicated question id.
+    Unanswerable MuSiQue questions (``"answerable": false``) are skipped, and their number is logged as a
+    warning naming the file. Raises ``FileNotFoundError``, ``ValueError`` for an unknown ``fmt``, and
+    :class:`DataFormatError` naming the file, line and field of a malformed record, or a duplicated question id.
     """
     path = Path(path)
     if fmt not in FORMATS:
@@ -424,6 +427,7 @@ def read_qa_file(
     out: list[QAExample] = []
     seen: dict[str, str] = {}
     detected = None if fmt == "auto" else fmt
+    skipped = 0
     for loc, rec in _iter_records(path):
         ctx = _Ctx(path, loc)
         f = detected or detect_format(rec)
@@ -439,6 +443,7 @@ def read_qa_file(
         else:
             ex = _from_ircot(rec, ctx)
         if ex is None:
+            skipped += 1
             continue
         if not ex.question.strip():  # e.g. a Search-R1 prompt whose "Question:" line is blank
             raise ctx.fail("empty question")
@@ -451,4 +456,7 @@ def read_qa_file(
             derived = musique_hops(ex.id) if dataset == "musique" else None
             ex.metadata["hops"] = derived if derived is not None else hops
         out.append(ex)
+    if skipped:
+        log.warning("%s: skipped %d unanswerable question(s) (MuSiQue 'answerable': false); read %d",
+                    path, skipped, len(out))
     return out

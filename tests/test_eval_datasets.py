@@ -132,6 +132,14 @@ def test_official_musique_jsonl(tmp_path):
     assert musique_hops("4hop3__1_2") == 4 and musique_hops("x", [1, 2]) == 2 and musique_hops("x") is None
 
 
+def test_official_musique_says_how_many_unanswerable_it_skipped(tmp_path, caplog):
+    with caplog.at_level("INFO", logger="eval.datasets"):
+        ex = read_qa_file(_jsonl(tmp_path / "musique_full_v1.0_dev.jsonl", MUSIQUE_OFFICIAL), dataset="musique")
+    assert len(ex) == 2
+    said = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(said) == 1 and "1 unanswerable" in said[0] and "musique_full_v1.0_dev.jsonl" in said[0]
+
+
 def test_searchr1_musique_export_has_no_hops(tmp_path):
     # the registered MuSiQue file is a Search-R1 export: ids test_<index>, no decomposition, so no hop count
     ex = read_qa_file(_jsonl(tmp_path / "dev.searchr1.jsonl", SEARCHR1), dataset="musique")
