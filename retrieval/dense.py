@@ -418,8 +418,9 @@ class DenseIndex:
     """FAISS shards searched together; rows are global (shard offset + local id).
 
     ``search_rows(q_emb, k)`` takes ``[Q, d]`` float32 query embeddings and returns ``(rows int64 [Q, k],
-    scores float32 [Q, k])``, best first, -1 where fewer than k exist. ``on_gpu[i]`` says shard i is a GPU
-    index (search parameters already set, see :func:`place_shard`); default all CPU.
+    scores float32 [Q, k])``, best first (equal scores: lower row first, for any k and sharding), -1 where
+    fewer than k exist. ``on_gpu[i]`` says shard i is a GPU index (search parameters already set, see
+    :func:`place_shard`); default all CPU.
     """
 
     def __init__(self, shards: list, spec: DenseIndexSpec | None = None, on_gpu: list[bool] | None = None):
@@ -483,12 +484,12 @@ class DenseIndex:
             r = np.where(r >= 0, r + off, -1)
             all_s.append(s)
             all_r.append(r)
-        if len(self.shards) == 1:
-            return all_r[0].astype(np.int64), all_s[0].astype(np.float32)
-        s = np.concatenate(all_s, axis=1)
-        r = np.concatenate(all_r, axis=1)
+        s = np.concatenate(all_s, axis=1) if len(all_s) > 1 else all_s[0]
+        r = np.concatenate(all_r, axis=1) if len(all_r) > 1 else all_r[0]
         s = np.where(r >= 0, s, -np.inf)
-        order = np.argsort(-s, axis=1, kind="stable")[:, :k]
+        # ties: lower row first. faiss keeps a tie's lowest ids at the cut but lists them highest id first
+        # (flat top-1 [0], top-2 [2, 0] for equal rows 0 and 2), so a rank would change with k and sharding
+        order = np.lexsort((np.where(r >= 0, r, np.iinfo(np.int64).max), -s), axis=1)[:, :k]
         return np.take_along_axis(r, order, 1).astype(np.int64), np.take_along_axis(s, order, 1).astype(
             np.float32
         )

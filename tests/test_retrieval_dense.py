@@ -384,3 +384,23 @@ def test_dense_search_parameters_out_of_range_are_rejected(bad):
 
     with pytest.raises(ValueError, match=next(iter(bad))):
         DenseIndexSpec(kind="ivfpq", shard_size=1_000_000, **bad)
+
+
+@pytest.mark.parametrize("shard_size", [10_000, 150, 100])
+def test_tied_scores_rank_lower_rows_first_whatever_k_and_sharding(tmp_path, shard_size):
+    """Duplicate passages (wiki-18 has many) have equal scores. faiss's flat search keeps the lowest ids of
+    a tie at the cut but lists a tie highest id first (top-1 row 0, top-2 rows [2, 0]), so a passage's rank
+    changed with k and with the sharding; ties now rank lower rows first, for any k and shard size."""
+    base = _unit(100, 8, seed=3)
+    emb = np.concatenate([base, base, base])  # rows i, i + 100 and i + 200 tie
+    spec = dense.DenseIndexSpec(shard_size=shard_size)
+    idx = dense.DenseIndex.load(tmp_path, dense.build_dense_shards(emb, tmp_path, spec, show_progress=False), spec)
+    q = base[:25]  # >= 20 queries: faiss's BLAS path
+    want = np.stack([np.arange(25), np.arange(25) + 100, np.arange(25) + 200], axis=1)
+    for k in (1, 2, 3, 5):
+        rows, scores = idx.search_rows(q, k)
+        assert rows[:, :3].tolist() == want[:, :k].tolist()
+        assert np.all(np.diff(scores, axis=1) <= 0)
+    rows, scores = idx.search_rows(q, 300)
+    assert rows.shape == (25, 300) and (np.sort(rows, axis=1) == np.arange(300)).all()
+    assert np.all(np.diff(scores, axis=1) <= 0)
