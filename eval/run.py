@@ -119,6 +119,16 @@ def _same_question(record: dict[str, Any], example: QAExample) -> bool:
     return list(record.get("golden_answers") or []) == list(example.golden_answers)
 
 
+def _set_question_fields(record: dict[str, Any], example: QAExample, benchmark: str) -> dict[str, Any]:
+    """Give ``record`` (in place) its example's ``supporting_ids``, ``hops`` and ``dataset``, and its
+    ``question`` if it has none; returns ``record``."""
+    record.setdefault("question", example.question)
+    record["supporting_ids"] = example.metadata.get("supporting_ids")
+    record["hops"] = example.metadata.get("hops")
+    record["dataset"] = example.metadata.get("dataset", benchmark)
+    return record
+
+
 def evaluate_benchmark(
     benchmark: str,
     examples: Sequence[QAExample],
@@ -137,7 +147,9 @@ def evaluate_benchmark(
     batch in place, so the cached records carry the verdicts. ``reuse`` (question id -> record, e.g. the
     unjudged predictions of the same config) supplies predictions without calling the method; they are judged
     and cached like computed ones. A cached or reused record whose question or golden answers differ from
-    its example's (the same id in other data: another data dir, an edited file) is recomputed, never scored.
+    its example's (the same id in other data: another data dir, an edited file) is recomputed, never scored;
+    a cached record that is reused gets the example's current ``supporting_ids``, ``hops`` and ``dataset``
+    (they describe the question, and a QA file may gain or correct them after its predictions were cached).
     Returns ``(records, n_computed)`` (questions the method computed).
     Raises ``RuntimeError`` if the method returns records that do not match its batch.
     """
@@ -171,10 +183,7 @@ def evaluate_benchmark(
             recs = [got[e.id] if e.id in got else {k: v for k, v in reuse[e.id].items() if k not in CACHE_STAMP}
                     for e in batch]
             for r, e in zip(recs, batch, strict=True):
-                r.setdefault("question", e.question)
-                r["supporting_ids"] = e.metadata.get("supporting_ids")
-                r["hops"] = e.metadata.get("hops")
-                r["dataset"] = e.metadata.get("dataset", benchmark)
+                _set_question_fields(r, e, benchmark)
             if judge is not None:
                 judge(recs)
             cache.append(benchmark, recs)
@@ -185,7 +194,7 @@ def evaluate_benchmark(
             bar.set_postfix(_live_postfix(done))
     finally:
         bar.close()
-    return [cached[e.id] for e in examples], n_computed
+    return [_set_question_fields(cached[e.id], e, benchmark) for e in examples], n_computed
 
 
 def run_benchmarks(

@@ -263,6 +263,35 @@ def test_cached_predictions_of_other_questions_are_not_reused(tmp_path):
     assert s2["benchmarks"][qa]["em"] == 0.0  # scored against Berlin, not the stale Paris record
 
 
+def test_cached_predictions_are_scored_with_the_current_supporting_ids_and_hops(tmp_path):
+    """supporting_ids and hops describe the question, not the prediction: a QA file that gains them (or
+    corrects them) after its predictions were cached must be scored with the file's current values."""
+    qa = tmp_path / "qa.jsonl"
+
+    def write(meta):
+        qa.write_text(json.dumps({"id": "q1", "question": "Capital of France?", "golden_answers": ["Paris"],
+                                  "metadata": meta}) + "\n")
+
+    def run(method):
+        return run_benchmarks([str(qa)], "rag", None, 0, tmp_path / "run", ScriptedLLM(), KeywordRetriever(PASSAGES),
+                              AgentConfig(), progress=False, method_fn=method)
+
+    def retrieving(examples):
+        return [{"id": e.id, "prediction": "Paris", "golden_answers": e.golden_answers, "retrieved_ids": ["p1", "p9"]}
+                for e in examples]
+
+    write({})
+    s1 = run(retrieving)
+    assert s1["benchmarks"][str(qa)]["recall"] is None and s1["benchmarks"][str(qa)]["by_hops"] == {}
+    write({"supporting_ids": ["p1", "p2"], "hops": 2})
+    again = CountingMethod()
+    s2 = run(again)
+    assert again.computed == []  # the prediction is reused...
+    m = s2["benchmarks"][str(qa)]
+    assert m["recall"] == 0.5 and m["n_recall"] == 1  # ...and scored against the file's supporting ids
+    assert m["by_hops"] == {"2": {"n": 1, "em": 1.0, "f1": 1.0, "cover_em": 1.0}}
+
+
 def test_a_method_may_return_non_string_ids(tmp_path):
     """Records are matched to their batch by str(id); a method that returns int ids must not crash the run."""
     qa = tmp_path / "qa.jsonl"
