@@ -465,13 +465,47 @@ class LuceneRetriever(_RowRetriever):
 
 
 class DenseRetriever(_RowRetriever):
-    """Dense inner-product retrieval; scores are cosine similarities in [-1, 1]."""
+    """Dense inner-product retrieval; scores are cosine similarities in [-1, 1]. Raises ``ValueError`` when
+    the encoder's dimension is not the index's (another model than the one the index was built with)."""
 
     def __init__(self, encoder: Encoder, index: DenseIndex, store: DocStore, batch_size: int = 64):
+        dims = {s.d for s in index.shards}
+        if dims and dims != {encoder.dim}:
+            raise ValueError(f"dense model {encoder.name!r} makes {encoder.dim}-dimensional vectors, but the "
+                             f"index holds {', '.join(map(str, sorted(dims)))}-dimensional ones: search it with "
+                             "the model it was built with")
         self.encoder, self.index, self.store, self.batch_size = encoder, index, store, batch_size
 
     def search_rows(self, queries, k):
         return self.index.search_rows(self.encoder.encode_queries(queries, self.batch_size), k)
+
+
+#: least cosine between a passage's stored embedding and its embedding now for the model to count as the same
+SAME_MODEL_COSINE = 0.99
+
+
+def check_dense_model(encoder: Encoder, dense_dir: Path, store: DocStore, cmd: str) -> None:
+    """Refuse a model that does not make the vectors the index was built from (its folder now holds other
+    weights): the first passage is encoded again and compared with its row of ``dense_dir/embeddings.npy``
+    (skipped when that file is gone or not ``[N, dim]``). Raises ``ValueError`` naming the model and ``cmd``
+    (the rebuild command) for another dimension or a cosine below :data:`SAME_MODEL_COSINE`."""
+    path = dense_dir / "embeddings.npy"
+    if not len(store) or not path.exists():
+        return
+    try:
+        stored = np.load(path, mmap_mode="r")
+    except (OSError, ValueError):
+        return
+    if stored.ndim != 2 or stored.shape[0] != len(store):
+        return
+    why = f"it makes {encoder.dim}-dimensional vectors, the index holds {stored.shape[1]}-dimensional ones"
+    if stored.shape[1] == encoder.dim:
+        cos = float(encoder.encode_passages([store.get(0)["contents"]])[0] @ stored[0])
+        if cos >= SAME_MODEL_COSINE:
+            return
+        why = f"passage 0 now gets an embedding at cosine {cos:.3f} to the one indexed"
+    raise ValueError(f"dense model {encoder.name!r} is not the model the index in {dense_dir.parent} was built "
+                     f"with ({why}): its files changed since the build; rebuild the dense part with: {cmd}")
 
 
 def load_retriever(index_dir: str | Path, method: str = "bm25", **kw):
@@ -483,7 +517,8 @@ def load_retriever(index_dir: str | Path, method: str = "bm25", **kw):
     ``numpy`` or ``numba``; see :meth:`retrieval.bm25.BM25Index.load`). ``lucene`` (built with ``sleuth index --lucene``)
     searches with ``n_threads`` Java threads (default: all cores) and the manifest's k1/b. Raises
     :class:`IndexNotFoundError` saying which command builds the missing part, ``ImportError`` naming the
-    install command when ``lucene`` lacks its extra, and ``ValueError`` for an unknown method.
+    install command when ``lucene`` lacks its extra, and ``ValueError`` for an unknown method or a dense model
+    that no longer makes the indexed vectors (:func:`check_dense_model`).
     """
     index_dir = Path(index_dir)
     if method not in ("bm25", "dense", "hybrid", "lucene"):
@@ -540,6 +575,7 @@ def load_retriever(index_dir: str | Path, method: str = "bm25", **kw):
             query_prefix=d.get("query_prefix"),
             passage_prefix=d.get("passage_prefix"),
         )
+        check_dense_model(enc, index_dir / "dense", store, f"{cmd} --dense-model {d['model']}")
         return DenseRetriever(enc, idx, store, kw.get("batch_size", 64))
 
     def lucene():

