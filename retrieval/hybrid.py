@@ -8,6 +8,7 @@ passages are read, which avoids reading ``depth`` passages per retriever.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -24,11 +25,14 @@ def rrf_fuse(
     document has one rank per ranking). Ties keep the order in which keys were first seen (earlier retriever,
     better rank first).
     """
-    scores: dict[Hashable, float] = {}
+    terms: dict[Hashable, list[float]] = {}
     for ranking in rankings:
         for rank, key in enumerate(dict.fromkeys(ranking), start=1):
-            scores[key] = scores.get(key, 0.0) + 1.0 / (rrf_k + rank)
-    return sorted(scores.items(), key=lambda kv: -kv[1])[:k]  # sorted() is stable
+            terms.setdefault(key, []).append(1.0 / (rrf_k + rank))
+    # fsum is exactly rounded, so equal sets of ranks give equal scores in any retriever order (a running sum
+    # of three or more terms can differ in the last bit and break a true tie against the first-seen rule)
+    scores = [(key, math.fsum(ts)) for key, ts in terms.items()]
+    return sorted(scores, key=lambda kv: -kv[1])[:k]  # sorted() is stable
 
 
 class HybridRetriever:

@@ -355,6 +355,18 @@ def test_rrf_fuse_hand_computed():
     assert fused[1][1] == pytest.approx(1 / 61)
 
 
+def test_rrf_true_ties_keep_first_seen_order_over_three_rankings():
+    """X has ranks (1, 7, 2) and Y (2, 1, 7): the same RRF score, but summed in that order the floats differ
+    in the last bit (1/61 + 1/67 + 1/62 < 1/62 + 1/61 + 1/67), which put Y first against the documented
+    rule that ties keep the order keys were first seen (X, rank 1 of the first ranking)."""
+    a = ["X", "Y", "a3"]
+    b = ["Y", "b2", "b3", "b4", "b5", "b6", "X"]
+    c = ["c1", "X", "c3", "c4", "c5", "c6", "Y"]
+    fused = rrf_fuse([a, b, c], k=2, rrf_k=60)
+    assert [key for key, _ in fused] == ["X", "Y"]
+    assert fused[0][1] == fused[1][1]
+
+
 def test_rrf_counts_a_key_repeated_in_one_ranking_once():
     """RRF sums 1 / (rrf_k + rank) over rankings, a document having one rank in each: a retriever that lists
     an id twice (a remote corpus with duplicate ids) must not add it twice, nor push later keys down a place."""
