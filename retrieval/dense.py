@@ -447,7 +447,8 @@ class DenseIndex:
         use_gpu: bool = False,
     ) -> DenseIndex:
         """Read shard files. ``mmap`` memory-maps them (flat, HNSW and IVF; :func:`_read_shard`); ``use_gpu``
-        clones each to all GPUs when faiss-gpu sees one (HNSW shards stay on CPU; see :func:`place_shard`).
+        clones each to all GPUs when faiss-gpu sees one (HNSW shards stay on CPU; see :func:`place_shard`), and
+        logs a warning that it searches on the CPU when faiss sees none.
 
         Raises ``FileNotFoundError`` for a missing shard, ``ValueError`` from :func:`place_shard`."""
         import faiss
@@ -456,6 +457,9 @@ class DenseIndex:
         to_gpu = None
         if use_gpu and hasattr(faiss, "index_cpu_to_all_gpus") and faiss.get_num_gpus() > 0:
             to_gpu = faiss.index_cpu_to_all_gpus
+        elif use_gpu:
+            log.warning("use_gpu: faiss sees no GPU (%s); the dense index is searched on the CPU",
+                        "no faiss-gpu build" if not hasattr(faiss, "index_cpu_to_all_gpus") else "no device")
         shards, on_gpu = [], []
         for name in names:
             p = Path(index_dir) / name

@@ -271,6 +271,21 @@ def test_gpu_load_and_the_k_limit(tmp_path, monkeypatch):
     assert cpu.search_rows(emb[:2], 2100)[0].shape == (2, 2100)
 
 
+def test_use_gpu_without_a_gpu_says_it_searches_on_the_cpu(tmp_path, monkeypatch, caplog):
+    """use_gpu=True where faiss sees no GPU (the CPU build, or no device) fell back to the CPU without a word."""
+    import faiss
+
+    names = _write_shards(tmp_path, _unit(2100, 8))
+    monkeypatch.setattr(faiss, "get_num_gpus", lambda: 0, raising=False)
+    with caplog.at_level(logging.WARNING, logger="retrieval.dense"):
+        idx = dense.DenseIndex.load(tmp_path, names[:1], dense.DenseIndexSpec(), use_gpu=True)
+    assert not any(idx.on_gpu) and "use_gpu" in caplog.text and "CPU" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="retrieval.dense"):
+        dense.DenseIndex.load(tmp_path, names[:1], dense.DenseIndexSpec())
+    assert caplog.text == ""
+
+
 def _mapped(path):
     return any(str(path) in line for line in Path("/proc/self/maps").read_text().splitlines())
 
