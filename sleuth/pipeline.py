@@ -346,7 +346,8 @@ def run_rl_stage(cfg: Config, init_path: str | Path, resume: bool = False, log=p
     Under torchrun every rank calls it (after rank 0 has prepared ``init_path``; the run directory must be
     on a file system all ranks see): each loads the same weights, :func:`training.trainer.rl_train` shards
     them, and only rank 0 shows progress and logs. Raises ``ValueError`` if the run directory already has
-    checkpoints and ``resume`` is False (so a new run never overwrites an old one).
+    checkpoints and ``resume`` is False (so a new run never overwrites an old one); ``resume`` on a run with no
+    checkpoint yet starts at step 0 and logs so.
     """
     from tqdm import tqdm
 
@@ -373,6 +374,8 @@ def run_rl_stage(cfg: Config, init_path: str | Path, resume: bool = False, log=p
     if ckpt is not None:
         done = json.loads((ckpt / "trainer_state.json").read_text())["step"]
         log(f"{cfg.train.algorithm}: resuming {run_dir} from {ckpt.name}")
+    elif resume:  # kept for job scripts that always pass --resume, but said: it is no resume
+        log(f"{cfg.train.algorithm}: --resume, but {run_dir} has no checkpoint yet: starting at step 0")
     bar = tqdm(total=cfg.train.steps, initial=done, desc=cfg.train.algorithm, unit="step", disable=rank != 0)
 
     def on_step(step: int, rec: dict[str, Any]) -> None:

@@ -479,6 +479,26 @@ def test_llm_judge_model_judges_the_training_episodes(tiny_policy_dir, tiny_llm,
     assert len(asked) == 2
 
 
+def test_resume_without_a_checkpoint_says_it_starts_from_the_beginning(tiny_policy_dir, retriever, tmp_path,
+                                                                         monkeypatch):
+    """`sleuth train --resume` on a run directory with no checkpoint yet (a job script that always passes it)
+    starts at step 0, as before, but now says so instead of looking like a resume."""
+    import training.trainer
+    from sleuth import pipeline
+    from sleuth.config import load_config
+
+    seen, logs = {}, []
+    monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: retriever)
+    monkeypatch.setattr(training.trainer, "rl_train", lambda *a, **kw: seen.update(kw))
+    cfg = load_config(None, [f"out_dir={tmp_path}", "train.steps=1"])
+    pipeline.run_rl_stage(cfg, tiny_policy_dir, resume=True, log=lambda *a, **k: logs.append(" ".join(map(str, a))))
+    assert seen["resume"] is False
+    assert any("--resume" in m and "no checkpoint" in m and "step 0" in m for m in logs), logs
+    logs.clear()
+    pipeline.run_rl_stage(cfg, tiny_policy_dir, resume=False, log=lambda *a, **k: logs.append(" ".join(map(str, a))))
+    assert not any("--resume" in m for m in logs)
+
+
 def test_an_episode_budget_beyond_the_models_context_is_refused_before_loading(tiny_policy_dir, tmp_path, monkeypatch):
     """``agent.max_total_tokens`` above the model's context (``max_position_embeddings``) let episodes run
     past the positions the model was trained on (transformers: silently degraded output; vLLM: an error in
