@@ -119,14 +119,18 @@ def to_token_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.T
 
 
 # -- token level: PPO with GAE ------------------------------------------------------------------------
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """``(x - mean) / std`` over the masked entries (verl's ``masked_whiten``); zero outside the mask."""
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, total=None) -> torch.Tensor:
+    """``(x - mean) / std`` over the masked entries (verl's ``masked_whiten``; unbiased variance); zero
+    outside the mask. ``values``, ``mask``: ``[N, T]``. ``total(t)`` turns each local sum (a 0-d tensor) into
+    the sum over the whole batch; default: the local sum itself (under torchrun the trainer passes a sum over
+    ranks, :func:`training.trainer.batch_masked_whiten`)."""
+    total = total or (lambda t: t)
     mask = mask.float()
-    n = mask.sum()
+    n = total(mask.sum())
     if n < 2:
         return torch.zeros_like(values)
-    mean = (values * mask).sum() / n
-    var = (((values - mean) ** 2) * mask).sum() / (n - 1)
+    mean = total((values * mask).sum()) / n
+    var = total((((values - mean) ** 2) * mask).sum()) / (n - 1)
     return (values - mean) * torch.rsqrt(var + eps) * mask
 
 

@@ -190,18 +190,12 @@ def batch_outcome_advantages(name: str, rewards: torch.Tensor, groups: torch.Ten
 
 def batch_masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """:func:`training.advantages.masked_whiten` (``[N, T]`` float) over the whole batch: under torchrun the
-    mean and variance are those of every rank's masked entries (sums reduced in float64), so PPO's advantages
+    mean and variance are those of every rank's masked entries (each sum reduced over ranks), so PPO's advantages
     are whitened as one process whitens the whole batch. A collective under torchrun; the plain function on
     one process."""
     if world()[1] == 1:
         return A.masked_whiten(values, mask, eps)
-    m = mask.float()
-    n = all_reduce_sum(float(m.sum()))
-    if n < 2:
-        return torch.zeros_like(values)
-    mean = all_reduce_sum(float((values * m).sum())) / n
-    var = all_reduce_sum(float((((values - mean) ** 2) * m).sum())) / (n - 1)
-    return (values - mean) * (var + eps) ** -0.5 * m
+    return A.masked_whiten(values, mask, eps, total=lambda t: t.new_tensor(all_reduce_sum(float(t))))
 
 
 def compute_advantages(
@@ -682,6 +676,8 @@ def rl_train(
             for p in ref_model.parameters():
                 p.requires_grad_(False)
 
+        # the checkpoint's LoRA adapters and critic, read once and loaded before sharding (plain tensors)
+        saved = read_extra(ckpt) if ckpt is not None and (tc.lora or tc.algorithm == "ppo") else {}
         if tc.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
@@ -693,7 +689,7 @@ def rl_train(
                 model.load_state_dict(load_file(str(ckpt / "base" / "model.safetensors")), strict=False)
             base_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
             policy = apply_lora(model, tc)
-            if ckpt is not None and "lora" in (saved := read_extra(ckpt)):  # before sharding: plain tensors
+            if "lora" in saved:
                 from peft import set_peft_model_state_dict
 
                 set_peft_model_state_dict(policy, saved["lora"])
@@ -706,7 +702,7 @@ def rl_train(
             from training.critic import ValueModel
 
             critic = ValueModel(_unwrap(policy), shared=tc.critic == "shared")
-            if ckpt is not None and "critic" in (saved := read_extra(ckpt)):
+            if "critic" in saved:
                 critic.load_state_dict(saved["critic"])
             if W > 1:
                 shard_value_model(critic)
