@@ -45,6 +45,13 @@ class Generation:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+class BackendUnavailable(RuntimeError):
+    """The backend as a whole cannot serve (down, unreachable, closed, still failing after its own retries):
+    every request would fail the same way, so :class:`agent.scheduler.Scheduler` does not retry the members
+    of a batch that raised it one by one. Backends raise other exceptions for a failure that may be one
+    request's (a prompt over the model's context, a request the server rejects)."""
+
+
 @runtime_checkable
 class LLM(Protocol):
     """A batched generator.

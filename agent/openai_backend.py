@@ -14,9 +14,10 @@ the server:
 
 Requests run concurrently (``asyncio`` + ``httpx2.AsyncClient``) under a concurrency limit, with a timeout
 per request and retries with exponential backoff on connection errors, timeouts, 429 and 5xx (waiting at least
-what a `Retry-After` header asks, up to 60 s). Other 4xx
-responses and malformed bodies raise :class:`BackendError` at once (a retry would not help); the
-scheduler turns that into a failed episode with the reason.
+what a `Retry-After` header asks, up to 60 s); a request still failing after them raises
+:class:`BackendUnreachable` (the server is down: the scheduler fails the whole batch). Other 4xx responses
+and malformed bodies raise :class:`BackendError` at once (a retry would not help; the scheduler retries the
+batch's requests one by one, so only the episode whose request it was fails, with the reason).
 """
 
 from __future__ import annotations
@@ -28,11 +29,25 @@ from typing import Any
 
 import httpx2
 
-from agent.llm import Generation, SamplingParams, decode, encode, end_of_turn_ids, run_sync, truncate_at_stop
+from agent.llm import (
+    BackendUnavailable,
+    Generation,
+    SamplingParams,
+    decode,
+    encode,
+    end_of_turn_ids,
+    run_sync,
+    truncate_at_stop,
+)
 
 
 class BackendError(RuntimeError):
     """The server failed or answered something that is not a completion; the message says which."""
+
+
+class BackendUnreachable(BackendError, BackendUnavailable):
+    """A request still failed after all its retries (connection errors, timeouts, 429, 5xx): the server is
+    down or overloaded, not unhappy with one request."""
 
 
 class OpenAICompatibleLLM:
@@ -63,7 +78,8 @@ class OpenAICompatibleLLM:
     # -- LLM protocol ---------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """Blocking batch call (the scheduler runs it in a worker thread). Raises :class:`BackendError`
-        when any request of the batch fails after its retries."""
+        when any request of the batch is rejected or answered with garbage, :class:`BackendUnreachable` (a
+        ``BackendError``) when one still fails after its retries."""
         return run_sync(self.agenerate(prompts, params))
 
     async def agenerate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -124,7 +140,7 @@ class OpenAICompatibleLLM:
             if r.status_code >= 400:
                 raise BackendError(f"{self.base_url}/completions answered HTTP {r.status_code}: {r.text[:300]}")
             return self._parse(r, params)
-        raise BackendError(f"{self.base_url}/completions failed after {self.max_retries + 1} attempts ({last})")
+        raise BackendUnreachable(f"{self.base_url}/completions failed after {self.max_retries + 1} attempts ({last})")
 
     def _parse(self, r: httpx2.Response, params: SamplingParams) -> Generation:
         try:

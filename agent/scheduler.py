@@ -5,6 +5,10 @@ the scheduler holds requests until every live episode that is not already inside
 waiting, then runs one batched backend call per queue in a worker thread. The result is the same batch
 shape a hand-written lock-step loop would use, so the graph costs nothing measurable on top of it, and the
 same scheduler serves concurrent HTTP requests (each request is an episode).
+
+A batched call that raises is retried once, member by member, so that one bad request (a prompt over the
+model's context, a request a remote server rejects) fails only its own episode; see :func:`is_global`
+for the errors that fail the whole batch at once.
 """
 
 from __future__ import annotations
@@ -15,15 +19,28 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
-from agent.llm import LLM, Generation, SamplingParams, decode
+from agent.llm import LLM, BackendUnavailable, Generation, SamplingParams, decode
 from retrieval.base import Hit, Retriever
+
+
+def is_global(e: BaseException) -> bool:
+    """Whether a backend or retriever exception says the service as a whole failed, so that retrying a
+    batch's requests one by one would only repeat it: :class:`agent.llm.BackendUnavailable` (an
+    OpenAI-compatible server still failing after its retries, a closed vLLM engine), ``ConnectionError``
+    (refused, reset; the retrieval client's ``RetrievalServerError``) and ``TimeoutError``. Anything else
+    (``ValueError``, the OpenAI backend's ``BackendError`` for a 4xx or a malformed reply, a CUDA error of
+    one oversized prompt, ...) may be one request's fault."""
+    return isinstance(e, (BackendUnavailable, ConnectionError, TimeoutError))
 
 
 class Scheduler:
     """Batching front end to one LLM backend and one retriever.
 
-    ``max_batch`` bounds the prompts (or queries) per backend call. Backend exceptions fail exactly the
-    requests of that batch (each awaiting episode gets the exception) and the scheduler keeps serving.
+    ``max_batch`` bounds the prompts (or queries) per backend call. When a batched call raises, each of
+    its requests is run again alone (one pass, in order), so only the requests whose own call raises get
+    an exception; an error that :func:`is_global` calls global is not split: it fails every request of the
+    batch (and, met in the one-by-one pass, the requests not yet retried). Either way the scheduler keeps
+    serving.
     """
 
     def __init__(self, llm: LLM, retriever: Retriever | None = None, max_batch: int = 256):
@@ -105,14 +122,39 @@ class Scheduler:
             for (_, fut), res in zip(items, results, strict=True):
                 if not fut.done():
                     fut.set_result(res)
-        except Exception as e:  # noqa: BLE001 - forwarded to every waiting episode
-            for _, fut in items:
-                if not fut.done():
-                    fut.set_exception(e)
+        except Exception as e:  # noqa: BLE001 - forwarded to the waiting episodes
+            await self._one_by_one(kind, items, e)
         finally:
             self._inflight -= len(items)
             self._busy[kind] = False
             self._poke()
+
+    async def _one_by_one(self, kind: str, items: list[tuple[Any, asyncio.Future]], error: Exception) -> None:
+        """Settle the futures of a batch whose call raised ``error``: each request still awaited is run alone
+        and gets its own result or exception; a global ``error`` (:func:`is_global`), or one met on the way,
+        goes to every request not yet settled without another call. A batch of one is not run again."""
+        waiting = [it for it in items if not it[1].done()]
+        if len(items) == 1 or is_global(error):
+            waiting, failed = [], waiting
+        else:
+            failed = []
+        for i, (payload, fut) in enumerate(waiting):
+            if fut.done():  # its episode was cancelled meanwhile
+                continue
+            try:
+                (res,) = await asyncio.to_thread(self._run, kind, [payload])
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                if not fut.done():
+                    fut.set_exception(e)
+                if is_global(e):
+                    error, failed = e, waiting[i + 1 :]
+                    break
+            else:
+                if not fut.done():
+                    fut.set_result(res)
+        for _, fut in failed:
+            if not fut.done():
+                fut.set_exception(error)
 
     def _run(self, kind: str, payloads: list[Any]) -> list[Any]:
         """The batch's backend call (in the worker thread). A ``StopIteration`` it raises becomes a

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from agent.llm import Generation, SamplingParams, end_of_turn_ids, truncate_at_stop
+from agent.llm import BackendUnavailable, Generation, SamplingParams, end_of_turn_ids, truncate_at_stop
 
 
 def vllm_available() -> bool:
@@ -204,9 +204,9 @@ class VLLMBackend:
             core.shutdown()
 
     def _engine(self) -> Any:
-        """The engine; ``RuntimeError`` after :meth:`close`."""
+        """The engine; :class:`agent.llm.BackendUnavailable` (a ``RuntimeError``) after :meth:`close`."""
         if self.engine is None:
-            raise RuntimeError("this VLLMBackend is closed")
+            raise BackendUnavailable("this VLLMBackend is closed")
         return self.engine
 
     def __del__(self) -> None:  # no imports here: at interpreter shutdown they fail

@@ -50,29 +50,85 @@ def test_max_batch_bounds_every_backend_call(tiny_llm, retriever, agent_cfg):
     assert all(t.answer == "Paris" for t in trajs)
 
 
-def test_a_failing_batch_fails_only_its_requests_and_the_scheduler_keeps_serving():
-    class Flaky:
-        tokenizer = None
+class FailsOn:
+    """A backend and retriever whose batch call raises ``error`` when it holds a prompt containing token
+    ``bad`` (a prompt over the model's context, a request the server rejects) or the query ``"bad"``;
+    ``calls`` records each call's size."""
 
-        def __init__(self):
-            self.calls = 0
+    tokenizer = None
 
+    def __init__(self, error: Exception, bad: int = 666):
+        self.error, self.bad, self.calls = error, bad, []
+
+    def generate(self, prompts, params):
+        self.calls.append(len(prompts))
+        if any(self.bad in p for p in prompts):
+            raise self.error
+        return [Generation([p[0]], "x") for p in prompts]
+
+    def search(self, queries, k):
+        self.calls.append(len(queries))
+        if "bad" in queries:
+            raise self.error
+        return [[] for _ in queries]
+
+
+def test_a_failing_batch_is_retried_one_by_one_so_only_the_failing_requests_fail():
+    # one prompt over the context (one request a remote server rejects) failed every episode of its batch
+    async def main(llm):
+        sched = Scheduler(llm, retriever=llm)
+        gens = await asyncio.gather(*(sched.generate(p, SamplingParams()) for p in ([1], [666], [3])),
+                                    return_exceptions=True)
+        hits = await asyncio.gather(*(sched.search(q, 2) for q in ("ok", "bad", "fine")), return_exceptions=True)
+        later = await sched.generate([4], SamplingParams())
+        return gens, hits, later
+
+    llm = FailsOn(ValueError("prompt of 9000 tokens exceeds the context"))
+    gens, hits, later = asyncio.run(main(llm))
+    assert gens[0].token_ids == [1] and gens[2].token_ids == [3]
+    assert isinstance(gens[1], ValueError) and "exceeds the context" in str(gens[1])
+    assert hits[0] == [] and hits[2] == [] and isinstance(hits[1], ValueError)
+    assert later.token_ids == [4]  # the scheduler keeps serving
+    assert llm.calls == [3, 1, 1, 1, 3, 1, 1, 1, 1]  # one split pass per failed batch, then no more
+
+
+def test_a_global_backend_error_fails_the_batch_without_one_by_one_retries():
+    # a backend that is down fails every request the same way: 256 single calls would only delay the error
+    from agent.llm import BackendUnavailable
+    from agent.openai_backend import BackendUnreachable
+
+    async def main(llm):
+        sched = Scheduler(llm)
+        return await asyncio.gather(*(sched.generate(p, SamplingParams()) for p in ([666], [2], [3])),
+                                    return_exceptions=True)
+
+    for error in (BackendUnreachable("http://x/v1/completions failed after 4 attempts (ConnectError)"),
+                  BackendUnavailable("this VLLMBackend is closed"), ConnectionRefusedError("refused"),
+                  TimeoutError("timed out")):
+        llm = FailsOn(error)
+        out = asyncio.run(main(llm))
+        assert all(type(e) is type(error) and str(e) == str(error) for e in out), (error, out)
+        assert llm.calls == [3], error
+
+
+def test_a_global_error_during_the_split_pass_fails_the_rest_at_once():
+    class DiesAfterOne(FailsOn):
         def generate(self, prompts, params):
-            self.calls += 1
-            if self.calls == 1:
-                raise RuntimeError("garbage from backend")
-            return [Generation([1], "x") for _ in prompts]
+            if len(self.calls) == 2:
+                self.calls.append(len(prompts))
+                raise ConnectionRefusedError("the server went down")
+            return super().generate(prompts, params)
 
-    async def main():
-        sched = Scheduler(Flaky())
-        first = await asyncio.gather(sched.generate([1], SamplingParams()), sched.generate([2], SamplingParams()),
-                                     return_exceptions=True)
-        second = await sched.generate([3], SamplingParams())
-        return first, second
+    async def main(llm):
+        sched = Scheduler(llm)
+        return await asyncio.gather(*(sched.generate(p, SamplingParams()) for p in ([1], [666], [3], [4])),
+                                    return_exceptions=True)
 
-    first, second = asyncio.run(main())
-    assert all(isinstance(e, RuntimeError) and "garbage" in str(e) for e in first)
-    assert second.token_ids == [1]
+    llm = DiesAfterOne(ValueError("too long"))
+    out = asyncio.run(main(llm))
+    assert out[0].token_ids == [1]
+    assert all(isinstance(e, ConnectionRefusedError) for e in out[1:])
+    assert llm.calls == [4, 1, 1]
 
 
 def test_per_request_budgets_are_cut_back_exactly():
