@@ -5,7 +5,9 @@
   FlashRAG's standard RAG).
 * ``ircot``: interleave retrieval with chain-of-thought (Trivedi et al., ACL 2023): retrieve for the
   question, then repeatedly generate one reasoning sentence over everything retrieved so far and retrieve
-  with that sentence, until the model answers (or writes "answer is") or ``max_steps`` runs out.
+  with that sentence, until the model answers (or writes "answer is") or ``max_steps`` runs out. A sentence
+  ends at a newline, a closing tag or a "." that is no abbreviation, initial or decimal point ("St. Louis",
+  "U.S. Army" and "1.5 km" stay whole).
 * ``search_o1``: Search-o1 (Li et al. 2025): the model reasons and issues ``<search>`` queries itself; a
   separate "Reason-in-Documents" call of the same backend condenses each query's retrieved documents into
   the helpful information, and only that is inserted into the reasoning chain.
@@ -171,6 +173,89 @@ _ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
 _ANSWER_IS = re.compile(r"answer is:?\s*(.+)", re.IGNORECASE | re.DOTALL)
 _TAGS = re.compile(r"</?(think|search|answer|information)>")
 IRCOT_STOP = (".", "\n", "</think>", "</search>", "</answer>")
+# a "." that ends no sentence: an abbreviation, a single-letter initial or a dotted acronym's letter (U.S.)
+_ABBREV = re.compile(
+    r"\b(?:Mr|Mrs|Ms|Dr|Jr|Sr|St|Mt|Ft|Inc|Co|Corp|Ltd|Bros|Gen|Col|Maj|Lt|Sgt|Capt|Adm|Prof|Rev|Gov|Sen|Rep|"
+    r"Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec|vs|etc|approx|[A-Za-z])\.$"
+)
+# "1." may go on as "1.5", "No." as "No. 5"; not a year ("in 1990.") nor a name ("hop1.")
+_NUMBER = re.compile(r"(?:(?<![\w.,])\d{1,3}|\bNo)\.$")
+_ANY = re.compile("")
+_NUMBER_NEXT = re.compile(r" ?\d")
+
+
+def _sentence_open(text: str) -> re.Pattern[str] | None:
+    """Whether an IRCoT step ``text`` that stopped at a ``"."`` (its last one) goes on: ``None`` when the "."
+    ends the sentence; else the pattern the continuation must start with to belong to the sentence (any text
+    after an abbreviation, an initial or a "." inside a token such as ``"U.S"``; a digit after a number of
+    up to three digits or "No.", so that "scored 21." followed by a new sentence still ends at "21.")."""
+    dot = text.rfind(".")
+    if dot < 0:
+        return None
+    head, rest = text[: dot + 1], text[dot + 1 :]
+    if rest[:1].isalnum():  # the stop token runs on past the ".": "1.5", "U.S"
+        return _ANY
+    if rest:  # '."', '.)', ". ": closed
+        return None
+    if _ABBREV.search(head):
+        return _ANY
+    return _NUMBER_NEXT if _NUMBER.search(head) else None
+
+
+def _stopped_at_period(llm: LLM, g: Generation, so_far: str) -> tuple[str, list[int], bool]:
+    """``(text, token_ids, at_period)`` of one IRCoT generation that follows ``so_far`` (the step's text
+    before it): ``at_period`` when it stopped at the ``"."`` stop. The transformers and vLLM backends keep
+    the stop string in the text (with the rest of its token), as does an OpenAI-compatible server that
+    honours ``include_stop_str_in_output`` or names the stop it matched; a text-only server that names none
+    leaves it out, and then a "." is put back (text and ids) where the text ends like an abbreviation or a
+    number (a "\\n" or end-of-sequence stop there is taken for a ".")."""
+    text, ids = g.text, list(g.token_ids)
+    if g.finish_reason != "stop" or any(s in text for s in IRCOT_STOP if s != "."):
+        return text, ids, False
+    if "." in text:
+        return text, ids, True
+    if g.meta.get("exact") is False and _sentence_open(so_far + text + ".") is not None:
+        return text + ".", ids + encode(llm.tokenizer, "."), True
+    return text, ids, False
+
+
+def _ircot_steps(llm: LLM, prompts: list[list[int]], cfg: AgentConfig, temperature: float,
+                 seed: int | None) -> list[tuple[str, int, int]]:
+    """One IRCoT reasoning step per prompt: ``(text, generated tokens, LLM calls)``.
+
+    Generation stops at :data:`IRCOT_STOP`; a step that stopped at a "." which ends no sentence
+    (:func:`_sentence_open`: "St.", "U.S.", "1.") is continued from its text so far, in one batched call
+    per round over the steps that need one, until a sentence end or another stop. The step's tokens over
+    all rounds stay within ``cfg.max_new_tokens`` (each round gets what is left; a round that produces
+    nothing ends the step), so the rounds end. A continuation that does not start as required (no digit
+    after "21.") is dropped from the text but its tokens are counted: the model generated them.
+    """
+    n = len(prompts)
+    texts, ids, used, calls = [""] * n, [[] for _ in range(n)], [0] * n, [0] * n
+    todo: dict[int, re.Pattern[str]] = {j: _ANY for j in range(n)}
+    while todo:
+        js = [j for j in todo if used[j] < cfg.max_new_tokens]
+        if not js:
+            break
+        left = {j: cfg.max_new_tokens - used[j] for j in js}
+        gens = llm.generate([prompts[j] + ids[j] for j in js], _params(cfg, temperature, seed, IRCOT_STOP,
+                                                                       max(left.values())))
+        nxt: dict[int, re.Pattern[str]] = {}
+        for j, g in zip(js, gens, strict=True):
+            if len(g.token_ids) > left[j]:  # the batch's budget is the largest one left; cut to this step's
+                kept = list(g.token_ids[: left[j]])
+                g = Generation(kept, decode(llm.tokenizer, kept), "length", meta=g.meta)
+            calls[j] += 1
+            used[j] += len(g.token_ids)
+            text, new, at_period = _stopped_at_period(llm, g, texts[j])
+            if not g.token_ids or not todo[j].match(text):
+                continue
+            used[j] += len(new) - len(g.token_ids)  # a "." put back
+            texts[j], ids[j] = texts[j] + text, ids[j] + new
+            if at_period and (more := _sentence_open(texts[j])) is not None:
+                nxt[j] = more
+        todo = nxt
+    return list(zip(texts, used, calls, strict=True))
 
 
 def _ircot_step(text: str) -> tuple[str, str]:
@@ -208,8 +293,10 @@ def ircot(
     generate one sentence inside ``<think>`` given all passages so far (deduplicated, first ``max_docs``
     kept, IRCoT's cap on paragraphs), stop if it answers (an ``<answer>`` tag or "answer is ..."), else
     retrieve ``top_k`` more with the sentence. Finally, unanswered questions get ``</think>`` and a forced
-    ``<answer>``. Every step is one batched LLM call and one batched search over the questions still
-    running.
+    ``<answer>``. Every step is one batched search and one batched LLM call over the questions still
+    running, plus one batched call per round of continuing the steps that stopped at a "." which ends no
+    sentence ("St.", "U.S.", "1."; :func:`_ircot_steps`), all of a step's rounds within
+    ``cfg.max_new_tokens``. ``turns`` counts every LLM call, ``generated_tokens`` every token generated within the budgets.
     """
     cfg = cfg or AgentConfig()
     max_steps = cfg.max_turns if max_steps is None else max_steps
@@ -249,11 +336,13 @@ def ircot(
     for _step in range(max_steps):
         if not active:
             break
-        gens = llm.generate([context(i, "") for i in active], _params(cfg, temperature, seed, IRCOT_STOP))
+        steps = _ircot_steps(llm, [context(i, "") for i in active], cfg, temperature, seed)
         queries: list[tuple[int, str]] = []
-        for i, g in zip(active, gens, strict=True):
-            record(i, g)
-            kind, content = _ircot_step(g.text)
+        for i, (text, n_tokens, n_calls) in zip(active, steps, strict=True):
+            turns[i] += n_calls
+            gen_tokens[i] += n_tokens
+            raw[i] = text
+            kind, content = _ircot_step(text)
             if kind == "answer":
                 answer[i] = content
             elif kind == "sentence":

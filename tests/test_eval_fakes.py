@@ -33,12 +33,16 @@ _TITLE = re.compile(r"Doc \d+\(Title: (.*?)\)")
 
 class ScriptedLLM:
     """Knows the answer to questions in ``known`` (direct); otherwise answers with the title of the first
-    retrieved document. Records every prompt it saw (``self.prompts``) and counts calls."""
+    retrieved document. Records every prompt it saw (``self.prompts``) and counts calls.
 
-    def __init__(self, known: dict[str, str] | None = None, ircot_sentences: int = 2):
+    IRCoT steps: ``ircot_sentences`` "Look up hopN." sentences, then "So the answer is <last title>."; or, with
+    ``ircot_text``, that fixed chain of thought continued from wherever the prompt's ``<think>`` stops."""
+
+    def __init__(self, known: dict[str, str] | None = None, ircot_sentences: int = 2, ircot_text: str | None = None):
         self.tokenizer = CharTokenizer()
         self.known = known or {}
         self.ircot_sentences = ircot_sentences
+        self.ircot_text = ircot_text
         self.prompts: list[str] = []
         self.calls = 0
 
@@ -49,6 +53,10 @@ class ScriptedLLM:
         if ctx.endswith("<answer>"):
             return (titles[0] if titles else self.known.get(q, "unknown")) + "</answer>"
         if "<think>" in ctx and "</think>" not in ctx.rsplit("<think>", 1)[1]:  # IRCoT: one sentence per call
+            if self.ircot_text is not None:
+                so_far = ctx.rsplit("<think>", 1)[1].lstrip(" ")
+                assert self.ircot_text.startswith(so_far), (so_far, self.ircot_text)
+                return self.ircot_text[len(so_far):]
             done = ctx.rsplit("<think>", 1)[1].count(".")
             if done < self.ircot_sentences:
                 return f"Look up hop{done + 1}."

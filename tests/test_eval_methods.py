@@ -2,8 +2,9 @@
 
 import pytest
 
+from agent.llm import Generation
 from agent.trajectory import Trajectory, Turn
-from eval.methods import _ircot_step, agent, direct, extract_answer, ircot, make_method, rag
+from eval.methods import _ircot_step, _sentence_open, agent, direct, extract_answer, ircot, make_method, rag
 from sleuth.config import AgentConfig
 from tests.test_eval_fakes import PASSAGES, KeywordRetriever, ScriptedLLM, examples
 
@@ -68,6 +69,80 @@ def test_ircot_forces_an_answer_when_steps_run_out():
     assert rec["search_calls"] == 2 and rec["turns"] == 2  # one reasoning step + the forced answer
     assert llm.prompts[-1].endswith("Look up hop1. </think>\n<answer>")
     assert rec["prediction"] == "Paris"  # forced answer reads the first passage
+
+
+ABBREVIATED = "The team is from St. Louis. It trained with the U.S. Army 1.5 km away. So the answer is St. Louis."
+
+
+def test_ircot_step_ends_at_a_sentence_end_not_an_abbreviation():
+    llm, ret = ScriptedLLM(ircot_text=ABBREVIATED), KeywordRetriever(PASSAGES)
+    (rec,) = ircot(examples(1), llm, ret, AgentConfig(max_new_tokens=64), top_k=1, max_steps=4)
+    steps = ["The team is from St. Louis.", "It trained with the U.S. Army 1.5 km away."]
+    assert ret.batches[1:] == [[s] for s in steps]  # the whole sentence is the retrieval query
+    assert rec["reasoning"] == " ".join(steps) and rec["prediction"] == "St. Louis"
+    # each "." that is no sentence end costs one more call: St. | U. S. 1. | St.
+    assert rec["turns"] == llm.calls == 8 and rec["generated_tokens"] == len(ABBREVIATED)
+
+
+def test_ircot_step_after_a_number_ends_where_the_sentence_ends():
+    text = "He scored 21. So the answer is 21."
+    llm, ret = ScriptedLLM(ircot_text=text), KeywordRetriever(PASSAGES)
+    (rec,) = ircot(examples(1), llm, ret, AgentConfig(max_new_tokens=64), top_k=1, max_steps=4)
+    assert ret.batches[1:] == [["He scored 21."]] and rec["reasoning"] == "He scored 21."
+    assert rec["prediction"] == "21"
+    # the look past "21." (no digit follows, so not kept) was generated and is counted; so is the empty one
+    assert rec["turns"] == 4 and rec["generated_tokens"] == len(text) + len(" So the answer is 21.")
+
+
+def test_ircot_step_of_endless_abbreviations_stops_at_the_token_budget():
+    llm, ret = ScriptedLLM(ircot_text="St. " * 1000), KeywordRetriever(PASSAGES)
+    cfg = AgentConfig(max_new_tokens=20)
+    (rec,) = ircot(examples(1), llm, ret, cfg, top_k=1, max_steps=1)
+    assert ret.batches[1] == [("St. " * 5)[:20].strip()]  # "St." + 4 x " St." + " ", cut at 20 tokens
+    assert rec["generated_tokens"] == 20 + len("Paris</answer>") and rec["prediction"] == "Paris"
+    assert rec["turns"] == llm.calls == 6 + 1
+
+
+class TextOnlyServer:
+    """An OpenAI-compatible server that returns text only and names no stop string: the "." or newline it
+    stopped at is left out (what :func:`agent.openai_backend.restore_stop` cannot put back)."""
+
+    def __init__(self, llm):
+        self.llm, self.tokenizer = llm, llm.tokenizer
+
+    def generate(self, prompts, params):
+        out = []
+        for g in self.llm.generate(prompts, params):
+            text = g.text[:-1] if g.finish_reason == "stop" and g.text.endswith((".", "\n")) else g.text
+            out.append(Generation(self.tokenizer.encode(text), text, g.finish_reason, meta={"exact": False}))
+        return out
+
+
+def test_ircot_step_through_a_server_that_drops_the_stop_string():
+    inner, ret = ScriptedLLM(ircot_text=ABBREVIATED), KeywordRetriever(PASSAGES)
+    (rec,) = ircot(examples(1), TextOnlyServer(inner), ret, AgentConfig(max_new_tokens=64), top_k=1, max_steps=4)
+    assert ret.batches[1:] == [["The team is from St. Louis"], ["It trained with the U.S. Army 1.5 km away"]]
+    assert rec["reasoning"] == "The team is from St. Louis. It trained with the U.S. Army 1.5 km away."
+    assert rec["prediction"] == "St. Louis" and rec["generated_tokens"] == len(ABBREVIATED) - 3
+
+
+@pytest.mark.parametrize(
+    "text, more",
+    [
+        ("The capital is St.", ""), ("Dr.", ""), ("the U.", ""), ("the U.S.", ""), ("the U.S", ""),
+        ("Apples, pears, etc.", ""), ("on Jan.", ""), ("J. R. R.", ""), ("in 1.", " 5"), ("No.", " 5"),
+        ("in 1.5", ""), ("The capital is Rome.", None), ("He was born in 1990.)", None), ("It rained.\"", None),
+        ("Most.", None), ("Rest.", None), ("no.", None), ("Wait...", None), ("born in 1990.", None),
+        ("Look up hop1.", None), ("sold 1,000.", None), ("Not.", None),
+    ],
+)
+def test_sentence_open(text, more):
+    p = _sentence_open(text)
+    assert (p is None) == (more is None)
+    if p is not None:
+        assert p.match(more) and (more or p.match(" Louis"))
+    if more == " 5":
+        assert not p.match(" He")
 
 
 @pytest.mark.parametrize(
