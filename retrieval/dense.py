@@ -97,11 +97,66 @@ def default_prefixes(name: str) -> tuple[str, str]:
     return "", ""
 
 
+def default_pooling(name: str) -> str:
+    """Pooling a model family was trained with, for a plain Hugging Face encoder whose folder does not say:
+    ``cls`` for bge (bge-m3 too), ``mean`` for e5 and everything else (sentence-transformers' default). The
+    family is a whole word of ``name``, and e5 comes first, as in :func:`default_prefixes`."""
+    words = _name_words(name)
+    return "cls" if "bge" in words and "e5" not in words else "mean"
+
+
+# sentence-transformers' pre-v6 pooling keys, in the order its Pooling concatenates the modes
+_LEGACY_POOLING_KEYS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+_POOLING_FILES = ("1_Pooling/config.json", "sentence_bert_config.json")
+
+
+def model_pooling(path: Path) -> tuple[dict, Path] | None:
+    """The pooling a model folder declares, as sentence-transformers ``Pooling`` keyword arguments
+    (``pooling_mode``: a mode name or a tuple of them; ``include_prompt``), and the file it came from; ``None``
+    when the folder says nothing.
+
+    Read from ``1_Pooling/config.json`` (sentence-transformers' own pooling module), else from
+    ``sentence_bert_config.json`` when that holds pooling keys (it usually holds only ``max_seq_length``).
+    Both formats are read: ``"pooling_mode": "cls"`` (sentence-transformers >= 6) and the older booleans
+    ``"pooling_mode_cls_token": true, ...`` (none true: ``mean``, as sentence-transformers reads them). Raises
+    ``ValueError`` naming the file when it is not a JSON object.
+    """
+    for rel in _POOLING_FILES:
+        f = path / rel
+        if not f.is_file():
+            continue
+        try:
+            conf = json.loads(f.read_text())
+        except (OSError, ValueError):  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+            conf = None
+        conf = conf if isinstance(conf, dict) else None
+        if conf is None:
+            raise ValueError(f"dense model {path}: its pooling config {f} is unreadable (not a JSON object)")
+        mode = conf.get("pooling_mode")
+        if mode is None and any(k in conf for k in _LEGACY_POOLING_KEYS):
+            modes = tuple(m for k, m in _LEGACY_POOLING_KEYS.items() if conf.get(k))
+            mode = modes[0] if len(modes) == 1 else (modes or "mean")
+        if mode is not None:
+            mode = tuple(mode) if isinstance(mode, list) else mode
+            return {"pooling_mode": mode, "include_prompt": bool(conf.get("include_prompt", True))}, f
+    return None
+
+
 class Encoder:
     """Text -> L2-normalised float32 embeddings ``[n, d]``.
 
-    ``pooling`` (``"mean"``/``"cls"``) only matters for a plain Hugging Face model without
-    sentence-transformers modules; a sentence-transformers model uses its own pooling. Prefixes default to
+    Pooling of a plain Hugging Face model (no sentence-transformers ``modules.json``): the ``pooling``
+    argument (``"mean"``, ``"cls"``, or another sentence-transformers mode), else what the model folder
+    declares (:func:`model_pooling`), else its family's (:func:`default_pooling`: bge CLS, others mean). A
+    sentence-transformers model uses its own pooling modules (``pooling`` is not used). Raises
+    ``ValueError`` naming the source of an unknown pooling mode or an unreadable pooling config. Prefixes default to
     :func:`default_prefixes`, then to the model's own ``prompts``, and are passed as sentence-transformers'
     ``prompt`` (so a model's ``default_prompt_name`` is not added too, and ``include_prompt: false`` holds). ``fingerprint`` is
     :func:`model_fingerprint` of the model, for resumable encodings (:func:`encode_to_memmap`).
@@ -128,14 +183,20 @@ class Encoder:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if (path / "modules.json").exists():
             self.model = SentenceTransformer(str(path), device=device, local_files_only=True)
-        else:  # a plain HF encoder: pooling from the argument or the model family (bge: CLS; e5: mean)
+        else:  # a plain HF encoder: pooling from the argument, the model's pooling config or its family
             try:
                 from sentence_transformers.sentence_transformer import modules as models
             except ImportError:  # sentence-transformers < 6
                 from sentence_transformers import models
-            mode = pooling or ("cls" if "bge" in _name_words(str(path)) else "mean")
+            declared = None if pooling else model_pooling(path)
+            kw, source = declared or ({"pooling_mode": pooling or default_pooling(f"{model} {path.name}")}, None)
             word = models.Transformer(str(path), max_seq_length=max_length or 512)
-            pool = models.Pooling(word.get_word_embedding_dimension(), pooling_mode=mode)
+            dim = getattr(word, "get_embedding_dimension", None) or word.get_word_embedding_dimension
+            try:
+                pool = models.Pooling(dim(), **kw)
+            except ValueError as e:
+                raise ValueError(f"dense model {model!r}: pooling {kw['pooling_mode']!r} from "
+                                 f"{source or 'the pooling argument'}: {e}") from None
             self.model = SentenceTransformer(modules=[word, pool, models.Normalize()], device=device)
         if max_length:
             self.model.max_seq_length = max_length

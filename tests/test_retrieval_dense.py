@@ -419,3 +419,79 @@ def test_tied_scores_rank_lower_rows_first_whatever_k_and_sharding(tmp_path, sha
     rows, scores = idx.search_rows(q, 300)
     assert rows.shape == (25, 300) and (np.sort(rows, axis=1) == np.arange(300)).all()
     assert np.all(np.diff(scores, axis=1) <= 0)
+
+
+def _plain_bert(tmp_path, name: str, pooling_files: dict[str, dict] | None = None) -> Path:
+    """A tiny random BERT saved with ``save_pretrained`` in ``tmp_path/name`` (no ``modules.json``: a plain
+    Hugging Face encoder), with MiniLM's tokenizer files and ``pooling_files`` (relative path -> JSON)."""
+    import shutil
+
+    import torch
+    from transformers import BertConfig, BertModel
+
+    src, dst = dense.resolve_model_path(dense.DEFAULT_MODEL), tmp_path / name
+    dst.mkdir(parents=True)
+    for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(src / f, dst / f)
+    torch.manual_seed(0)
+    conf = BertConfig(vocab_size=30522, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                      intermediate_size=32, max_position_embeddings=64)
+    BertModel(conf).save_pretrained(dst)
+    for rel, content in (pooling_files or {}).items():
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dst / rel).write_text(json.dumps(content))
+    return dst
+
+
+def _pooled(path: Path, texts: list[str]) -> dict[str, np.ndarray]:
+    """``{"cls": ..., "mean": ...}``: the model's unit-norm [CLS] and masked-mean embeddings ``[n, d]``,
+    computed with transformers directly."""
+    import torch
+    from transformers import AutoTokenizer, BertModel
+
+    tok, model = AutoTokenizer.from_pretrained(path), BertModel.from_pretrained(path).eval()
+    batch = tok(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        h = model(**batch).last_hidden_state
+    mask = batch["attention_mask"][..., None].float()
+    unit = lambda x: torch.nn.functional.normalize(x, dim=-1).numpy()
+    return {"cls": unit(h[:, 0]), "mean": unit((h * mask).sum(1) / mask.sum(1))}
+
+
+_CLS_LEGACY = {"word_embedding_dimension": 16, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False,
+               "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False}
+
+
+@pytest.mark.parametrize(
+    ("name", "files", "pooling", "want"),
+    [
+        ("tiny-encoder", None, None, "mean"),  # says nothing, no family: mean (sentence-transformers' default)
+        ("bge-tiny", None, None, "cls"),  # the family rule: bge pools [CLS]
+        ("e5-tiny", None, None, "mean"),
+        ("tiny-encoder", {"1_Pooling/config.json": _CLS_LEGACY}, None, "cls"),  # the pre-v6 format
+        ("tiny-encoder", {"1_Pooling/config.json": {"embedding_dimension": 16, "pooling_mode": "cls"}}, None, "cls"),
+        ("bge-tiny", {"1_Pooling/config.json": {"embedding_dimension": 16, "pooling_mode": "mean"}}, None, "mean"),
+        ("tiny-encoder", {"sentence_bert_config.json": {"max_seq_length": 64, "pooling_mode": "cls"}}, None, "cls"),
+        ("tiny-encoder", {"1_Pooling/config.json": _CLS_LEGACY}, "mean", "mean"),  # the argument wins
+        ("bge-tiny", None, "mean", "mean"),
+    ],
+)
+def test_plain_hf_pooling_is_what_the_model_says(tmp_path, name, files, pooling, want):
+    """A plain HF encoder (no modules.json) chose CLS pooling when "bge" was a word of its path and mean
+    otherwise, whatever its own 1_Pooling/config.json said. Now: the ``pooling=`` argument, else the
+    model's pooling config (either sentence-transformers format), else the family rule."""
+    path = _plain_bert(tmp_path, name, files)
+    texts = ["Big Stone Gap film", "zebrafish"]
+    enc = dense.Encoder(str(path), device="cpu", pooling=pooling)
+    ref = _pooled(path, [enc.passage_prefix + t for t in texts])  # e5: "passage: "
+    assert np.abs(ref["cls"] - ref["mean"]).max() > 0.1  # the two poolings are told apart
+    np.testing.assert_allclose(enc.encode_passages(texts), ref[want], atol=1e-5)
+
+
+def test_a_bad_pooling_config_is_an_error_naming_the_file(tmp_path):
+    path = _plain_bert(tmp_path, "tiny-encoder", {"1_Pooling/config.json": {"pooling_mode": "median"}})
+    with pytest.raises(ValueError, match=r"1_Pooling.config\.json.*median"):
+        dense.Encoder(str(path), device="cpu")
+    (path / "1_Pooling" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"1_Pooling.config\.json"):
+        dense.Encoder(str(path), device="cpu")
