@@ -36,9 +36,11 @@ class ScriptedLLM:
     retrieved document. Records every prompt it saw (``self.prompts``) and counts calls.
 
     IRCoT steps: ``ircot_sentences`` "Look up hopN." sentences, then "So the answer is <last title>."; or, with
-    ``ircot_text``, that fixed chain of thought continued from wherever the prompt's ``<think>`` stops."""
+    ``ircot_text`` (one for all questions, or one per question), that fixed chain of thought continued from
+    wherever the prompt's ``<think>`` stops."""
 
-    def __init__(self, known: dict[str, str] | None = None, ircot_sentences: int = 2, ircot_text: str | None = None):
+    def __init__(self, known: dict[str, str] | None = None, ircot_sentences: int = 2,
+                 ircot_text: str | dict[str, str] | None = None):
         self.tokenizer = CharTokenizer()
         self.known = known or {}
         self.ircot_sentences = ircot_sentences
@@ -54,9 +56,10 @@ class ScriptedLLM:
             return (titles[0] if titles else self.known.get(q, "unknown")) + "</answer>"
         if "<think>" in ctx and "</think>" not in ctx.rsplit("<think>", 1)[1]:  # IRCoT: one sentence per call
             if self.ircot_text is not None:
+                script = self.ircot_text if isinstance(self.ircot_text, str) else self.ircot_text[q]
                 so_far = ctx.rsplit("<think>", 1)[1].lstrip(" ")
-                assert self.ircot_text.startswith(so_far), (so_far, self.ircot_text)
-                return self.ircot_text[len(so_far):]
+                assert script.startswith(so_far), (so_far, script)
+                return script[len(so_far):]
             done = ctx.rsplit("<think>", 1)[1].count(".")
             if done < self.ircot_sentences:
                 return f"Look up hop{done + 1}."

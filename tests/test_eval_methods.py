@@ -103,6 +103,19 @@ def test_ircot_step_of_endless_abbreviations_stops_at_the_token_budget():
     assert rec["turns"] == llm.calls == 6 + 1
 
 
+def test_ircot_continuations_are_batched_and_each_step_keeps_its_own_budget():
+    exs = examples(2)
+    mrs = "Mrs. Smith is here and there and everywhere."
+    llm = ScriptedLLM(ircot_text={exs[0].question: "St. " * 1000, exs[1].question: mrs})
+    ret = KeywordRetriever(PASSAGES)
+    r0, r1 = ircot(exs, llm, ret, AgentConfig(max_new_tokens=20), top_k=1, max_steps=1)
+    # round 2 asks for 17 tokens (what "St." left); "Mrs." left 16, so its continuation is cut to 16
+    assert ret.batches[1] == [("St. " * 5)[:20].strip(), mrs[:20].strip()]
+    assert llm.calls == 6 + 1 and (r0["turns"], r1["turns"]) == (7, 3)  # one call per round, both questions
+    assert r0["generated_tokens"] == 20 + len("Paris</answer>")
+    assert r1["generated_tokens"] == 20 + len("Rome</answer>")
+
+
 class TextOnlyServer:
     """An OpenAI-compatible server that returns text only and names no stop string: the "." or newline it
     stopped at is left out (what :func:`agent.openai_backend.restore_stop` cannot put back)."""
