@@ -248,3 +248,17 @@ def test_retrieval_blocks_give_every_path_the_same_batches(rb):
                            queries, 3, 10, rounds=2, block=4, warmup=1)
     assert seen["a"] == seen["b"] and len(seen["a"]) == 8 and len({tuple(x) for x in seen["a"]}) > 1
     assert [s["calls"] for s in stats] == [2 * 3, 2 * 3]  # rounds x (block - warmup) timed calls per path
+
+
+def test_kernels_bench_runs_without_the_config_stack():
+    """bench/kernels.py runs on GPU machines that have torch but not Sleuth's other dependencies (no pydantic,
+    no OmegaConf): its argument types must not pull in the config module."""
+    import subprocess
+    import sys
+
+    block = "import sys; sys.modules.update(pydantic=None, omegaconf=None); sys.argv = ['kernels.py', '--cpu-smoke']"
+    run = f"{block}; import runpy; runpy.run_path({str(BENCH / 'kernels.py')!r}, run_name='__main__')"
+    out = subprocess.run([sys.executable, "-c", run], check=False, capture_output=True, text=True,
+                         cwd=BENCH.parent, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "grads match" in out.stdout

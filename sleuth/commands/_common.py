@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from sleuth.config import Config, load_config
+if TYPE_CHECKING:  # imported where used: bench/kernels.py takes the argparse types on a GPU machine without pydantic
+    from sleuth.config import Config
 
 
 def _int_at_least(value: str, minimum: int, kind: str) -> int:
@@ -61,4 +63,6 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
+    from sleuth.config import load_config
+
     return load_config(args.config, list(getattr(args, "overrides", []) or []))
