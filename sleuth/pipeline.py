@@ -32,7 +32,9 @@ def open_retriever(cfg: Config, index_dir: str | None = None, method: str | None
     over HTTP; it is asked for ``/health`` here (:data:`HEALTH_PROBE_TIMEOUT_S` a socket operation, two
     attempts), so a server that is down or hangs is a ``RetrievalServerError`` saying so before anything runs
     (the agent loop would keep it as one failed episode per question). A server that answers without a
-    ``/health`` route (Search-R1's own) is taken as running.
+    ``/health`` route (Search-R1's own) is taken as running. A dense or hybrid index is searched with the
+    model it was built with; a ``retrieval.dense_model`` the config sets to another model is a ``ValueError``
+    naming both and the rebuild command (:meth:`~sleuth.config.RetrievalConfig.chosen_dense_model`).
     """
     method = method or cfg.retrieval.method
     if cfg.retrieval.url and index_dir is None and method != "simulated":
@@ -57,7 +59,8 @@ def open_retriever(cfg: Config, index_dir: str | None = None, method: str | None
                                s.noise_base, total_steps=max(cfg.train.steps, 1), seed=cfg.seed)
     from retrieval.index import load_retriever
 
-    return load_retriever(index_dir or cfg.retrieval.index_dir, method, bm25_backend=cfg.retrieval.bm25_backend)
+    return load_retriever(index_dir or cfg.retrieval.index_dir, method, bm25_backend=cfg.retrieval.bm25_backend,
+                          dense_model=cfg.retrieval.chosen_dense_model())
 
 
 def check_index_corpus(cfg: Config) -> None:

