@@ -11,10 +11,11 @@
   ``sleuth: {"event": "turn", "turn", "action"}``; each search as an empty delta with
   ``sleuth: {"event": "search", "turn", "query", "doc_ids"}``; then the answer as
   ``delta: {"content": answer}``, the finish chunk with the ``sleuth`` evidence, and ``data: [DONE]``. A
-  failure (504, 502, 503) arrives as one ``data: {"error": {...}}`` event; a client that disconnects
-  cancels its episode. Sampling fields of the request (``max_tokens``, ``temperature``, ``top_p``, ``n``, ...)
-  are ignored: an answer is a whole multi-turn episode, sampled with the server's ``agent`` config; ``model``
-  is echoed back as given.
+  request over ``max_inflight`` gets the plain 503 before any stream starts (so clients retry it); a
+  failure of the episode (504, 502) arrives as one ``data: {"error": {...}}`` event; a client that
+  disconnects cancels its episode. Sampling fields of the request (``max_tokens``, ``temperature``,
+  ``top_p``, ``n``, ...) are ignored: an answer is a whole multi-turn episode, sampled with the server's
+  ``agent`` config; ``model`` is echoed back as given.
 * ``GET /health``.
 
 All requests share one :class:`agent.scheduler.Scheduler` living in the server's event loop, so concurrent
@@ -22,9 +23,11 @@ requests are episodes whose generation and search calls are batched together. Li
 ``max_body_bytes`` get 413, bodies that are not JSON (or nest too deeply to decode, or hold an integer of
 over 4,300 digits) 400, empty or over-long questions 422 (over ``max_question_chars``, or a prompt that
 leaves no token of the agent's ``max_total_tokens`` to generate: the message says by how many tokens),
-text with a lone surrogate 422, more than ``max_inflight`` episodes 503, an episode over
-``request_timeout_s`` 504, a backend failure 502, an unknown route 404 or method 405, anything
-unexpected 500 - each with the reason in ``{"error": {"message", "type"}}``; the server keeps serving.
+text with a lone surrogate 422, more than ``max_inflight`` episodes 503 (streamed or not; the slot is
+taken in one step with the check and freed however the episode ends), an episode over
+``request_timeout_s`` 504, a backend failure 502 (only the episodes whose own call failed: the scheduler
+retries a failed batch's calls one by one), an unknown route 404 or method 405, anything unexpected 500 -
+each with the reason in ``{"error": {"message", "type"}}``; the server keeps serving.
 With ``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer <key>`` (401 otherwise).
 A client that disconnects before its answer (streamed or not) cancels its episode. Binds 127.0.0.1 by
 default (see ``sleuth serve``).
@@ -38,7 +41,7 @@ import secrets
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,6 +100,26 @@ def _check_unicode(s: str, what: str) -> None:
     except UnicodeEncodeError as e:
         raise HTTPError(422, f"{what} holds a lone surrogate (\\u{ord(s[e.start]):04x}) at character {e.start}; "
                              "send valid Unicode text") from None
+
+
+class _SlotStream(StreamingResponse):
+    """A streamed reply holding an episode slot: when the response ends, however it ends (streamed to the
+    end, the client gone, a failure, or never iterated at all), the body generator is closed (its
+    ``finally`` cancels a running episode) and ``release`` frees the slot."""
+
+    def __init__(self, content: Any, release: Callable[[], None], **kw: Any):
+        super().__init__(content, **kw)
+        self.release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                if (aclose := getattr(self.body_iterator, "aclose", None)) is not None:
+                    await aclose()
+            finally:
+                self.release()
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -161,22 +184,41 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
                                  f"agent.max_total_tokens={budget} with one token left to generate")
         return q
 
-    async def episode(question: str, golds: list[str], k: int | None, on_event: EventSink | None = None) -> Trajectory:
+    def take_slot() -> Callable[[], None]:
+        """Take one of the ``max_inflight`` episode slots, or raise a 503 :class:`HTTPError` when all are
+        taken. The check and the taking are one step (no ``await`` between them: two requests cannot both
+        pass a full server). Returns the slot's release, which frees it once however often it is called."""
         if app.state.inflight >= limits.max_inflight:
             raise HTTPError(503, f"server busy: {limits.max_inflight} episodes in flight", "server_error")
         app.state.inflight += 1
-        ex = QAExample(id=f"req-{uuid.uuid4().hex[:12]}", question=question, golden_answers=golds or [""])
-        # no gold: nothing to judge, and no verdict is returned, so an LLM judge would only cost a generation
-        plain = not golds and getattr(agent_cfg, "judge", "rule") == "llm"
-        run_ctx = ctx if (k is None or k == ctx.top_k) and not plain else make_context(
-            llm, evidence, agent_cfg, temperature=temperature, top_k=k or ctx.top_k,
-            judge=rule_judge() if plain else ctx.judge, scheduler=ctx.scheduler)
+        taken = True
+
+        def release() -> None:
+            nonlocal taken
+            if taken:
+                taken = False
+                app.state.inflight -= 1
+
+        return release
+
+    async def episode(question: str, golds: list[str], k: int | None, on_event: EventSink | None = None,
+                      release: Callable[[], None] | None = None) -> Trajectory:
+        """Run one episode in a slot of ``max_inflight`` (``release``: one the caller took with
+        :func:`take_slot`; by default it is taken here) and free the slot when it ends, however it ends.
+        Raises :class:`HTTPError` 503 (no slot), 504 (over ``request_timeout_s``) or 502 (backend failure)."""
+        release = release or take_slot()
         try:
+            ex = QAExample(id=f"req-{uuid.uuid4().hex[:12]}", question=question, golden_answers=golds or [""])
+            # no gold: nothing to judge, and no verdict is returned, so an LLM judge would only cost a generation
+            plain = not golds and getattr(agent_cfg, "judge", "rule") == "llm"
+            run_ctx = ctx if (k is None or k == ctx.top_k) and not plain else make_context(
+                llm, evidence, agent_cfg, temperature=temperature, top_k=k or ctx.top_k,
+                judge=rule_judge() if plain else ctx.judge, scheduler=ctx.scheduler)
             traj = await asyncio.wait_for(run_episode(run_ctx, ex, on_event=on_event), limits.request_timeout_s)
         except TimeoutError:
             raise HTTPError(504, f"the episode took longer than {limits.request_timeout_s} s", "timeout") from None
         finally:
-            app.state.inflight -= 1
+            release()
         if traj.stop_reason == "error":
             raise HTTPError(502, f"the episode failed: {traj.metadata.get('error')}", "backend_error")
         app.state.served += 1
@@ -314,10 +356,14 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
             return chunk({}, sleuth={"event": "search", "turn": event["turn"], "query": event["query"],
                                      "doc_ids": event["doc_ids"]})
 
+        # the slot is taken before the stream starts: a client over max_inflight gets a plain 503 (OpenAI
+        # clients retry it), not a 200 whose stream then carries the error
+        release = take_slot()
+
         async def events():
             # the episode runs as its own task and hands its progress events over a queue; None = it ended
             queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-            task = asyncio.create_task(episode(q, [], None, on_event=queue.put))
+            task = asyncio.create_task(episode(q, [], None, on_event=queue.put, release=release))
             task.add_done_callback(lambda _: queue.put_nowait(None))
             try:
                 yield chunk({"role": "assistant", "content": ""})
@@ -341,6 +387,6 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
                 elif not task.cancelled():
                     task.exception()  # retrieved: no "exception was never retrieved" after a disconnect
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return _SlotStream(events(), release, media_type="text/event-stream")
 
     return app

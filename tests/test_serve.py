@@ -508,3 +508,75 @@ def test_unknown_routes_and_unexpected_failures_answer_in_the_error_shape(tiny_l
         assert "tokenizer exploded" in err["message"]
         r = httpx2.post(srv.url + "/ask", json={"question": "What is the capital of France?"}, timeout=30)
         assert r.status_code == 200 and r.json()["answer"] == "Paris"
+
+
+# -- max_inflight and streaming -----------------------------------------------------------------------
+def test_a_streamed_request_over_max_inflight_gets_503_before_any_stream(tiny_llm, retriever, agent_cfg):
+    # the slot was taken inside the streamed episode's task, after the 200 and the role chunk had gone out:
+    # a client over the limit got 200 and then an error event, which OpenAI clients do not retry
+    llm = GatedLLM(tiny_llm.tokenizer, SCRIPTS)
+    app = create_app(llm, retriever, agent_cfg, top_k=2, limits=ServeLimits(request_timeout_s=20, max_inflight=2))
+    body = {"stream": True, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    url = "/v1/chat/completions"
+    with ServerThread(app) as srv:
+        async def main():
+            async with httpx2.AsyncClient(base_url=srv.url, timeout=30) as c:
+                async def one():
+                    async with c.stream("POST", url, json=body) as r:
+                        return r.status_code, r.headers.get("content-type", ""), (await r.aread()).decode()
+
+                tasks = [asyncio.create_task(one()) for _ in range(5)]
+                while httpx2.get(srv.url + "/health").json()["inflight"] < 2:  # two episodes hold the slots
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.3)
+                over = await c.post(url, json=body)  # over the limit while the two run
+                llm.gate.set()
+                return await asyncio.gather(*tasks), over
+
+        got, over = asyncio.run(main())
+        after = httpx2.post(srv.url + url, json=body, timeout=30)
+        inflight = httpx2.get(srv.url + "/health").json()["inflight"]
+    import json
+
+    assert sorted(s for s, _, _ in got) == [200, 200, 503, 503, 503]
+    for status, ctype, text in got + [(over.status_code, over.headers["content-type"], over.text)]:
+        if status == 503:
+            assert ctype.startswith("application/json"), ctype
+            err = json.loads(text)["error"]
+            assert "busy" in err["message"] and err["type"] == "server_error"
+        else:
+            assert ctype.startswith("text/event-stream") and text.rstrip().endswith("data: [DONE]")
+    assert over.status_code == 503
+    assert after.status_code == 200 and after.text.rstrip().endswith("data: [DONE]")
+    assert inflight == 0
+
+
+def test_a_streamed_episode_frees_its_slot_on_error_timeout_and_success(tiny_llm, retriever, agent_cfg):
+    script = ScriptLLM(tiny_llm.tokenizer, SCRIPTS)
+
+    class Moody:
+        tokenizer = tiny_llm.tokenizer
+        mode = "error"
+
+        def generate(self, prompts, params):
+            if self.mode == "error":
+                raise ValueError("backend returned garbage")
+            if self.mode == "hang":
+                time.sleep(1.0)
+            return script.generate(prompts, params)
+
+    llm = Moody()
+    app = create_app(llm, retriever, agent_cfg, top_k=2, limits=ServeLimits(request_timeout_s=0.5, max_inflight=1))
+    body = {"stream": True, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    with ServerThread(app) as srv:
+        for mode, code in (("error", 502), ("hang", 504), ("ok", None)):
+            llm.mode = mode
+            with httpx2.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=30) as r:
+                assert r.status_code == 200, (mode, r.read())
+                got = _sse(r.iter_lines())
+            if code is None:
+                assert got[-1] == "[DONE]"
+            else:
+                assert got[-1]["error"]["code"] == code, (mode, got[-1])
+            assert httpx2.get(srv.url + "/health").json()["inflight"] == 0, mode
+            time.sleep(0.7)  # a hung backend call returns before the next mode
