@@ -156,7 +156,9 @@ class Encoder:
     argument (``"mean"``, ``"cls"``, or another sentence-transformers mode), else what the model folder
     declares (:func:`model_pooling`), else its family's (:func:`default_pooling`: bge CLS, others mean). A
     sentence-transformers model uses its own pooling modules (``pooling`` is not used). Raises
-    ``ValueError`` naming the source of an unknown pooling mode or an unreadable pooling config. Prefixes default to
+    ``ValueError`` naming the source of an unknown pooling mode or an unreadable pooling config. A plain
+    model's inputs are cut at ``max_length`` tokens, else at 512 or the model's own limit when lower
+    (``max_position_embeddings``, the tokenizer's ``model_max_length``). Prefixes default to
     :func:`default_prefixes`, then to the model's own ``prompts``, and are passed as sentence-transformers'
     ``prompt`` (so a model's ``default_prompt_name`` is not added too, and ``include_prompt: false`` holds). ``fingerprint`` is
     :func:`model_fingerprint` of the model, for resumable encodings (:func:`encode_to_memmap`).
@@ -190,7 +192,8 @@ class Encoder:
                 from sentence_transformers import models
             declared = None if pooling else model_pooling(path)
             kw, source = declared or ({"pooling_mode": pooling or default_pooling(f"{model} {path.name}")}, None)
-            word = models.Transformer(str(path), max_seq_length=max_length or 512)
+            word = models.Transformer(str(path))  # inputs cut at the model's positions and tokenizer's limit
+            word.max_seq_length = min(512, word.max_seq_length or 512)  # (max_length, if given, is set below)
             dim = getattr(word, "get_embedding_dimension", None) or word.get_word_embedding_dimension
             try:
                 pool = models.Pooling(dim(), **kw)

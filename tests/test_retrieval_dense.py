@@ -495,3 +495,21 @@ def test_a_bad_pooling_config_is_an_error_naming_the_file(tmp_path):
     (path / "1_Pooling" / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"1_Pooling.config\.json"):
         dense.Encoder(str(path), device="cpu")
+
+
+def test_plain_hf_encoder_truncates_at_the_model_s_positions(tmp_path):
+    """A plain HF encoder was given max_seq_length=512 whatever the model held, so a model with fewer
+    positions (64 here) failed on a long passage with a bare tensor-size RuntimeError; inputs are now cut
+    at min(512, the model's positions, the tokenizer's limit), as sentence-transformers cuts them."""
+    import torch
+    from transformers import AutoTokenizer, BertModel
+
+    path = _plain_bert(tmp_path, "tiny-encoder")
+    enc = dense.Encoder(str(path), device="cpu")
+    assert enc.model.max_seq_length == 64
+    text = "zebrafish live in rivers " * 40
+    tok, model = AutoTokenizer.from_pretrained(path), BertModel.from_pretrained(path).eval()
+    batch = tok([text], truncation=True, max_length=64, return_tensors="pt")
+    with torch.no_grad():
+        want = torch.nn.functional.normalize(model(**batch).last_hidden_state.mean(1), dim=-1).numpy()
+    np.testing.assert_allclose(enc.encode_passages([text]), want, atol=1e-5)
