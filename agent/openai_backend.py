@@ -15,9 +15,10 @@ the server:
 Requests run concurrently (``asyncio`` + ``httpx2.AsyncClient``) under a concurrency limit, with a timeout
 per request and retries with exponential backoff on connection errors, timeouts, 429 and 5xx (waiting at least
 what a `Retry-After` header asks, up to 60 s); a request still failing after them raises
-:class:`BackendUnreachable` (the server is down: the scheduler fails the whole batch). Other 4xx responses
-and malformed bodies raise :class:`BackendError` at once (a retry would not help; the scheduler retries the
-batch's requests one by one, so only the episode whose request it was fails, with the reason).
+:class:`BackendUnreachable` (the server is down: the scheduler fails the whole batch), and 401, 403 and
+404 raise :class:`BackendRefused` at once (a wrong key, URL or model name: the same). Other 4xx responses
+and malformed bodies raise :class:`BackendError` at once (a retry would not help; the scheduler retries
+the batch's requests one by one, so only the episode whose request it was fails, with the reason).
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ class BackendUnreachable(BackendError, BackendUnavailable):
     down or overloaded, not unhappy with one request."""
 
 
+class BackendRefused(BackendError, BackendUnavailable):
+    """The server refuses every request: HTTP 401 or 403 (a wrong or missing key) or 404 (a wrong base URL
+    or model name)."""
+
+
 class OpenAICompatibleLLM:
     """:class:`agent.llm.LLM` over an OpenAI-compatible completions endpoint.
 
@@ -78,8 +84,9 @@ class OpenAICompatibleLLM:
     # -- LLM protocol ---------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """Blocking batch call (the scheduler runs it in a worker thread). Raises :class:`BackendError`
-        when any request of the batch is rejected or answered with garbage, :class:`BackendUnreachable` (a
-        ``BackendError``) when one still fails after its retries."""
+        when any request of the batch is rejected or answered with garbage: :class:`BackendUnreachable`
+        when one still fails after its retries, :class:`BackendRefused` on 401, 403 or 404 (both are
+        ``BackendError`` and :class:`agent.llm.BackendUnavailable`)."""
         return run_sync(self.agenerate(prompts, params))
 
     async def agenerate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -137,6 +144,8 @@ class OpenAICompatibleLLM:
                 last = f"HTTP {r.status_code}: {r.text[:200]}"
                 wait = _retry_after(r.headers.get("retry-after"))
                 continue
+            if r.status_code in (401, 403, 404):
+                raise BackendRefused(f"{self.base_url}/completions answered HTTP {r.status_code}: {r.text[:300]}")
             if r.status_code >= 400:
                 raise BackendError(f"{self.base_url}/completions answered HTTP {r.status_code}: {r.text[:300]}")
             return self._parse(r, params)

@@ -115,7 +115,9 @@ def fake_openai_completions_app(llm, mode: dict):
     ``{"garbage": True}`` answers 200 with a non-JSON body, ``{"sleep": s}`` stalls s seconds,
     ``{"text_only": True}`` omits token ids (a hosted API); ``{"drop_stop": True}`` leaves the stop string
     out of the text, as OpenAI's API does, and ``{"stop_reason": True}`` then names it as vLLM does
-    (``stop_reason``: the string, or ``None`` for EOS). ``mode["seen"]`` collects request bodies."""
+    (``stop_reason``: the string, or ``None`` for EOS). ``{"max_prompt": n}`` answers 400 to a prompt of
+    more than n tokens (vLLM's context-length error); ``{"status": code}`` answers every request with that
+    error status (401: a wrong key). ``mode["seen"]`` collects request bodies."""
     import asyncio
 
     app = FastAPI()
@@ -125,6 +127,11 @@ def fake_openai_completions_app(llm, mode: dict):
     async def completions(request: Request):
         body = await request.json()
         mode["seen"].append(body)
+        if mode.get("status"):
+            return JSONResponse({"error": {"message": "refused"}}, status_code=mode["status"])
+        if len(body["prompt"]) > mode.get("max_prompt", len(body["prompt"])):
+            return JSONResponse({"error": {"message": f"This model's maximum context length is {mode['max_prompt']} "
+                                                      f"tokens; the prompt has {len(body['prompt'])}"}}, status_code=400)
         if mode.get("fail_first", 0) > 0:
             mode["fail_first"] -= 1
             retry = mode.get("retry_after")  # a rate limit with Retry-After (seconds), as hosted APIs send

@@ -80,6 +80,28 @@ def test_timeout_and_garbage_fail_cleanly(scripted, retriever, agent_cfg):
     assert t.stop_reason == "error" and "malformed completion" in t.metadata["error"]
 
 
+def test_one_rejected_prompt_fails_only_its_episode_and_a_refusing_server_fails_all_at_once(scripted, retriever,
+                                                                                          agent_cfg):
+    # one prompt over the served model's context (HTTP 400) failed every episode batched with it
+    from agent.llm import BackendUnavailable
+    from corpora.formats import QAExample
+
+    long = QAExample("long", "capital of France? " + "very " * 40, ["Paris"])  # 171 prompt tokens
+    mode: dict = {"max_prompt": 150}  # the others' prompts stay under 120 tokens
+    with ServerThread(fake_openai_completions_app(scripted, mode)) as srv:
+        llm = _client(srv.url, scripted.tokenizer, max_retries=0)
+        trajs = run_episodes([FRANCE, long, EIFFEL], llm, retriever, agent_cfg)
+        assert [t.answer for t in trajs] == ["Paris", None, "Dijon"]
+        assert trajs[1].stop_reason == "error" and "maximum context length" in trajs[1].metadata["error"]
+        # a server refusing every request (a wrong key: 401) fails the batch without one call per episode
+        mode.update(status=401, seen=[])
+        with pytest.raises(BackendUnavailable, match="HTTP 401"):
+            llm.generate([[1], [2]], SamplingParams())
+        trajs = run_episodes([FRANCE, EIFFEL, FRANCE], llm, retriever, agent_cfg)
+    assert all(t.stop_reason == "error" and "HTTP 401" in t.metadata["error"] for t in trajs)
+    assert len(mode["seen"]) == 2 + 3
+
+
 def test_unreachable_server(scripted):
     llm = OpenAICompatibleLLM("http://127.0.0.1:9/v1", "tiny", scripted.tokenizer, max_retries=0)
     with pytest.raises(BackendError, match="ConnectError"):
