@@ -221,7 +221,8 @@ def _ppo_inputs(B, T, seed, keep=0.7):
 @pytest.mark.parametrize("agg", LOSS_AGG_MODES)
 @pytest.mark.parametrize("kl_type", ["k1", "k3"])
 @pytest.mark.parametrize("keep", [0.0, 0.7, 1.0])
-def test_policy_loss_matches_reference(B, T, agg, kl_type, keep):
+@pytest.mark.parametrize("clip_c", [None, 1.5])
+def test_policy_loss_matches_reference(B, T, agg, kl_type, keep, clip_c):
     lp, old, adv, mask, ref, ent = _ppo_inputs(B, T, seed=B * T, keep=keep)
     if keep == 1.0:
         mask.fill_(1.0)
@@ -233,6 +234,7 @@ def test_policy_loss_matches_reference(B, T, agg, kl_type, keep):
         "kl_coef": 0.05,
         "kl_type": kl_type,
         "entropy_coef": 0.01,
+        "clip_ratio_c": clip_c,
     }
     lp_k, ent_k = lp.clone().requires_grad_(True), ent.clone().requires_grad_(True)
     _poison(B * T * 4 * 4)
@@ -247,6 +249,8 @@ def test_policy_loss_matches_reference(B, T, agg, kl_type, keep):
     assert abs(loss.item() - loss_r.item()) <= 1e-5 * max(1.0, abs(loss_r.item()))
     for k in stats:
         assert abs(stats[k] - stats_r[k]) <= 1e-5 * max(1.0, abs(stats_r[k])), k
+    if clip_c is not None and keep > 0 and B * T > 1000:
+        assert stats["clip_frac_lower"] > 0.01  # the dual-clip branch is exercised
     if keep == 0.0:
         assert float(loss) == 0.0 and (lp_k.grad == 0).all() and (ent_k.grad == 0).all()
     else:

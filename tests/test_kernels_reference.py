@@ -408,9 +408,10 @@ def test_ppo_clip_loss_gradcheck(agg):
     assert torch.autograd.gradcheck(f, (lp, ent))
 
 
-def _ppo_kernel_emulation(lp, old, adv, mask, *, cl, ch, agg, ref, kl_coef, kl_type, ent_coef):
+def _ppo_kernel_emulation(lp, old, adv, mask, *, cl, ch, agg, ref, kl_coef, kl_type, ent_coef, clip_c=None):
     """cuda/ppo_loss.cu's backward: row weights w_b per mode and the per-token closed-form gradient with
-    torch's conventions (clamp passes gradient on its closed interval, maximum splits ties in half)."""
+    torch's conventions (clamp passes gradient on its closed interval, maximum splits ties in half); a
+    dual-clipped token (A < 0, -A c below the clipped loss) has none."""
     B = lp.shape[0]
     n_b = mask.sum(-1)
     if agg == "token-mean":
@@ -427,6 +428,8 @@ def _ppo_kernel_emulation(lp, old, adv, mask, *, cl, ch, agg, ref, kl_coef, kl_t
     d1 = -adv * r
     d2 = torch.where((r >= lo) & (r <= hi), -adv * r, 0.0)
     d = torch.where(pg1 > pg2, d1, torch.where(pg1 < pg2, d2, 0.5 * (d1 + d2))) * dclamp
+    if clip_c is not None:
+        d = torch.where((adv < 0) & (-adv * clip_c < torch.maximum(pg1, pg2)), 0.0, d)
     if kl_type == "k1":
         dk = torch.ones_like(lp)
     else:
@@ -439,8 +442,12 @@ def _ppo_kernel_emulation(lp, old, adv, mask, *, cl, ch, agg, ref, kl_coef, kl_t
 
 @pytest.mark.parametrize("agg", LOSS_AGG_MODES)
 @pytest.mark.parametrize("kl_type", ["k1", "k3"])
-def test_ppo_kernel_gradient_formula_matches_autograd(agg, kl_type):
+@pytest.mark.parametrize("clip_c", [None, 3.0])
+def test_ppo_kernel_gradient_formula_matches_autograd(agg, kl_type, clip_c):
     lp, old, adv, mask, ref, ent = _ppo_inputs(B=4, T=6, seed=11)
+    old[2, :3] = lp[2, :3] - torch.tensor([2.0, 0.5, 2.0], dtype=lp.dtype)  # ratios e^2 > c and e^0.5 < c
+    adv[2, :3] = torch.tensor([-0.7, -0.7, 0.7], dtype=lp.dtype)  # dual-clipped only at A < 0 and r > c
+    mask[2, :3] = 1.0
     old[0, 0] = lp[0, 0]  # ratio exactly 1: a tie of the two surrogate branches
     old[0, 1] = lp[0, 1] - 30.0  # log-ratio beyond the +-20 clamp: no gradient
     ref[1, 0] = lp[1, 0] + 25.0  # k3: log-ratio clamp
@@ -455,8 +462,10 @@ def test_ppo_kernel_gradient_formula_matches_autograd(agg, kl_type):
         "ref_logprobs": ref,
         "kl_coef": 0.1,
         "kl_type": kl_type,
+        "clip_ratio_c": clip_c,
     }
-    loss, _ = ppo_clip_loss(lp, old, adv, mask, entropy=ent, entropy_coef=0.01, **kw)
+    loss, stats = ppo_clip_loss(lp, old, adv, mask, entropy=ent, entropy_coef=0.01, **kw)
+    assert stats.get("clip_frac_lower", 0.0) == (1 / mask.sum() if clip_c else 0.0)  # the one token [2, 0]
     g_lp, g_ent = torch.autograd.grad(loss, (lp, ent))
     e_lp, e_ent = _ppo_kernel_emulation(
         lp.detach(),
@@ -470,6 +479,7 @@ def test_ppo_kernel_gradient_formula_matches_autograd(agg, kl_type):
         kl_coef=0.1,
         kl_type=kl_type,
         ent_coef=0.01,
+        clip_c=clip_c,
     )
     torch.testing.assert_close(e_lp, g_lp, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(e_ent, g_ent, rtol=1e-12, atol=1e-12)
@@ -562,8 +572,8 @@ def test_policy_loss_dispatch_on_cpu_and_switch(monkeypatch):
 def test_dual_clip_bounds_negative_advantages():
     """Dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c): a token with A < 0 and a ratio beyond c has the
     constant loss -A c (no gradient: its ratio cannot push the loss up without bound); A > 0, or a ratio
-    under c, is the plain clipped loss. The dispatcher takes it on the reference path and a forced kernel
-    refuses it."""
+    under c, is the plain clipped loss. On CPU the dispatcher runs the reference; it refuses a bound of 1 or
+    less before dispatch, as the reference does."""
     old = torch.zeros(1, 4, dtype=torch.float64)
     lp = torch.tensor([[math.log(5.0), math.log(5.0), math.log(2.0), math.log(0.5)]], dtype=torch.float64,
                       requires_grad=True)
@@ -581,8 +591,8 @@ def test_dual_clip_bounds_negative_advantages():
     args = (lp.detach().float(), old.float(), adv.float(), mask.float())
     got, got_stats = K.policy_loss(*args, clip_ratio_c=3.0)
     assert float(got) == pytest.approx(float(want.mean())) and got_stats["clip_frac_lower"] == 0.25
-    with pytest.raises(ValueError, match="no dual-clip"):
-        K.policy_loss(*args, clip_ratio_c=3.0, impl="cuda")
+    with pytest.raises(ValueError, match="clip_ratio_c > 1"):
+        K.policy_loss(*args, clip_ratio_c=0.5)
 
 
 def test_available_false_without_cuda():

@@ -327,13 +327,15 @@ def masked_logprobs(
 
 # ---- masked PPO-clip loss ------------------------------------------------------------------------------
 
-_STAT_NAMES = ("loss", "pg_loss", "clip_frac", "approx_kl", "ratio_mean", "kl", "entropy", "n_tokens")
+_STAT_NAMES = (
+    "loss", "pg_loss", "clip_frac", "approx_kl", "ratio_mean", "kl", "entropy", "n_tokens", "clip_frac_lower"
+)
 
 
 class _PolicyLoss(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, logprobs, entropy, old, adv, mask, ref, clip_low, clip_high, kl_coef, kl_type, ent_coef, mode
+        ctx, logprobs, entropy, old, adv, mask, ref, clip_low, clip_high, clip_c, kl_coef, kl_type, ent_coef, mode
     ):
         ext = load_extension()
         out, row_w = ext.ppo_loss_fwd(
@@ -345,6 +347,7 @@ class _PolicyLoss(torch.autograd.Function):
             entropy,
             clip_low,
             clip_high,
+            clip_c,
             kl_coef,
             kl_type,
             ent_coef,
@@ -352,14 +355,14 @@ class _PolicyLoss(torch.autograd.Function):
             _stream(logprobs),
         )
         ctx.save_for_backward(logprobs, old, adv, mask, ref, row_w)
-        ctx.cfg = (clip_low, clip_high, kl_coef, kl_type, ent_coef, entropy is not None, mode)
+        ctx.cfg = (clip_low, clip_high, clip_c, kl_coef, kl_type, ent_coef, entropy is not None, mode)
         ctx.mark_non_differentiable(out)
         return out[0].clone(), out
 
     @staticmethod
     def backward(ctx, g, _g_stats):
         logprobs, old, adv, mask, ref, row_w = ctx.saved_tensors
-        clip_low, clip_high, kl_coef, kl_type, ent_coef, has_ent, mode = ctx.cfg
+        clip_low, clip_high, clip_c, kl_coef, kl_type, ent_coef, has_ent, mode = ctx.cfg
         need_ent = bool(ctx.needs_input_grad[1]) and has_ent
         g_lp, g_ent = load_extension().ppo_loss_bwd(
             g.reshape(1).float().contiguous(),
@@ -371,6 +374,7 @@ class _PolicyLoss(torch.autograd.Function):
             row_w,
             clip_low,
             clip_high,
+            clip_c,
             kl_coef,
             kl_type,
             ent_coef,
@@ -379,7 +383,7 @@ class _PolicyLoss(torch.autograd.Function):
             mode,
             _stream(logprobs),
         )
-        return g_lp, (g_ent if need_ent else None), None, None, None, None, None, None, None, None, None, None
+        return (g_lp, g_ent if need_ent else None) + (None,) * 11
 
 
 def policy_loss(
@@ -399,14 +403,14 @@ def policy_loss(
     clip_ratio_c: float | None = None,
     impl: str | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The masked PPO-clip loss; same signature, semantics and stats as :func:`training.losses.ppo_clip_loss`.
-    Dual-clip (``clip_ratio_c``) is not in the kernel: with it, ``auto`` uses the reference and ``cuda``
-    raises ``ValueError``.
+    """The masked PPO-clip loss; same signature, semantics and stats as :func:`training.losses.ppo_clip_loss`,
+    dual-clip (``clip_ratio_c``) included.
 
     All per-token tensors ``[B, T]``; the kernel computes in float32 and differentiates w.r.t.
     ``logprobs`` and ``entropy`` only (old log-probs, advantages and reference log-probs are constants, as
     in training: if any of them requires grad, ``auto`` uses the reference and ``cuda`` raises). Returns
-    ``(loss, stats)``. Raises ``ValueError`` for an unknown aggregation or KL kind or mismatched shapes.
+    ``(loss, stats)``. Raises ``ValueError`` for an unknown aggregation or KL kind, mismatched shapes or
+    ``clip_ratio_c <= 1``.
     """
     if loss_agg not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss aggregation {loss_agg!r}; expected one of {LOSS_AGG_MODES}")
@@ -438,9 +442,9 @@ def policy_loss(
     mode = _impl(impl)
     if mode == "cuda" and const_grad:
         raise RuntimeError("the policy-loss kernel treats old_logprobs/advantages/ref_logprobs as constants")
-    if mode == "cuda" and clip_ratio_c is not None:
-        raise ValueError("the policy-loss kernel has no dual-clip (clip_ratio_c); use the reference (auto)")
-    no_kernel = logprobs.dim() != 2 or shape[0] == 0 or const_grad or clip_ratio_c is not None
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"dual-clip needs clip_ratio_c > 1, got {clip_ratio_c}")
+    no_kernel = logprobs.dim() != 2 or shape[0] == 0 or const_grad
     if no_kernel or not _use_cuda(impl, *tensors):
         if mode == "cuda" and (logprobs.dim() != 2 or shape[0] == 0):
             raise ValueError(f"the policy-loss kernel needs [B, T] inputs with B > 0, got {tuple(shape)}")
@@ -459,6 +463,7 @@ def policy_loss(
         f32(ref_logprobs).detach() if use_kl else None,
         float(clip_low),
         float(clip_high),
+        0.0 if clip_ratio_c is None else float(clip_ratio_c),
         float(kl_coef) if use_kl else 0.0,
         1 if kl_type == "k1" else 3,
         float(entropy_coef),
@@ -466,6 +471,8 @@ def policy_loss(
     )
     vals = dict(zip(_STAT_NAMES, out.tolist(), strict=True))
     stats = {k: vals[k] for k in ("pg_loss", "clip_frac", "approx_kl", "ratio_mean")}
+    if clip_ratio_c is not None:
+        stats["clip_frac_lower"] = vals["clip_frac_lower"]
     if use_kl:
         stats["kl"] = vals["kl"]
     if entropy is not None:

@@ -21,13 +21,13 @@ int sleuth_logit_grad(void* z, long long ldz, long long n, int c, long long star
                       const long long* targets, const float* lse, const float* ent, const float* g_lp,
                       const float* g_ent, void* stream);
 int sleuth_ppo_loss_forward(const float* lp, const float* old, const float* adv, const float* mask, const float* ref,
-                            const float* ent, int B, int T, float clip_low, float clip_high, float kl_coef,
-                            int kl_type, float entropy_coef, int mode, float* rows, float* out, float* row_w,
-                            void* stream);
+                            const float* ent, int B, int T, float clip_low, float clip_high, float clip_c,
+                            float kl_coef, int kl_type, float entropy_coef, int mode, float* rows, float* out,
+                            float* row_w, void* stream);
 int sleuth_ppo_loss_backward(const float* g, const float* lp, const float* old, const float* adv,
                              const float* mask, const float* ref, const float* row_w, int B, int T, float clip_low,
-                             float clip_high, float kl_coef, int kl_type, float entropy_coef, int has_ent, int mode,
-                             float* g_lp, float* g_ent, void* stream);
+                             float clip_high, float clip_c, float kl_coef, int kl_type, float entropy_coef,
+                             int has_ent, int mode, float* g_lp, float* g_ent, void* stream);
 const char* sleuth_cuda_error_string(int err);
 }
 
@@ -219,12 +219,13 @@ void check_loss_inputs(const at::Tensor& lp, const at::Tensor& old, const at::Te
   TORCH_CHECK(lp.size(0) > 0 && lp.size(0) < (1LL << 31) && lp.size(1) < (1LL << 31), "bad [B, T]");
 }
 
-// Returns (out [8]: loss, pg_loss, clip_frac, approx_kl, ratio_mean, kl, entropy, n_tokens; row_w [B]).
+// Returns (out [9]: loss, pg_loss, clip_frac, approx_kl, ratio_mean, kl, entropy, n_tokens, clip_frac_lower;
+// row_w [B]). clip_c: the dual-clip bound (> 1), or 0 for none.
 std::vector<at::Tensor> ppo_loss_fwd(const at::Tensor& lp, const at::Tensor& old, const at::Tensor& adv,
                                      const at::Tensor& mask, const std::optional<at::Tensor>& ref,
                                      const std::optional<at::Tensor>& ent, double clip_low, double clip_high,
-                                     double kl_coef, int64_t kl_type, double entropy_coef, int64_t mode,
-                                     int64_t stream) {
+                                     double clip_c, double kl_coef, int64_t kl_type, double entropy_coef,
+                                     int64_t mode, int64_t stream) {
   check_loss_inputs(lp, old, adv, mask);
   const float* refp = opt_ptr(ref, "ref_logprobs");
   const float* entp = opt_ptr(ent, "entropy");
@@ -232,12 +233,13 @@ std::vector<at::Tensor> ppo_loss_fwd(const at::Tensor& lp, const at::Tensor& old
   if (entp) TORCH_CHECK(ent->sizes() == lp.sizes(), "entropy must have the shape of logprobs");
   const int64_t B = lp.size(0), T = lp.size(1);
   auto f32 = lp.options();
-  auto rows = at::empty({B, 7}, f32), out = at::empty({8}, f32), row_w = at::empty({B}, f32);
+  TORCH_CHECK(clip_c == 0.0 || clip_c > 1.0, "dual-clip needs clip_ratio_c > 1, got ", clip_c);
+  auto rows = at::empty({B, 8}, f32), out = at::empty({9}, f32), row_w = at::empty({B}, f32);  // rows: kRowStats
   check_cuda(sleuth_ppo_loss_forward(lp.data_ptr<float>(), old.data_ptr<float>(), adv.data_ptr<float>(),
                                      mask.data_ptr<float>(), refp, entp, (int)B, (int)T, (float)clip_low,
-                                     (float)clip_high, (float)kl_coef, (int)kl_type, (float)entropy_coef, (int)mode,
-                                     rows.data_ptr<float>(), out.data_ptr<float>(), row_w.data_ptr<float>(),
-                                     as_stream(stream)),
+                                     (float)clip_high, (float)clip_c, (float)kl_coef, (int)kl_type,
+                                     (float)entropy_coef, (int)mode, rows.data_ptr<float>(), out.data_ptr<float>(),
+                                     row_w.data_ptr<float>(), as_stream(stream)),
              "ppo_loss_forward");
   return {out, row_w};
 }
@@ -246,8 +248,8 @@ std::vector<at::Tensor> ppo_loss_fwd(const at::Tensor& lp, const at::Tensor& old
 std::vector<at::Tensor> ppo_loss_bwd(const at::Tensor& g, const at::Tensor& lp, const at::Tensor& old,
                                      const at::Tensor& adv, const at::Tensor& mask,
                                      const std::optional<at::Tensor>& ref, const at::Tensor& row_w, double clip_low,
-                                     double clip_high, double kl_coef, int64_t kl_type, double entropy_coef,
-                                     bool has_ent, bool need_g_ent, int64_t mode, int64_t stream) {
+                                     double clip_high, double clip_c, double kl_coef, int64_t kl_type,
+                                     double entropy_coef, bool has_ent, bool need_g_ent, int64_t mode, int64_t stream) {
   check_loss_inputs(lp, old, adv, mask);
   check_cuda_tensor(g, "grad");
   check_cuda_tensor(row_w, "row_w");
@@ -258,8 +260,8 @@ std::vector<at::Tensor> ppo_loss_bwd(const at::Tensor& g, const at::Tensor& lp, 
   if (need_g_ent) g_ent = at::empty_like(lp);
   check_cuda(sleuth_ppo_loss_backward(g.data_ptr<float>(), lp.data_ptr<float>(), old.data_ptr<float>(),
                                       adv.data_ptr<float>(), mask.data_ptr<float>(), refp, row_w.data_ptr<float>(),
-                                      (int)B, (int)T, (float)clip_low, (float)clip_high, (float)kl_coef,
-                                      (int)kl_type, (float)entropy_coef, has_ent ? 1 : 0, (int)mode,
+                                      (int)B, (int)T, (float)clip_low, (float)clip_high, (float)clip_c,
+                                      (float)kl_coef, (int)kl_type, (float)entropy_coef, has_ent ? 1 : 0, (int)mode,
                                       g_lp.data_ptr<float>(), need_g_ent ? g_ent.data_ptr<float>() : nullptr,
                                       as_stream(stream)),
              "ppo_loss_backward");
