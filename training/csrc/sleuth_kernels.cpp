@@ -172,9 +172,11 @@ std::vector<at::Tensor> masked_logprobs_bwd(const at::Tensor& hidden, const at::
   const float* glp = opt_ptr(g_lp, "grad_logprobs");
   const float* gent = opt_ptr(g_ent, "grad_entropy");
   at::Tensor dhid, dw;
-  if (need_dh) dhid = at::zeros_like(hidden);
-  if (need_dw) dw = at::zeros({V, H}, w.options());
-  if (n == 0 || (glp == nullptr && gent == nullptr) || (!need_dh && !need_dw)) return {dhid, dw};
+  const bool work = n > 0 && (glp != nullptr || gent != nullptr) && (need_dh || need_dw);
+  if (need_dh) dhid = at::zeros_like(hidden);  // rows outside idx stay zero
+  // the first row block writes every chunk of dw (beta = 0), so it needs no zero fill (a V x H write)
+  if (need_dw) dw = work ? at::empty({V, H}, w.options()) : at::zeros({V, H}, w.options());
+  if (!work) return {dhid, dw};
   const int64_t cmax = std::min(chunk, V), rmax = std::min(row_block, n);
   auto buf = at::empty({rmax * cmax}, hidden.options());
   at::Tensor dh_buf;
