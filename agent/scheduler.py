@@ -27,8 +27,8 @@ def is_global(e: BaseException) -> bool:
     """Whether a backend or retriever exception says the service as a whole failed, so that retrying a
     batch's requests one by one would only repeat it: :class:`agent.llm.BackendUnavailable` (an
     OpenAI-compatible server still failing after its retries or answering 401/403/404, a closed vLLM
-    engine), ``ConnectionError``
-    (refused, reset; the retrieval client's ``RetrievalServerError``) and ``TimeoutError``. Anything else
+    engine), ``ConnectionError`` (refused, reset; the retrieval client's ``RetrievalServerError``) and
+    ``TimeoutError``. Anything else
     (``ValueError``, the OpenAI backend's ``BackendError`` for a 4xx or a malformed reply, a CUDA error of
     one oversized prompt, ...) may be one request's fault."""
     return isinstance(e, (BackendUnavailable, ConnectionError, TimeoutError))

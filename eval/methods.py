@@ -296,7 +296,8 @@ def ircot(
     ``<answer>``. Every step is one batched search and one batched LLM call over the questions still
     running, plus one batched call per round of continuing the steps that stopped at a "." which ends no
     sentence ("St.", "U.S.", "1."; :func:`_ircot_steps`), all of a step's rounds within
-    ``cfg.max_new_tokens``. ``turns`` counts every LLM call, ``generated_tokens`` every token generated within the budgets.
+    ``cfg.max_new_tokens``. ``turns`` counts every LLM call, ``generated_tokens`` every token generated
+    within the budgets.
     """
     cfg = cfg or AgentConfig()
     max_steps = cfg.max_turns if max_steps is None else max_steps
