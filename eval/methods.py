@@ -52,8 +52,13 @@ def _prompt(llm: LLM, question: str, cfg: AgentConfig) -> list[int]:
 
 
 def _params(cfg: AgentConfig, temperature: float, seed: int | None, stop: tuple[str, ...], max_new: int | None = None) -> SamplingParams:
+    """Sampling settings of one call: ``max_new`` new tokens per prompt (``None``: ``cfg.max_new_tokens``).
+    Raises ``ValueError`` for ``max_new < 1`` (asking for no tokens is a caller's bug, not the whole budget)."""
+    if max_new is not None and max_new < 1:
+        raise ValueError(f"max_new must be at least 1 token, got {max_new}")
     return SamplingParams(
-        max_new_tokens=max_new or cfg.max_new_tokens, temperature=temperature, top_p=cfg.top_p, stop=stop, seed=seed
+        max_new_tokens=cfg.max_new_tokens if max_new is None else max_new, temperature=temperature,
+        top_p=cfg.top_p, stop=stop, seed=seed
     )
 
 
@@ -467,10 +472,10 @@ def search_o1(
     continuation up to a blank line is the extraction); the search limit is ``max_steps`` reasoning steps
     (the paper caps searches at 10); documents are passages of the local corpus, not web pages; the
     chain is cut to the episode budget ``cfg.max_total_tokens``. ``max_extract_tokens`` (default
-    ``cfg.max_new_tokens``) bounds each extraction.
+    ``cfg.max_new_tokens``; at least 1) bounds each extraction.
 
     Raises ``ValueError`` with ``agent.protocol: function_call``: the policy's tool calls are not
-    ``<search>`` tags, so it would never search.
+    ``<search>`` tags, so it would never search; and for ``max_extract_tokens < 1``.
 
     Record fields: those of every method, with ``turns`` counting every LLM call for the question
     (reasoning steps, Reason-in-Documents calls and the forced answer), ``generated_tokens`` all their
@@ -479,7 +484,9 @@ def search_o1(
     cfg = cfg or AgentConfig()
     _check_tags_protocol("search_o1", cfg)
     max_steps = cfg.max_turns if max_steps is None else max_steps
-    extract_new = max_extract_tokens or cfg.max_new_tokens
+    if max_extract_tokens is not None and max_extract_tokens < 1:  # before any generation
+        raise ValueError(f"max_extract_tokens must be at least 1 token, got {max_extract_tokens}")
+    extract_new = cfg.max_new_tokens if max_extract_tokens is None else max_extract_tokens
     t0 = time.perf_counter()
     n = len(examples)
     if n == 0:

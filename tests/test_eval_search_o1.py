@@ -241,3 +241,19 @@ def test_function_calling_policy_is_refused_not_run_without_searches():
     with pytest.raises(ValueError, match="agent.protocol"):
         search_o1(examples(), SearchO1LLM(), KeywordRetriever(PASSAGES), cfg)
     make_method("search_o1", SearchO1LLM(), KeywordRetriever(PASSAGES), AgentConfig())  # the tag protocol runs
+
+
+def test_zero_extraction_tokens_is_refused_not_the_whole_budget():
+    """``max_extract_tokens=0`` (and ``_params(max_new=0)``) used to read as "not given" (``0 or default``) and
+    got the whole ``cfg.max_new_tokens``; asking for no tokens is a caller's bug: ValueError, before any call."""
+    from eval.methods import _params
+
+    cfg = AgentConfig(max_new_tokens=60)
+    with pytest.raises(ValueError, match="at least 1"):
+        _params(cfg, 0.0, 0, ("</answer>",), 0)
+    assert _params(cfg, 0.0, 0, ("</answer>",)).max_new_tokens == 60
+    assert _params(cfg, 0.0, 0, ("</answer>",), 7).max_new_tokens == 7
+    llm = SearchO1LLM(hops=1)
+    with pytest.raises(ValueError, match="max_extract_tokens"):
+        search_o1(examples(1), llm, KeywordRetriever(PASSAGES), cfg, top_k=1, max_extract_tokens=0)
+    assert llm.batches == []
