@@ -23,8 +23,9 @@ requests are episodes whose generation and search calls are batched together. Li
 ``max_body_bytes`` get 413, bodies that are not JSON (or nest too deeply to decode, or hold an integer of
 over 4,300 digits) 400, empty or over-long questions 422 (over ``max_question_chars``, or a prompt that
 leaves no token of the agent's ``max_total_tokens`` to generate: the message says by how many tokens),
-text with a lone surrogate 422, more than ``max_inflight`` episodes 503 (streamed or not; the slot is
-taken in one step with the check and freed however the episode ends), an episode over
+text with a lone surrogate 422, more than ``max_inflight`` episodes 503 with ``Retry-After:``
+:data:`BUSY_RETRY_AFTER_S` (streamed or not; the slot is taken in one step with the check and freed however
+the episode ends; the ``openai`` client and httpx retry loops wait that long), an episode over
 ``request_timeout_s`` 504, a backend failure 502 (only the episodes whose own call failed: the scheduler
 retries a failed batch's calls one by one), an unknown route 404 or method 405, anything unexpected 500 -
 each with the reason in ``{"error": {"message", "type"}}``; the server keeps serving.
@@ -68,10 +69,18 @@ class ServeLimits:
     max_top_k: int = 20
 
 
+BUSY_RETRY_AFTER_S = 1
+"""Seconds a busy server's 503 (over ``max_inflight``) asks a client to wait (``Retry-After``) before retrying."""
+
+
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+    """An error reply: HTTP ``status``, ``message`` and OpenAI error ``kind``; ``retry_after`` (seconds, or
+    ``None``) becomes a ``Retry-After`` header."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 retry_after: int | None = None):
         super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
+        self.status, self.message, self.kind, self.retry_after = status, message, kind, retry_after
 
 
 class _EvidenceRetriever:
@@ -122,8 +131,10 @@ class _SlotStream(StreamingResponse):
                 self.release()
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+def _error(status: int, message: str, kind: str = "invalid_request_error",
+           retry_after: int | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
 
 
 def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3, temperature: float = 0.0,
@@ -186,10 +197,12 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
 
     def take_slot() -> Callable[[], None]:
         """Take one of the ``max_inflight`` episode slots, or raise a 503 :class:`HTTPError` when all are
-        taken. The check and the taking are one step (no ``await`` between them: two requests cannot both
-        pass a full server). Returns the slot's release, which frees it once however often it is called."""
+        taken (with ``Retry-After:`` :data:`BUSY_RETRY_AFTER_S`). The check and the taking are one step (no
+        ``await`` between them: two requests cannot both pass a full server). Returns the slot's release,
+        which frees it once however often it is called."""
         if app.state.inflight >= limits.max_inflight:
-            raise HTTPError(503, f"server busy: {limits.max_inflight} episodes in flight", "server_error")
+            raise HTTPError(503, f"server busy: {limits.max_inflight} episodes in flight", "server_error",
+                            retry_after=BUSY_RETRY_AFTER_S)
         app.state.inflight += 1
         taken = True
 
@@ -258,7 +271,7 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, exc: HTTPError):
-        return _error(exc.status, exc.message, exc.kind)
+        return _error(exc.status, exc.message, exc.kind, exc.retry_after)
 
     @app.exception_handler(StarletteHTTPException)  # an unknown route (404), a wrong method (405)
     async def _route_error(request: Request, exc: StarletteHTTPException):

@@ -580,3 +580,31 @@ def test_a_streamed_episode_frees_its_slot_on_error_timeout_and_success(tiny_llm
                 assert got[-1]["error"]["code"] == code, (mode, got[-1])
             assert httpx2.get(srv.url + "/health").json()["inflight"] == 0, mode
             time.sleep(0.7)  # a hung backend call returns before the next mode
+
+
+def test_a_busy_503_asks_clients_to_retry_after_a_second(tiny_llm, retriever, agent_cfg):
+    """Over max_inflight, /ask and chat (streamed or not) answer 503 with ``Retry-After: 1`` and the usual
+    JSON error; other errors carry no Retry-After (a 422 retried later would fail the same way)."""
+    llm = GatedLLM(tiny_llm.tokenizer, SCRIPTS)
+    llm.batches.append(1)  # every generate call waits for the gate
+    app = create_app(llm, retriever, agent_cfg, top_k=2, limits=ServeLimits(request_timeout_s=20, max_inflight=1))
+    chat = {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    with ServerThread(app) as srv:
+        held = threading.Thread(target=httpx2.post, args=(srv.url + "/ask",),
+                                kwargs={"json": {"question": "What is the capital of France?"}, "timeout": 30})
+        held.start()
+        try:
+            while httpx2.get(srv.url + "/health").json()["inflight"] < 1:
+                time.sleep(0.02)
+            replies = [httpx2.post(srv.url + "/ask", json={"question": "Eiffel?"}, timeout=30),
+                       httpx2.post(srv.url + "/v1/chat/completions", json=chat, timeout=30),
+                       httpx2.post(srv.url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=30)]
+            bad = httpx2.post(srv.url + "/ask", json={"question": ""}, timeout=30)
+        finally:
+            llm.gate.set()
+            held.join(30)
+    for r in replies:
+        assert r.status_code == 503 and r.headers.get("retry-after") == "1", (r.status_code, r.headers)
+        assert r.headers["content-type"].startswith("application/json")
+        assert r.json()["error"]["type"] == "server_error" and "busy" in r.json()["error"]["message"]
+    assert bad.status_code == 422 and "retry-after" not in bad.headers
