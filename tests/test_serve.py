@@ -608,3 +608,33 @@ def test_a_busy_503_asks_clients_to_retry_after_a_second(tiny_llm, retriever, ag
         assert r.headers["content-type"].startswith("application/json")
         assert r.json()["error"]["type"] == "server_error" and "busy" in r.json()["error"]["message"]
     assert bad.status_code == 422 and "retry-after" not in bad.headers
+
+
+def test_serve_command_sets_max_inflight(monkeypatch, capsys):
+    """`sleuth serve` built its limits with the default max_inflight of 512 and no way to change it;
+    ``--max-inflight N`` sets it (uvicorn's own connection limit stays above it), and 0 is a usage error."""
+    import uvicorn
+
+    import agent.backends
+    import agent.server
+    import sleuth.commands.serve
+    import sleuth.pipeline
+    from sleuth.cli import main
+
+    got = {}
+    monkeypatch.setattr(sleuth.commands.serve, "check_port_free", lambda host, port: None)
+    monkeypatch.setattr(sleuth.pipeline, "open_retriever", lambda cfg, index=None: object())
+    monkeypatch.setattr(sleuth.pipeline, "resolve_model_path", lambda m: m)
+    monkeypatch.setattr(sleuth.pipeline, "check_context_length", lambda cfg, model: None)
+    monkeypatch.setattr(sleuth.pipeline, "answer_judge", lambda cfg: None)
+    monkeypatch.setattr(agent.backends, "make_llm", lambda *a, **kw: object())
+    monkeypatch.setattr(agent.server, "create_app", lambda *a, limits, **kw: got.setdefault("limits", limits))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: got.setdefault("uvicorn", kw))
+    assert main(["serve", "--model", "m", "--max-inflight", "3000"]) == 0
+    assert got["limits"].max_inflight == 3000 and got["uvicorn"]["limit_concurrency"] > 3000
+    got.clear()
+    assert main(["serve", "--model", "m"]) == 0
+    assert got["limits"].max_inflight == 512
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--max-inflight", "0"])
+    assert e.value.code == 2 and "--max-inflight" in capsys.readouterr().err

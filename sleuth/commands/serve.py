@@ -23,8 +23,11 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("SLEUTH_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $SLEUTH_API_KEY; unset or empty: no key, open)")
-    p.add_argument("--max-body-bytes", type=positive_int, default=64_000)
+    p.add_argument("--max-body-bytes", type=positive_int, default=64_000,
+                   help="largest request body accepted, in bytes (default 64000; above: HTTP 413)")
     p.add_argument("--timeout", type=_positive_seconds, default=120.0, help="seconds per episode before a 504")
+    p.add_argument("--max-inflight", type=positive_int, default=512,
+                   help="episodes running at once (default 512); a request over it gets HTTP 503 with Retry-After: 1")
     p.add_argument("--name", default="sleuth-agent", help="model name reported by the OpenAI routes")
 
 
@@ -65,8 +68,10 @@ def run(args) -> int:
     check_context_length(cfg, model)
     llm = make_llm(cfg.agent.backend, str(model), cfg.policy.dtype, cfg.policy.device, cfg.seed)
     limits = ServeLimits(max_body_bytes=args.max_body_bytes, request_timeout_s=args.timeout,
-                         max_question_chars=cfg.agent.max_query_chars)
+                         max_inflight=args.max_inflight, max_question_chars=cfg.agent.max_query_chars)
     app = create_app(llm, retriever, cfg.agent, top_k=cfg.retrieval.top_k, temperature=cfg.eval.temperature,
                      api_key=args.api_key, model_name=args.name, limits=limits, judge=answer_judge(cfg))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", limit_concurrency=1024)
+    # uvicorn's own limit answers a plain-text 503 with no Retry-After: kept above max_inflight (and /health)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                limit_concurrency=max(1024, 2 * limits.max_inflight))
     return 0
