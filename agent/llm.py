@@ -57,7 +57,10 @@ class LLM(Protocol):
     """A batched generator.
 
     ``tokenizer`` is a Hugging Face tokenizer (``encode``/``decode``); ``generate`` returns one
-    :class:`Generation` per prompt, in order.
+    :class:`Generation` per prompt, in order. A backend whose ``generate`` may run in several threads at
+    once sets the class attribute ``concurrent_calls = True`` (:class:`agent.scheduler.Scheduler` then
+    runs a failed batch's single retries concurrently); read with ``getattr(llm, "concurrent_calls",
+    False)``, it is not a member of this protocol, so backends without it stay :class:`LLM`.
     """
 
     tokenizer: Any

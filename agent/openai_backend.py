@@ -67,7 +67,12 @@ class OpenAICompatibleLLM:
         api_key: bearer token (default: ``$OPENAI_API_KEY`` if set).
         timeout_s: per-request timeout, seconds. max_retries: retries after the first attempt.
         max_concurrency: requests in flight at once. backoff_s: first retry delay (doubles each retry).
+
+    ``generate`` may be called from several threads at once (each call runs its own event loop and
+    client), so ``concurrent_calls`` is true: the scheduler retries a failed batch's requests concurrently.
     """
+
+    concurrent_calls = True
 
     def __init__(self, base_url: str, model: str, tokenizer: Any, api_key: str | None = None,
                  timeout_s: float = 120.0, max_retries: int = 3, max_concurrency: int = 64,

@@ -8,12 +8,17 @@ same scheduler serves concurrent HTTP requests (each request is an episode).
 
 A batched call that raises is retried once, member by member, so that one bad request (a prompt over the
 model's context, a request a remote server rejects) fails only its own episode; see :func:`is_global`
-for the errors that fail the whole batch at once.
+for the errors that fail the whole batch at once. Those single calls run one after another (the
+transformers and vLLM backends must not be called from several threads at once), or, for a backend or
+retriever whose class sets ``concurrent_calls = True`` (the OpenAI-compatible HTTP backend, the remote
+retrieval client), up to :data:`SPLIT_CONCURRENCY` at a time, so one rejected request in a batch of 256
+costs about 256 / 32 round trips, not 256.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -21,6 +26,10 @@ from typing import Any
 
 from agent.llm import LLM, BackendUnavailable, Generation, SamplingParams, decode
 from retrieval.base import Hit, Retriever
+
+SPLIT_CONCURRENCY = 32
+"""Most single calls of a failed batch's split pass in flight at once, for a backend that sets
+``concurrent_calls = True`` (each runs in a worker thread of the pass's own pool)."""
 
 
 def is_global(e: BaseException) -> bool:
@@ -38,10 +47,11 @@ class Scheduler:
     """Batching front end to one LLM backend and one retriever.
 
     ``max_batch`` bounds the prompts (or queries) per backend call. When a batched call raises, each of
-    its requests is run again alone (one pass, in order), so only the requests whose own call raises get
-    an exception; an error that :func:`is_global` calls global is not split: it fails every request of the
-    batch (and, met in the one-by-one pass, the requests not yet retried). Either way the scheduler keeps
-    serving.
+    its requests is run again alone (one pass: in order, or up to :data:`SPLIT_CONCURRENCY` at once when
+    the backend's ``concurrent_calls`` attribute is true; absent means false), so only the requests whose
+    own call raises get an exception; an error that :func:`is_global` calls global is not split: it fails
+    every request of the batch (and, met in the one-by-one pass, the requests not yet retried). Either way
+    the scheduler keeps serving.
     """
 
     def __init__(self, llm: LLM, retriever: Retriever | None = None, max_batch: int = 256):
@@ -133,26 +143,49 @@ class Scheduler:
     async def _one_by_one(self, kind: str, items: list[tuple[Any, asyncio.Future]], error: Exception) -> None:
         """Settle the futures of a batch whose call raised ``error``: each request still awaited is run alone
         and gets its own result or exception; a global ``error`` (:func:`is_global`), or one met on the way,
-        goes to every request not yet settled without another call. A batch of one is not run again."""
+        goes to every request not yet settled without another call (calls already running finish and keep
+        their own outcome). A batch of one is not run again. The single calls run in order, or up to
+        :data:`SPLIT_CONCURRENCY` at once when the backend (``llm`` or ``retriever``, by ``kind``) has a
+        true ``concurrent_calls`` attribute."""
         waiting = [it for it in items if not it[1].done()]
         if len(items) == 1 or is_global(error):
             waiting, failed = [], waiting
         else:
-            failed = []
-        for i, (payload, fut) in enumerate(waiting):
-            if fut.done():  # its episode was cancelled meanwhile
-                continue
-            try:
-                (res,) = await asyncio.to_thread(self._run, kind, [payload])
-            except Exception as e:  # noqa: BLE001 - this request's own failure
-                if not fut.done():
-                    fut.set_exception(e)
-                if is_global(e):
-                    error, failed = e, waiting[i + 1 :]
-                    break
+            failed = waiting
+        met: list[BaseException] = []  # the first global error of the pass
+        backend = self.llm if kind == "generate" else self.retriever
+        width = min(SPLIT_CONCURRENCY, len(waiting)) if getattr(backend, "concurrent_calls", False) else 1
+        pool = concurrent.futures.ThreadPoolExecutor(width, "sleuth-split") if width > 1 else None
+        gate = asyncio.Semaphore(width)
+
+        async def alone(payload: Any, fut: asyncio.Future) -> None:
+            async with gate:
+                if fut.done() or met:  # its episode was cancelled meanwhile; the service is down
+                    return
+                try:
+                    if pool is None:
+                        (res,) = await asyncio.to_thread(self._run, kind, [payload])
+                    else:
+                        (res,) = await asyncio.get_running_loop().run_in_executor(pool, self._run, kind, [payload])
+                except Exception as e:  # noqa: BLE001 - this request's own failure
+                    if not fut.done():
+                        fut.set_exception(e)
+                    if is_global(e) and not met:
+                        met.append(e)
+                else:
+                    if not fut.done():
+                        fut.set_result(res)
+
+        try:
+            if pool is None:
+                for payload, fut in waiting:
+                    await alone(payload, fut)
             else:
-                if not fut.done():
-                    fut.set_result(res)
+                await asyncio.gather(*(alone(payload, fut) for payload, fut in waiting))
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=False)
+        error = met[0] if met else error
         for _, fut in failed:
             if not fut.done():
                 fut.set_exception(error)

@@ -108,7 +108,11 @@ class RemoteRetriever:
     kept for reuse. ``reply_format`` is the reply format asked for (``columns-stream``; set ``columns`` or
     ``search-r1`` to compare them).
     Raises :class:`RetrievalServerError` when the server is down and ``ValueError`` on a rejected request.
+    ``search`` may be called from several threads at once (the connection pool is shared under a lock), so
+    ``concurrent_calls`` is true (see :class:`agent.scheduler.Scheduler`).
     """
+
+    concurrent_calls = True
 
     def __init__(
         self,

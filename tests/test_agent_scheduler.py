@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from agent.llm import Generation, SamplingParams
 from agent.loop import run_episodes
@@ -193,3 +194,89 @@ def test_a_cancelled_request_leaves_the_queue_and_is_never_run():
     llm = Seen()
     outs = asyncio.run(main(llm))
     assert llm.prompts == [[2], [3]] and [o.token_ids for o in outs] == [[9], [9]]
+
+
+class ConcurrentFailsOn(FailsOn):
+    """A :class:`FailsOn` that may be called from several threads at once (``concurrent_calls``), as the
+    OpenAI-compatible backend and the retrieval client: each single call waits at ``barrier`` (``parties``
+    single calls must be inside at once, else it breaks after 10 s) and ``overlap`` records the most calls
+    running together."""
+
+    concurrent_calls = True
+
+    def __init__(self, error: Exception, parties: int):
+        super().__init__(error)
+        self.barrier, self.lock, self.running, self.overlap = threading.Barrier(parties, timeout=10), threading.Lock(), 0, 0
+
+    def _alone(self, n: int) -> None:
+        if n == 1:
+            with self.lock:
+                self.running += 1
+                self.overlap = max(self.overlap, self.running)
+            try:
+                self.barrier.wait()
+            finally:
+                with self.lock:
+                    self.running -= 1
+
+    def generate(self, prompts, params):
+        self._alone(len(prompts))
+        return super().generate(prompts, params)
+
+    def search(self, queries, k):
+        self._alone(len(queries))
+        return super().search(queries, k)
+
+
+def test_the_split_pass_of_a_concurrent_backend_runs_its_single_calls_together():
+    """The split pass ran the single calls one after another for every backend: one 400 in a batch of 256 cost
+    256 sequential round trips over HTTP. A backend with ``concurrent_calls`` (here: single calls that
+    proceed only when all four are inside at once) gets them concurrently; the results are the same."""
+    async def main(llm):
+        sched = Scheduler(llm, retriever=llm)
+        gens = await asyncio.gather(*(sched.generate(p, SamplingParams()) for p in ([1], [666], [3], [4])),
+                                    return_exceptions=True)
+        hits = await asyncio.gather(*(sched.search(q, 2) for q in ("ok", "bad", "fine", "good")),
+                                    return_exceptions=True)
+        return gens, hits
+
+    llm = ConcurrentFailsOn(ValueError("rejected: HTTP 400"), parties=4)
+    gens, hits = asyncio.run(main(llm))
+    assert [g.token_ids for i, g in enumerate(gens) if i != 1] == [[1], [3], [4]], gens
+    assert isinstance(gens[1], ValueError) and "HTTP 400" in str(gens[1])
+    assert hits[0] == hits[2] == hits[3] == [] and isinstance(hits[1], ValueError), hits
+    assert llm.overlap == 4 and llm.calls == [4, 1, 1, 1, 1, 4, 1, 1, 1, 1]
+
+
+def test_a_global_error_in_a_concurrent_split_pass_settles_the_calls_not_started(monkeypatch):
+    """At most SPLIT_CONCURRENCY single calls run at once; once one meets a global error (the server went
+    down), the calls not yet started are not made: their requests get that error at once."""
+    import agent.scheduler
+
+    monkeypatch.setattr(agent.scheduler, "SPLIT_CONCURRENCY", 2)
+    gate = threading.Event()
+
+    class DownOn666(FailsOn):
+        concurrent_calls = True
+
+        def generate(self, prompts, params):
+            self.calls.append(len(prompts))
+            if len(prompts) > 1:
+                raise ValueError("one request was rejected")
+            if prompts[0] == [666]:
+                raise ConnectionRefusedError("the server went down")
+            assert gate.wait(10)  # still running when the global error is met
+            return [Generation([p[0]], "x") for p in prompts]
+
+    async def main(llm):
+        sched = Scheduler(llm)
+        tasks = [asyncio.ensure_future(sched.generate(p, SamplingParams())) for p in ([666], [2], [3], [4], [5])]
+        await asyncio.wait([tasks[0]])  # its single call failed: the global error is known
+        gate.set()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    llm = DownOn666(ValueError("unused"))
+    out = asyncio.run(main(llm))
+    assert isinstance(out[0], ConnectionRefusedError) and out[1].token_ids == [2]
+    assert all(isinstance(e, ConnectionRefusedError) for e in out[2:]), out
+    assert llm.calls == [5, 1, 1]
