@@ -3,7 +3,8 @@ own ``retrieval_server.py``), behind the :class:`~retrieval.base.Retriever` inte
 
 Keep-alive connections from the standard library's ``http.client``, pooled and thread-safe
 (:class:`_Connections`); a timeout per socket operation, retries with exponential backoff on connection
-errors, timeouts, 429 and 5xx; a 4xx is the caller's fault and is raised at once with the server's message.
+errors, timeouts, 429 and 5xx (waiting at least what a ``Retry-After: <seconds>`` header of the answer asks,
+up to 60 s); a 4xx is the caller's fault and is raised at once with the server's message.
 Large batches are split into requests of at most ``max_batch`` queries.
 
 Reply formats: the client asks for ``columns-stream`` (header ``x-sleuth-reply-format``). A Sleuth server
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import http.client
+import math
 import select
 import threading
 import time
@@ -103,8 +105,9 @@ class RemoteRetriever:
 
     ``url`` may be the server root (``http://127.0.0.1:8000``) or the full ``/retrieve`` endpoint, http or
     https. ``timeout`` is seconds per socket operation (connect, send, the wait for the reply, each read);
-    ``retries`` extra attempts wait ``backoff * 2**i`` seconds (a kept-alive connection the server closed
-    meanwhile is replaced at once, without using up an attempt); ``max_connections`` idle connections are
+    ``retries`` extra attempts wait ``backoff * 2**i`` seconds, or longer when a 429/5xx answer's
+    ``Retry-After`` asks it (at most 60 s; a kept-alive connection the server closed meanwhile is replaced at
+    once, without using up an attempt); ``max_connections`` idle connections are
     kept for reuse. ``reply_format`` is the reply format asked for (``columns-stream``; set ``columns`` or
     ``search-r1`` to compare them).
     Raises :class:`RetrievalServerError` when the server is down and ``ValueError`` on a rejected request.
@@ -152,6 +155,7 @@ class RemoteRetriever:
         last: Exception | None = None
         failures = 0
         while True:
+            wait = 0.0
             conn, reused = self._pool.take()
             try:
                 conn.request(method, path, body=body, headers=headers)
@@ -178,10 +182,11 @@ class RemoteRetriever:
                 if r.status != 429 and r.status < 500:
                     raise ValueError(f"retrieval server rejected the request (HTTP {r.status}): {_message(data)}")
                 last = _ServerFailed(f"HTTP {r.status}: {_message(data)}")
+                wait = _retry_after(r.getheader("retry-after"))
             failures += 1
             if failures > self.retries:
                 break
-            time.sleep(self.backoff * 2 ** (failures - 1))
+            time.sleep(max(self.backoff * 2 ** (failures - 1), wait))
         hint = ("it is up but failing: see its log" if isinstance(last, _ServerFailed)
                 else "is it running? Start one with: sleuth serve-retrieval --index DIR")
         raise RetrievalServerError(
@@ -282,6 +287,16 @@ def _hit(item: dict) -> Hit:
         score = nan
     return Hit(str(doc.get("id", "")), title if type(title) is str else str(title), contents,
                score if type(score) is float else float(score))
+
+
+def _retry_after(value: str | None, cap_s: float = 60.0) -> float:
+    """Seconds a 429/5xx answer's ``Retry-After: <seconds>`` asks the client to wait, at most ``cap_s`` (the
+    HTTP-date form, a missing header and junk read as 0)."""
+    try:
+        s = float(value) if value else 0.0
+    except ValueError:
+        return 0.0
+    return min(max(s, 0.0), cap_s) if math.isfinite(s) else 0.0
 
 
 def _message(data: bytes) -> str:

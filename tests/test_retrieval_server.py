@@ -649,3 +649,28 @@ def test_search_cli_with_url_works_against_a_server_without_health(capsys):
         assert "Mount Everest" in capsys.readouterr().out
         assert main(["search", "--url", s.url, "--method", "dense", "-k", "1", "Everest"]) == 0
         assert "dense top-1" in capsys.readouterr().out
+
+
+def test_client_waits_what_a_busy_answers_retry_after_asks():
+    """A 503 (or 429) with ``Retry-After: 0.4`` (a proxy in front of a busy server) was retried after the
+    client's own backoff only (0.01 s here); the retry now waits at least what the answer asks."""
+    calls = []
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            body = b'{"error": "busy"}'
+            headers = [(b"content-type", b"application/json"), (b"retry-after", b"0.4")]
+            await send({"type": "http.response.start", "status": 503, "headers": headers})
+        else:
+            body = b'{"result": [[]]}'
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+    with _Server(app) as s:
+        assert RemoteRetriever(s.url, retries=1, backoff=0.01).search(["q"], 1) == [[]]
+    assert len(calls) == 2 and calls[1] - calls[0] >= 0.4
