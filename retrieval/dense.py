@@ -149,6 +149,22 @@ def model_pooling(path: Path) -> tuple[dict, Path] | None:
     return None
 
 
+def _usable_positions(model) -> int | None:
+    """Tokens a plain Hugging Face encoder ``model`` can take: its config's ``max_position_embeddings`` less
+    the offset of learned positions that are numbered from ``padding_idx + 1`` (RoBERTa, XLM-R: 514 -> 512);
+    ``None`` when the config states no limit (absent, or xlnet's -1)."""
+    import torch
+
+    n = getattr(model.config, "max_position_embeddings", None)
+    if not isinstance(n, int) or n <= 0:
+        return None
+    for m in model.modules():  # as sentence-transformers finds the offset of its flattened position ids
+        pad = getattr(m, "padding_idx", None)
+        if isinstance(pad, int) and isinstance(getattr(m, "position_embeddings", None), torch.nn.Embedding):
+            return n - (pad + 1)
+    return n
+
+
 class Encoder:
     """Text -> L2-normalised float32 embeddings ``[n, d]``.
 
@@ -158,7 +174,8 @@ class Encoder:
     sentence-transformers model uses its own pooling modules (``pooling`` is not used). Raises
     ``ValueError`` naming the source of an unknown pooling mode or an unreadable pooling config. A plain
     model's inputs are cut at ``max_length`` tokens, else at 512 or the model's own limit when lower
-    (``max_position_embeddings``, the tokenizer's ``model_max_length``). Prefixes default to
+    (``max_position_embeddings`` less a RoBERTa-style position offset, :func:`_usable_positions`; the
+    tokenizer's ``model_max_length``). Prefixes default to
     :func:`default_prefixes`, then to the model's own ``prompts``, and are passed as sentence-transformers'
     ``prompt`` (so a model's ``default_prompt_name`` is not added too, and ``include_prompt: false`` holds). ``fingerprint`` is
     :func:`model_fingerprint` of the model, for resumable encodings (:func:`encode_to_memmap`).
@@ -193,7 +210,8 @@ class Encoder:
             declared = None if pooling else model_pooling(path)
             kw, source = declared or ({"pooling_mode": pooling or default_pooling(f"{model} {path.name}")}, None)
             word = models.Transformer(str(path))  # inputs cut at the model's positions and tokenizer's limit
-            word.max_seq_length = min(512, word.max_seq_length or 512)  # (max_length, if given, is set below)
+            cap = min(512, word.max_seq_length or 512, _usable_positions(word.auto_model) or 512)
+            word.max_seq_length = cap  # (max_length, if given, is set below)
             dim = getattr(word, "get_embedding_dimension", None) or word.get_word_embedding_dimension
             try:
                 pool = models.Pooling(dim(), **kw)

@@ -513,3 +513,30 @@ def test_plain_hf_encoder_truncates_at_the_model_s_positions(tmp_path):
     with torch.no_grad():
         want = torch.nn.functional.normalize(model(**batch).last_hidden_state.mean(1), dim=-1).numpy()
     np.testing.assert_allclose(enc.encode_passages([text]), want, atol=1e-5)
+
+
+def test_plain_hf_encoder_truncates_roberta_style_models_past_their_position_offset(tmp_path):
+    """RoBERTa-family models (RoBERTa, XLM-R) number positions from padding_idx + 1, so a model with 66
+    position embeddings and pad id 1 takes 64 tokens; the cut at max_position_embeddings (66) indexed past
+    the table (IndexError) on a long passage. Inputs are now cut at the positions left after the offset."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer, RobertaConfig, RobertaModel
+
+    src, path = dense.resolve_model_path(dense.DEFAULT_MODEL), tmp_path / "tiny-roberta"
+    path.mkdir()
+    for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(src / f, path / f)
+    torch.manual_seed(0)
+    conf = RobertaConfig(vocab_size=30522, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32, max_position_embeddings=66, pad_token_id=1)
+    RobertaModel(conf).save_pretrained(path)
+    enc = dense.Encoder(str(path), device="cpu")
+    assert enc.model.max_seq_length == 64
+    text = "zebrafish live in rivers " * 40
+    tok, model = AutoTokenizer.from_pretrained(path), RobertaModel.from_pretrained(path).eval()
+    batch = tok([text], truncation=True, max_length=64, return_tensors="pt")
+    with torch.no_grad():
+        want = torch.nn.functional.normalize(model(**batch).last_hidden_state.mean(1), dim=-1).numpy()
+    np.testing.assert_allclose(enc.encode_passages([text]), want, atol=1e-5)
