@@ -145,8 +145,8 @@ class Scheduler:
         and gets its own result or exception; a global ``error`` (:func:`is_global`), or one met on the way,
         goes to every request not yet settled without another call (calls already running finish and keep
         their own outcome). A batch of one is not run again. The single calls run in order, or up to
-        :data:`SPLIT_CONCURRENCY` at once when the backend (``llm`` or ``retriever``, by ``kind``) has a
-        true ``concurrent_calls`` attribute."""
+        :data:`SPLIT_CONCURRENCY` at once (and at most the backend's ``max_concurrency``, if it has one) when
+        the backend (``llm`` or ``retriever``, by ``kind``) has a true ``concurrent_calls`` attribute."""
         waiting = [it for it in items if not it[1].done()]
         if len(items) == 1 or is_global(error):
             waiting, failed = [], waiting
@@ -154,7 +154,9 @@ class Scheduler:
             failed = waiting
         met: list[BaseException] = []  # the first global error of the pass
         backend = self.llm if kind == "generate" else self.retriever
-        width = min(SPLIT_CONCURRENCY, len(waiting)) if getattr(backend, "concurrent_calls", False) else 1
+        width = 1
+        if getattr(backend, "concurrent_calls", False):  # within the backend's own bound (OpenAI: max_concurrency)
+            width = max(1, min(SPLIT_CONCURRENCY, len(waiting), getattr(backend, "max_concurrency", None) or len(waiting)))
         pool = concurrent.futures.ThreadPoolExecutor(width, "sleuth-split") if width > 1 else None
         gate = asyncio.Semaphore(width)
 

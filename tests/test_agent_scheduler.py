@@ -280,3 +280,21 @@ def test_a_global_error_in_a_concurrent_split_pass_settles_the_calls_not_started
     assert isinstance(out[0], ConnectionRefusedError) and out[1].token_ids == [2]
     assert all(isinstance(e, ConnectionRefusedError) for e in out[2:]), out
     assert llm.calls == [5, 1, 1]
+
+
+def test_a_concurrent_split_pass_keeps_within_the_backends_max_concurrency():
+    """The OpenAI backend's max_concurrency bounds its requests in flight (a rate-limited hosted API); the
+    split pass's single calls, each a call of its own, keep within it too: pairs meet at a barrier of two,
+    never more than two at once."""
+    class Two(ConcurrentFailsOn):
+        max_concurrency = 2
+
+    async def main(llm):
+        sched = Scheduler(llm)
+        return await asyncio.gather(*(sched.generate(p, SamplingParams()) for p in ([1], [666], [3], [4])),
+                                    return_exceptions=True)
+
+    llm = Two(ValueError("rejected"), parties=2)
+    out = asyncio.run(main(llm))
+    assert [o.token_ids for i, o in enumerate(out) if i != 1] == [[1], [3], [4]] and isinstance(out[1], ValueError)
+    assert llm.overlap == 2 and llm.calls == [4, 1, 1, 1, 1]
