@@ -224,6 +224,16 @@ def _stopped_at_period(llm: LLM, g: Generation, so_far: str) -> tuple[str, list[
     return text, ids, False
 
 
+def _continued_text(llm: LLM, before: list[int], new: list[int], text: str) -> str:
+    """``text`` (the decoding of ``new`` alone) as it reads after the ids ``before``: with the whitespace in
+    front that a decoding of ``new`` alone drops (a SentencePiece tokenizer with a dummy prefix, Llama 2 or
+    Mistral, decodes "▁Louis" alone as "Louis" but as " Louis" after "St."); else ``text`` unchanged."""
+    head, both = decode(llm.tokenizer, before), decode(llm.tokenizer, before + new)
+    tail = both[len(head):] if both.startswith(head) else ""
+    k = tail.find(text) if text else -1
+    return tail[:k] + text if k > 0 and tail[:k].isspace() else text
+
+
 def _ircot_steps(llm: LLM, prompts: list[list[int]], cfg: AgentConfig, temperature: float,
                  seed: int | None) -> list[tuple[str, int, int]]:
     """One IRCoT reasoning step per prompt: ``(text, generated tokens, LLM calls)``.
@@ -256,6 +266,8 @@ def _ircot_steps(llm: LLM, prompts: list[list[int]], cfg: AgentConfig, temperatu
             if not g.token_ids or not todo[j].match(text):
                 continue
             used[j] += len(new) - len(g.token_ids)  # a "." put back
+            if ids[j]:
+                text = _continued_text(llm, ids[j], new, text)
             texts[j], ids[j] = texts[j] + text, ids[j] + new
             if at_period and (more := _sentence_open(texts[j])) is not None:
                 nxt[j] = more

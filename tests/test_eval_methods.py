@@ -6,7 +6,7 @@ from agent.llm import Generation
 from agent.trajectory import Trajectory, Turn
 from eval.methods import _ircot_step, _sentence_open, agent, direct, extract_answer, ircot, make_method, rag
 from sleuth.config import AgentConfig
-from tests.test_eval_fakes import PASSAGES, KeywordRetriever, ScriptedLLM, examples
+from tests.test_eval_fakes import PASSAGES, CharTokenizer, KeywordRetriever, ScriptedLLM, examples
 
 FIELDS = {"id", "prediction", "golden_answers", "retrieved_ids", "search_calls", "turns", "generated_tokens", "wall_s"}
 
@@ -137,6 +137,38 @@ def test_ircot_step_through_a_server_that_drops_the_stop_string():
     assert ret.batches[1:] == [["The team is from St. Louis"], ["It trained with the U.S. Army 1.5 km away"]]
     assert rec["reasoning"] == "The team is from St. Louis. It trained with the U.S. Army 1.5 km away."
     assert rec["prediction"] == "St. Louis" and rec["generated_tokens"] == len(ABBREVIATED) - 3
+
+
+class LeadingSpaceDroppingTokenizer(CharTokenizer):
+    """Decodes as a SentencePiece tokenizer with a dummy prefix does (Llama 2, Mistral): one leading space
+    of the decoded ids is dropped, so ``decode(a) + decode(b) != decode(a + b)`` when ``b`` starts a word."""
+
+    def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=False):
+        text = super().decode(ids)
+        return text.removeprefix(" ")
+
+
+class DecodingBackend:
+    """``llm`` whose generations' text is the tokenizer's decoding of their ids, as a real backend's is."""
+
+    def __init__(self, llm):
+        self.llm, self.tokenizer = llm, llm.tokenizer
+
+    def generate(self, prompts, params):
+        return [Generation(g.token_ids, self.tokenizer.decode(g.token_ids), g.finish_reason, meta=g.meta)
+                for g in self.llm.generate(prompts, params)]
+
+
+def test_ircot_continued_step_is_the_decoding_of_all_its_ids():
+    """A continued step joined each round's own decoding: with a tokenizer that drops a leading space
+    "St." + " Louis." became "St.Louis." in the query and the chain of thought, while the ids (what the
+    model saw) said "St. Louis."."""
+    inner, ret = ScriptedLLM(ircot_text=ABBREVIATED), KeywordRetriever(PASSAGES)
+    inner.tokenizer = LeadingSpaceDroppingTokenizer()
+    (rec,) = ircot(examples(1), DecodingBackend(inner), ret, AgentConfig(max_new_tokens=64), top_k=1, max_steps=4)
+    steps = ["The team is from St. Louis.", "It trained with the U.S. Army 1.5 km away."]
+    assert ret.batches[1:] == [[s] for s in steps]
+    assert rec["reasoning"] == " ".join(steps) and rec["prediction"] == "St. Louis"
 
 
 @pytest.mark.parametrize(
