@@ -187,13 +187,21 @@ _ABBREV = re.compile(
 _NUMBER = re.compile(r"(?:(?<![\w.,])\d{1,3}|\bNo)\.$")
 _ANY = re.compile("")
 _NUMBER_NEXT = re.compile(r" ?\d")
+# after "St." / "Inc." / "I." a word that usually opens a sentence ("World War I. It ended ...", "Apple Inc.
+# The company ...") says the "." ended one (Punkt's orthographic cue, with a fixed list); "A." stays an initial
+_STARTER = (
+    r"It|Its|The|This|That|These|Those|There|Then|Thus|Therefore|Hence|So|He|She|They|We|His|Her|Their|In|On|"
+    r"At|After|Before|A|An|But|And|However|Also|Since|As|Because|Now|Next|Finally|Both|Which|Who|What|When|Where"
+)
+_AFTER_ABBREV = re.compile(rf"\s*(?!(?:{_STARTER})\b(?!\.))\S")
 
 
 def _sentence_open(text: str) -> re.Pattern[str] | None:
     """Whether an IRCoT step ``text`` that stopped at a ``"."`` (its last one) goes on: ``None`` when the "."
     ends the sentence; else the pattern the continuation must start with to belong to the sentence (any text
-    after an abbreviation, an initial or a "." inside a token such as ``"U.S"``; a digit after a number of
-    up to three digits or "No.", so that "scored 21." followed by a new sentence still ends at "21.")."""
+    after a "." inside a token such as ``"U.S"``; after an abbreviation or an initial, any word but one that
+    usually opens a sentence, so that "World War I. It ended" ends at "I."; a digit after a number of up to
+    three digits or "No.", so that "scored 21." followed by a new sentence still ends at "21.")."""
     dot = text.rfind(".")
     if dot < 0:
         return None
@@ -203,7 +211,7 @@ def _sentence_open(text: str) -> re.Pattern[str] | None:
     if rest:  # '."', '.)', ". ": closed
         return None
     if _ABBREV.search(head):
-        return _ANY
+        return _AFTER_ABBREV
     return _NUMBER_NEXT if _NUMBER.search(head) else None
 
 
