@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -60,7 +60,11 @@ class LLM(Protocol):
     :class:`Generation` per prompt, in order. A backend whose ``generate`` may run in several threads at
     once sets the class attribute ``concurrent_calls = True`` (:class:`agent.scheduler.Scheduler` then
     runs a failed batch's single retries concurrently); read with ``getattr(llm, "concurrent_calls",
-    False)``, it is not a member of this protocol, so backends without it stay :class:`LLM`.
+    False)``, it is not a member of this protocol, so backends without it stay :class:`LLM`. Likewise
+    optional: ``generate_each(requests)``, a list of ``(prompt, SamplingParams)`` with one
+    :class:`Generation` each, for a backend that sends each prompt on its own anyway (an HTTP server):
+    the scheduler then keeps every request's own settings instead of one call per setting with the
+    batch's largest ``max_new_tokens``.
     """
 
     tokenizer: Any
@@ -87,6 +91,36 @@ def encode(tokenizer: Any, text: str) -> list[int]:
 def decode(tokenizer: Any, ids: list[int]) -> str:
     """Text of ``ids``, keeping the protocol tags (which may be special tokens)."""
     return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def generate_requests(llm: LLM, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
+    """One :class:`Generation` per ``(prompt, params)`` request, each within its own ``max_new_tokens``.
+
+    A backend with ``generate_each`` (one request per prompt, e.g. an OpenAI-compatible server, which
+    refuses a prompt plus ``max_tokens`` over the model's context) gets all requests in one call, each with
+    its own settings. Any other backend gets one ``generate`` call per distinct setting but
+    ``max_new_tokens``, with that group's largest budget, and each output is cut back to its own budget (a
+    prefix: token ids, text and log-probs stay exact; the finish reason becomes ``"length"``). Raises what the
+    backend raises.
+    """
+    each = getattr(llm, "generate_each", None)
+    if each is not None:
+        return list(each(requests))
+    out: list[Generation | None] = [None] * len(requests)
+    groups: dict[SamplingParams, list[int]] = {}
+    for i, (_, params) in enumerate(requests):
+        groups.setdefault(replace(params, max_new_tokens=0), []).append(i)
+    for key, idx in groups.items():
+        budget = max(requests[i][1].max_new_tokens for i in idx)
+        gens = llm.generate([requests[i][0] for i in idx], replace(key, max_new_tokens=budget))
+        for i, g in zip(idx, gens, strict=True):
+            limit = requests[i][1].max_new_tokens
+            if len(g.token_ids) > limit:
+                ids = g.token_ids[:limit]
+                g = Generation(ids, decode(llm.tokenizer, ids), "length",
+                               g.logprobs[:limit] if g.logprobs else None, meta=g.meta)
+            out[i] = g
+    return out  # type: ignore[return-value]
 
 
 def complete(llm: LLM, prompts: list[str], params: SamplingParams) -> list[str]:

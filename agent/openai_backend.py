@@ -94,13 +94,25 @@ class OpenAICompatibleLLM:
         ``BackendError`` and :class:`agent.llm.BackendUnavailable`)."""
         return run_sync(self.agenerate(prompts, params))
 
+    def generate_each(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
+        """:meth:`generate` with each prompt's own sampling settings, as one batch of concurrent requests
+        (each prompt is its own HTTP request anyway). :class:`agent.scheduler.Scheduler` uses it so that each
+        request keeps its own ``max_new_tokens``: a server checks prompt + ``max_tokens`` against the model's
+        context (`vllm serve` answers 400 past it), so the batch's largest budget on a prompt near the end
+        of its context would be refused. Raises as :meth:`generate`."""
+        return run_sync(self._agenerate(requests))
+
     async def agenerate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        return await self._agenerate([(p, params) for p in prompts])
+
+    async def _agenerate(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         limits = httpx2.Limits(max_connections=self.max_concurrency)
         sem = asyncio.Semaphore(self.max_concurrency)
         async with httpx2.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout_s,
                                      limits=limits) as client:
-            return list(await asyncio.gather(*(self._one(client, sem, p, params, i) for i, p in enumerate(prompts))))
+            return list(await asyncio.gather(*(self._one(client, sem, p, params, i)
+                                               for i, (p, params) in enumerate(requests))))
 
     # -- one request ----------------------------------------------------------------------------------
     def _body(self, prompt: list[int], params: SamplingParams, i: int) -> dict[str, Any]:

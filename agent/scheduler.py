@@ -21,10 +21,9 @@ import asyncio
 import concurrent.futures
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import replace
 from typing import Any
 
-from agent.llm import LLM, BackendUnavailable, Generation, SamplingParams, decode
+from agent.llm import LLM, BackendUnavailable, Generation, SamplingParams, generate_requests
 from retrieval.base import Hit, Retriever
 
 SPLIT_CONCURRENCY = 32
@@ -202,25 +201,12 @@ class Scheduler:
             raise RuntimeError(f"the {kind} backend raised StopIteration{f': {e}' if str(e) else ''}") from e
 
     def _run_generate(self, payloads: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
-        """One backend call per distinct sampling setting; ``max_new_tokens`` is the batch maximum and each
-        continuation is cut back to its own budget (a prefix, so token records stay exact)."""
-        out: list[Generation | None] = [None] * len(payloads)
-        groups: dict[SamplingParams, list[int]] = {}
-        for i, (_, params) in enumerate(payloads):
-            groups.setdefault(replace(params, max_new_tokens=0), []).append(i)
-        for key, idx in groups.items():
-            budget = max(payloads[i][1].max_new_tokens for i in idx)
-            gens = self.llm.generate([payloads[i][0] for i in idx], replace(key, max_new_tokens=budget))
-            for i, g in zip(idx, gens, strict=True):
-                limit = payloads[i][1].max_new_tokens
-                if len(g.token_ids) > limit:
-                    ids = g.token_ids[:limit]
-                    g = Generation(ids, decode(self.llm.tokenizer, ids), "length",
-                                   g.logprobs[:limit] if g.logprobs else None, meta=g.meta)
-                out[i] = g
+        """The batch's generations, each request within its own budget (:func:`agent.llm.generate_requests`:
+        one call per distinct sampling setting, or one ``generate_each`` call)."""
+        out = generate_requests(self.llm, payloads)
         self.stats["generate_batches"] += 1
         self.stats["generate_prompts"] += len(payloads)
-        return out  # type: ignore[return-value]
+        return out
 
     def _run_search(self, payloads: list[tuple[str, int]]) -> list[list[Hit]]:
         out: list[list[Hit] | None] = [None] * len(payloads)

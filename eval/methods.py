@@ -37,7 +37,7 @@ from typing import Any
 
 from agent import protocol
 from agent.config import AgentConfig
-from agent.llm import LLM, Generation, SamplingParams, decode, encode
+from agent.llm import LLM, Generation, SamplingParams, decode, encode, generate_requests
 from corpora.formats import QAExample
 from retrieval.base import Hit, Retriever
 
@@ -260,14 +260,11 @@ def _ircot_steps(llm: LLM, prompts: list[list[int]], cfg: AgentConfig, temperatu
         js = [j for j in todo if used[j] < cfg.max_new_tokens]
         if not js:
             break
-        left = {j: cfg.max_new_tokens - used[j] for j in js}
-        gens = llm.generate([prompts[j] + ids[j] for j in js], _params(cfg, temperature, seed, IRCOT_STOP,
-                                                                       max(left.values())))
+        # each step asks for what it has left (one call for the round; agent.llm.generate_requests)
+        gens = generate_requests(llm, [(prompts[j] + ids[j], _params(cfg, temperature, seed, IRCOT_STOP,
+                                                                      cfg.max_new_tokens - used[j])) for j in js])
         nxt: dict[int, re.Pattern[str]] = {}
         for j, g in zip(js, gens, strict=True):
-            if len(g.token_ids) > left[j]:  # the batch's budget is the largest one left; cut to this step's
-                kept = list(g.token_ids[: left[j]])
-                g = Generation(kept, decode(llm.tokenizer, kept), "length", meta=g.meta)
             calls[j] += 1
             used[j] += len(g.token_ids)
             text, new, at_period = _stopped_at_period(llm, g, texts[j])

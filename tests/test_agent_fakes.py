@@ -116,8 +116,10 @@ def fake_openai_completions_app(llm, mode: dict):
     ``{"text_only": True}`` omits token ids (a hosted API); ``{"drop_stop": True}`` leaves the stop string
     out of the text, as OpenAI's API does, and ``{"stop_reason": True}`` then names it as vLLM does
     (``stop_reason``: the string, or ``None`` for EOS). ``{"max_prompt": n}`` answers 400 to a prompt of
-    more than n tokens (vLLM's context-length error); ``{"status": code}`` answers every request with that
-    error status (401: a wrong key). ``mode["seen"]`` collects request bodies."""
+    more than n tokens (vLLM's context-length error), ``{"max_context": n}`` 400 to a prompt plus
+    ``max_tokens`` of more than n (the check `vllm serve` makes against ``max_model_len``; each one is also
+    appended to ``mode["rejected"]``); ``{"status": code}`` answers every request with that error status
+    (401: a wrong key). ``mode["seen"]`` collects request bodies."""
     import asyncio
 
     app = FastAPI()
@@ -132,6 +134,11 @@ def fake_openai_completions_app(llm, mode: dict):
         if len(body["prompt"]) > mode.get("max_prompt", len(body["prompt"])):
             return JSONResponse({"error": {"message": f"This model's maximum context length is {mode['max_prompt']} "
                                                       f"tokens; the prompt has {len(body['prompt'])}"}}, status_code=400)
+        if "max_context" in mode and len(body["prompt"]) + body["max_tokens"] > mode["max_context"]:
+            mode.setdefault("rejected", []).append(body)
+            return JSONResponse({"error": {"message": f"This model's maximum context length is {mode['max_context']} "
+                                                      f"tokens; you requested {len(body['prompt'])} + "
+                                                      f"{body['max_tokens']}"}}, status_code=400)
         if mode.get("fail_first", 0) > 0:
             mode["fail_first"] -= 1
             retry = mode.get("retry_after")  # a rate limit with Retry-After (seconds), as hosted APIs send

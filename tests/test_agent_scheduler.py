@@ -298,3 +298,40 @@ def test_a_concurrent_split_pass_keeps_within_the_backends_max_concurrency():
     out = asyncio.run(main(llm))
     assert [o.token_ids for i, o in enumerate(out) if i != 1] == [[1], [3], [4]] and isinstance(out[1], ValueError)
     assert llm.overlap == 2 and llm.calls == [4, 1, 1, 1, 1]
+
+
+def test_generate_requests_keeps_each_budget_in_one_call_per_setting_or_one_generate_each():
+    """agent.llm.generate_requests (the scheduler's and IRCoT's backend call): a plain backend gets one call
+    per setting but max_new_tokens, with the largest budget, each output cut back to its own; a backend with
+    generate_each gets one call with every request's own settings."""
+    from agent.llm import generate_requests
+
+    class Plain:
+        tokenizer = None
+
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, prompts, params):
+            self.calls.append((len(prompts), params.max_new_tokens, params.temperature))
+            return [Generation(list(range(params.max_new_tokens)), "x" * params.max_new_tokens, "length")
+                    for _ in prompts]
+
+    class Each(Plain):
+        def generate_each(self, requests):
+            self.calls.append([p.max_new_tokens for _, p in requests])
+            return [Generation(list(range(p.max_new_tokens)), "", "length") for _, p in requests]
+
+    class Tok:
+        def decode(self, ids, **_):
+            return "y" * len(ids)
+
+    reqs = [([1], SamplingParams(max_new_tokens=n, temperature=t)) for n, t in ((9, 1.0), (24, 1.0), (5, 0.0))]
+    plain = Plain()
+    plain.tokenizer = Tok()
+    out = generate_requests(plain, reqs)
+    assert sorted(plain.calls) == [(1, 5, 0.0), (2, 24, 1.0)]
+    assert [len(g.token_ids) for g in out] == [9, 24, 5] and out[0].text == "y" * 9 and out[1].text == "x" * 24
+    each = Each()
+    out = generate_requests(each, reqs)
+    assert each.calls == [[9, 24, 5]] and [len(g.token_ids) for g in out] == [9, 24, 5]

@@ -102,6 +102,23 @@ def test_one_rejected_prompt_fails_only_its_episode_and_a_refusing_server_fails_
     assert len(mode["seen"]) == 2 + 3
 
 
+def test_each_request_keeps_its_own_token_budget_so_a_server_does_not_refuse_it(scripted, retriever, agent_cfg):
+    """The scheduler sent every prompt of a batch the batch's largest max_new_tokens; `vllm serve` refuses
+    prompt + max_tokens over its context (400), so an episode near the end of its token budget failed its
+    batch, which only the one-by-one retry recovered. Each request now carries its own budget."""
+    from corpora.formats import QAExample
+
+    long = QAExample("long", "capital of France? " + "very " * 40, ["Paris"])  # 171 prompt tokens
+    cfg = agent_cfg.model_copy(update={"max_total_tokens": 180})  # its first turn may generate 9 tokens, the others 24
+    mode: dict = {"max_context": 180}
+    with ServerThread(fake_openai_completions_app(scripted, mode)) as srv:
+        llm = _client(srv.url, scripted.tokenizer, max_retries=0)
+        trajs = run_episodes([FRANCE, long, EIFFEL], llm, retriever, cfg)
+    assert mode.get("rejected", []) == []
+    assert [t.answer for t in trajs][::2] == ["Paris", "Dijon"] and trajs[1].stop_reason != "error"
+    assert sorted(b["max_tokens"] for b in mode["seen"][:3]) == [9, 24, 24]  # the first turn's batch
+
+
 def test_unreachable_server(scripted):
     llm = OpenAICompatibleLLM("http://127.0.0.1:9/v1", "tiny", scripted.tokenizer, max_retries=0)
     with pytest.raises(BackendError, match="ConnectError"):
