@@ -117,19 +117,25 @@ class VLLMBackend:
         log-probabilities of the sampled tokens (natural log, float) under the distribution they were
         sampled from (``softmax(logits / temperature)`` restricted to top-k/top-p; the plain softmax when
         greedy). Thread-safe: calls from several threads run one at a time."""
-        if not prompts:
+        return self.generate_each([(p, params) for p in prompts])
+
+    def generate_each(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
+        """:meth:`generate` with each prompt's own settings in one engine call (vLLM takes one
+        ``SamplingParams`` per prompt), so a request with a small ``max_new_tokens`` stops there instead of
+        generating up to the batch's largest budget (:func:`agent.llm.generate_requests`)."""
+        if not requests:
             return []
         from vllm.inputs import TokensPrompt
 
-        reqs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        sps = [self._params(params, i) for i in range(len(prompts))]
+        reqs = [TokensPrompt(prompt_token_ids=list(p)) for p, _ in requests]
+        sps = [self._params(params, i) for i, (_, params) in enumerate(requests)]
         with self._lock:  # the version read under the lock: an update waiting on it has not run yet
             outs = self._engine().generate(reqs, sps, use_tqdm=False)
             version = self.weight_version
-        if len(outs) != len(prompts):
-            raise RuntimeError(f"vLLM returned {len(outs)} outputs for {len(prompts)} prompts")
+        if len(outs) != len(requests):
+            raise RuntimeError(f"vLLM returned {len(outs)} outputs for {len(requests)} prompts")
         gens = []
-        for o in outs:
+        for o, (_, params) in zip(outs, requests, strict=True):
             c = o.outputs[0]
             ids, text, reason = truncate_at_stop(self.tokenizer, list(c.token_ids), params.stop, self.eos_ids)
             lps = None

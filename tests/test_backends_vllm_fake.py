@@ -159,3 +159,24 @@ def test_close_shuts_the_engine_down_once(fake_vllm):
         backend.generate([[1, 2]], SamplingParams(max_new_tokens=2))
     with pytest.raises(RuntimeError, match="closed"):
         backend.update_weights([("w", torch.zeros(2))])
+
+
+def test_each_request_gets_its_own_budget_in_one_engine_call(fake_vllm):
+    """Through the scheduler's agent.llm.generate_requests, vLLM got the batch's largest max_new_tokens for
+    every prompt (generating tokens that were then cut); it now takes one SamplingParams per prompt, each
+    with its own budget, in one engine call."""
+    from agent.llm import SamplingParams, generate_requests
+    from agent.vllm_backend import VLLMBackend
+
+    seen = []
+    real = fake_vllm.generate
+
+    def recording(self, reqs, sps, use_tqdm=False):
+        seen.append([sp["max_tokens"] for sp in sps])
+        return real(self, reqs, sps, use_tqdm)
+
+    fake_vllm.generate = recording
+    backend = VLLMBackend("fake")
+    reqs = [([5, 6, 7], SamplingParams(max_new_tokens=n, temperature=1.0)) for n in (9, 24, 3)]
+    out = generate_requests(backend, reqs)
+    assert seen == [[9, 24, 3]] and len(out) == 3
