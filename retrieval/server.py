@@ -24,8 +24,10 @@ one search runs, the next requests pile up and form the next batch, so concurren
 index passes without a fixed wait (``max_wait_ms`` adds one if wanted).
 
 Limits (each violation is a 4xx whose ``error`` names the limit): body bytes (413), queries per request,
-query characters, empty or non-Unicode queries, ``topk`` range, queries x ``topk`` (400). A failing search
-answers 500 and the server keeps serving. Binds 127.0.0.1 unless told otherwise.
+query characters, empty or non-Unicode queries, ``topk`` range, queries x ``topk`` (400). Queries waiting or
+being searched are bounded too (``max_pending_queries``): a request that would pass that is refused at once
+with 503 and ``Retry-After: 1`` (:data:`BUSY_RETRY_AFTER_S`), so an overload sheds requests instead of piling
+them up. A failing search answers 500 and the server keeps serving. Binds 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ServerLimits:
     """Request bounds. ``max_hits`` bounds queries x ``topk`` of one request, and with it the reply's size
-    (about 0.7 KB per hit for wiki-18 passages); ``allow_empty_queries`` answers an empty query with no hits
-    instead of a 400."""
+    (about 0.7 KB per hit for wiki-18 passages); ``max_pending_queries`` bounds the queries of all requests
+    waiting or being searched (503 past it; at least ``max_queries``, else ``ValueError``);
+    ``allow_empty_queries`` answers an empty query with no hits instead of a 400."""
 
     max_queries: int = 4096
     max_query_chars: int = 4096
@@ -61,7 +64,17 @@ class ServerLimits:
     max_hits: int = 1 << 20
     default_topk: int = 3
     max_body_bytes: int = 16 << 20
+    max_pending_queries: int = 1 << 16
     allow_empty_queries: bool = False
+
+    def __post_init__(self):
+        if self.max_pending_queries < self.max_queries:  # a full-size request would be refused forever
+            raise ValueError(f"max_pending_queries ({self.max_pending_queries}) must be at least max_queries "
+                             f"({self.max_queries})")
+
+
+BUSY_RETRY_AFTER_S = 1
+"""``Retry-After`` (seconds) of the 503 a request gets past ``max_pending_queries``."""
 
 
 class RequestError(ValueError):
@@ -161,7 +174,8 @@ def row_source(retriever):
 class Batcher:
     """Coalesce concurrent searches into one ``retriever.search`` call (see module docstring).
 
-    ``batches``/``queries`` count the index passes and the queries they served.
+    ``batches``/``queries`` count the index passes and the queries they served; ``pending`` is the number of
+    queries waiting or being searched.
     """
 
     def __init__(self, retriever: Retriever, max_batch_queries: int = 8192, max_wait_ms: float = 0.0):
@@ -169,7 +183,7 @@ class Batcher:
         self.rows = row_source(retriever)  # (rows, store) for the raw-bytes reply path, or None
         self.max_batch_queries = max_batch_queries
         self.max_wait = max_wait_ms / 1000
-        self.batches = self.queries = 0
+        self.batches = self.queries = self.pending = 0
         self._queue: asyncio.Queue | None = None
         self._task: asyncio.Task | None = None
 
@@ -185,8 +199,12 @@ class Batcher:
         """Search ``queries`` together with whatever else is queued. Returns hit lists, or ``([Q, k] rows,
         [Q, k] scores)`` arrays on the row path (see :func:`encode_reply`)."""
         fut = asyncio.get_running_loop().create_future()
-        await self._queue.put((queries, k, fut))
-        return await fut
+        self.pending += len(queries)
+        try:
+            await self._queue.put((queries, k, fut))
+            return await fut
+        finally:
+            self.pending -= len(queries)
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -270,6 +288,10 @@ class RetrieveEndpoint:
             queries, topk, return_scores = parse_request(body, self.limits)
         except RequestError as e:
             return await _send(send, e.status, _error_body(str(e)))
+        if self.batcher.pending + len(queries) > self.limits.max_pending_queries:
+            msg = (f"server busy: {self.batcher.pending} queries pending, {len(queries)} more would pass the "
+                   f"limit of {self.limits.max_pending_queries} (max_pending_queries); retry shortly")
+            return await _send(send, 503, _error_body(msg), [(b"retry-after", b"%d" % BUSY_RETRY_AFTER_S)])
         try:
             hits = await self.batcher.search(queries, topk)
         except (ValueError, TypeError) as e:

@@ -674,3 +674,38 @@ def test_client_waits_what_a_busy_answers_retry_after_asks():
     with _Server(app) as s:
         assert RemoteRetriever(s.url, retries=1, backoff=0.01).search(["q"], 1) == [[]]
     assert len(calls) == 2 and calls[1] - calls[0] >= 0.4
+
+
+def test_queries_over_max_pending_get_503_with_retry_after_and_the_server_keeps_serving():
+    """The batcher's queue had no bound: an overload piled up requests (and memory) without limit. Queries
+    waiting or being searched beyond ``max_pending_queries`` are now refused at once with a JSON 503 and
+    ``Retry-After``; the queued ones are answered and the server serves on."""
+    from retrieval.server import ServerLimits
+
+    rec = _Recorder()
+    app = create_app(rec, ServerLimits(max_queries=2, max_pending_queries=3))
+    with pytest.raises(ValueError, match="max_pending_queries"):
+        ServerLimits(max_pending_queries=3)  # under max_queries: a full request would be refused forever
+    out: dict[str, httpx2.Response] = {}
+
+    def post(name, queries):
+        out[name] = httpx2.post(s.url + "/retrieve", json={"queries": queries, "topk": 1}, timeout=30)
+
+    with _Server(app) as s:
+        lead = threading.Thread(target=post, args=("lead", ["lead"]))
+        lead.start()
+        _wait(lambda: rec.calls and rec.calls[0][0] == ["lead"])  # 1 query pending (being searched)
+        second = threading.Thread(target=post, args=("two", ["a", "b"]))
+        second.start()
+        _wait(lambda: app.state.batcher.pending == 3)  # 3 pending: at the limit, still taken
+        post("over", ["c"])  # a 4th query: refused without waiting
+        assert out["over"].status_code == 503 and out["over"].headers["retry-after"] == "1"
+        assert "max_pending_queries" in out["over"].json()["error"]
+        rec.gate.set()
+        for t in (lead, second):
+            t.join()
+        assert out["lead"].status_code == 200 and out["two"].status_code == 200
+        assert app.state.batcher.pending == 0
+        post("after", ["c"])
+        assert out["after"].status_code == 200
+        assert httpx2.get(s.url + "/health").json()["limits"]["max_pending_queries"] == 3

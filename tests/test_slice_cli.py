@@ -342,7 +342,8 @@ def test_retrieval_url_searches_a_running_server_instead_of_an_index(retriever, 
 
 @pytest.mark.parametrize("argv", [["--topk", "0"], ["--max-topk", "0"], ["--max-queries", "0"], ["--max-hits", "-1"],
                                   ["--max-query-chars", "0"], ["--cache-size", "-2"],
-                                  ["--max-body-bytes", "0"], ["--topk", "5", "--max-topk", "2"]])
+                                  ["--max-body-bytes", "0"], ["--topk", "5", "--max-topk", "2"],
+                                  ["--max-pending-queries", "0"], ["--max-pending-queries", "8", "--max-queries", "9"]])
 def test_serve_retrieval_limits_are_checked_before_serving(tmp_path, argv, capsys):
     """`serve-retrieval --topk 0` (or a --max-topk below --topk, --max-queries 0, ...) started a server that
     answered every request (or every one without a topk) with HTTP 400; they are usage errors now, before the

@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-body-bytes", type=positive_int, default=16 << 20,
                    help="largest request body accepted, in bytes (default 16 MiB; above: HTTP 413)")
+    p.add_argument("--max-pending-queries", type=positive_int, default=1 << 16,
+                   help="most queries waiting or being searched, over all requests (default 65536; a request "
+                        "past it: HTTP 503 with Retry-After); at least --max-queries")
     p.add_argument("--cache-size", type=non_negative_int, default=0, help="LRU query cache entries (0 = off)")
     p.add_argument("--max-wait-ms", type=float, default=0.0, help="extra wait to gather a batch")
     p.add_argument("--mmap", action="store_true", help="memory-map the index instead of loading it")
@@ -42,10 +45,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.topk > args.max_topk:  # every request without a topk would be refused
         raise ValueError(f"--topk ({args.topk}) must not exceed --max-topk ({args.max_topk})")
-    check_port_free(args.host, args.port)  # before the index loads (minutes for a large one)
-    retriever = load_retriever(args.index, args.method, cache_size=args.cache_size, mmap=args.mmap,
-                               bm25_backend=args.bm25_backend)
-    man = read_manifest(args.index)
+    if args.max_pending_queries < args.max_queries:  # a full-size request would be refused forever
+        raise ValueError(f"--max-pending-queries ({args.max_pending_queries}) must be at least --max-queries "
+                         f"({args.max_queries})")
     limits = ServerLimits(
         max_queries=args.max_queries,
         max_query_chars=args.max_query_chars,
@@ -54,7 +56,12 @@ def run(args: argparse.Namespace) -> int:
         default_topk=args.topk,
         allow_empty_queries=args.allow_empty_queries,
         max_body_bytes=args.max_body_bytes,
+        max_pending_queries=args.max_pending_queries,
     )
+    check_port_free(args.host, args.port)  # before the index loads (minutes for a large one)
+    retriever = load_retriever(args.index, args.method, cache_size=args.cache_size, mmap=args.mmap,
+                               bm25_backend=args.bm25_backend)
+    man = read_manifest(args.index)
     info = {"index": str(args.index), "method": args.method, "num_passages": man["num_passages"]}
     bm25 = getattr(retriever, "bm25", None)
     if bm25 is not None:
