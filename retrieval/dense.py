@@ -105,48 +105,25 @@ def default_pooling(name: str) -> str:
     return "cls" if "bge" in words and "e5" not in words else "mean"
 
 
-# sentence-transformers' pre-v6 pooling keys, in the order its Pooling concatenates the modes
-_LEGACY_POOLING_KEYS = {
-    "pooling_mode_cls_token": "cls",
-    "pooling_mode_max_tokens": "max",
-    "pooling_mode_mean_tokens": "mean",
-    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
-    "pooling_mode_weightedmean_tokens": "weightedmean",
-    "pooling_mode_lasttoken": "lasttoken",
-}
-_POOLING_FILES = ("1_Pooling/config.json", "sentence_bert_config.json")
-
-
-def model_pooling(path: Path) -> tuple[dict, Path] | None:
-    """The pooling a model folder declares, as sentence-transformers ``Pooling`` keyword arguments
-    (``pooling_mode``: a mode name or a tuple of them; ``include_prompt``), and the file it came from; ``None``
-    when the folder says nothing.
-
-    Read from ``1_Pooling/config.json`` (sentence-transformers' own pooling module), else from
-    ``sentence_bert_config.json`` when that holds pooling keys (it usually holds only ``max_seq_length``).
-    Both formats are read: ``"pooling_mode": "cls"`` (sentence-transformers >= 6) and the older booleans
-    ``"pooling_mode_cls_token": true, ...`` (none true: ``mean``, as sentence-transformers reads them). Raises
-    ``ValueError`` naming the file when it is not a JSON object.
+def _pooling_module(models, model: str, path: Path, pooling: str | None, dim: int):
+    """sentence-transformers' ``Pooling`` module for a plain Hugging Face encoder in ``path``: the
+    ``pooling`` argument's mode; else what the folder declares in ``1_Pooling/config.json``, read by
+    sentence-transformers itself (either of its formats: ``"pooling_mode": "cls"`` or the older
+    ``"pooling_mode_cls_token": true, ...``); else the family's (:func:`default_pooling`). ``dim`` is the
+    token embedding size. Raises ``ValueError`` naming the source of an unknown mode or an unreadable config.
     """
-    for rel in _POOLING_FILES:
-        f = path / rel
-        if not f.is_file():
-            continue
-        try:
-            conf = json.loads(f.read_text())
-        except (OSError, ValueError):  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
-            conf = None
-        conf = conf if isinstance(conf, dict) else None
-        if conf is None:
-            raise ValueError(f"dense model {path}: its pooling config {f} is unreadable (not a JSON object)")
-        mode = conf.get("pooling_mode")
-        if mode is None and any(k in conf for k in _LEGACY_POOLING_KEYS):
-            modes = tuple(m for k, m in _LEGACY_POOLING_KEYS.items() if conf.get(k))
-            mode = modes[0] if len(modes) == 1 else (modes or "mean")
-        if mode is not None:
-            mode = tuple(mode) if isinstance(mode, list) else mode
-            return {"pooling_mode": mode, "include_prompt": bool(conf.get("include_prompt", True))}, f
-    return None
+    declared = path / "1_Pooling" / "config.json"
+    use_file = pooling is None and declared.is_file()
+    try:
+        if not use_file:
+            return models.Pooling(dim, pooling_mode=pooling or default_pooling(f"{model} {path.name}"))
+        if hasattr(models.Pooling, "load_config"):  # sentence-transformers >= 6
+            return models.Pooling.load(str(path), subfolder="1_Pooling", local_files_only=True,
+                                       init_defaults={"embedding_dimension": dim})
+        return models.Pooling.load(str(declared.parent))
+    except (ValueError, TypeError, KeyError) as e:  # (a JSONDecodeError is a ValueError)
+        source = declared if use_file else "the pooling argument"
+        raise ValueError(f"dense model {model!r}: pooling from {source}: {e}") from None
 
 
 def _usable_positions(model) -> int | None:
@@ -170,7 +147,7 @@ class Encoder:
 
     Pooling of a plain Hugging Face model (no sentence-transformers ``modules.json``): the ``pooling``
     argument (``"mean"``, ``"cls"``, or another sentence-transformers mode), else what the model folder
-    declares (:func:`model_pooling`), else its family's (:func:`default_pooling`: bge CLS, others mean). A
+    declares (``1_Pooling/config.json``, :func:`_pooling_module`), else its family's (:func:`default_pooling`: bge CLS, others mean). A
     sentence-transformers model uses its own pooling modules (``pooling`` is not used). Raises
     ``ValueError`` naming the source of an unknown pooling mode or an unreadable pooling config. A plain
     model's inputs are cut at ``max_length`` tokens, else at 512 or the model's own limit when lower
@@ -207,17 +184,11 @@ class Encoder:
                 from sentence_transformers.sentence_transformer import modules as models
             except ImportError:  # sentence-transformers < 6
                 from sentence_transformers import models
-            declared = None if pooling else model_pooling(path)
-            kw, source = declared or ({"pooling_mode": pooling or default_pooling(f"{model} {path.name}")}, None)
             word = models.Transformer(str(path))  # inputs cut at the model's positions and tokenizer's limit
             cap = min(512, word.max_seq_length or 512, _usable_positions(word.auto_model) or 512)
             word.max_seq_length = cap  # (max_length, if given, is set below)
-            dim = getattr(word, "get_embedding_dimension", None) or word.get_word_embedding_dimension
-            try:
-                pool = models.Pooling(dim(), **kw)
-            except ValueError as e:
-                raise ValueError(f"dense model {model!r}: pooling {kw['pooling_mode']!r} from "
-                                 f"{source or 'the pooling argument'}: {e}") from None
+            dim = (getattr(word, "get_embedding_dimension", None) or word.get_word_embedding_dimension)()
+            pool = _pooling_module(models, model, path, pooling, dim)
             self.model = SentenceTransformer(modules=[word, pool, models.Normalize()], device=device)
         if max_length:
             self.model.max_seq_length = max_length

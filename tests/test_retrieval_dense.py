@@ -471,7 +471,7 @@ _CLS_LEGACY = {"word_embedding_dimension": 16, "pooling_mode_cls_token": True, "
         ("tiny-encoder", {"1_Pooling/config.json": _CLS_LEGACY}, None, "cls"),  # the pre-v6 format
         ("tiny-encoder", {"1_Pooling/config.json": {"embedding_dimension": 16, "pooling_mode": "cls"}}, None, "cls"),
         ("bge-tiny", {"1_Pooling/config.json": {"embedding_dimension": 16, "pooling_mode": "mean"}}, None, "mean"),
-        ("tiny-encoder", {"sentence_bert_config.json": {"max_seq_length": 64, "pooling_mode": "cls"}}, None, "cls"),
+        ("tiny-encoder", {"1_Pooling/config.json": {"pooling_mode": "cls"}}, None, "cls"),  # no dimension given
         ("tiny-encoder", {"1_Pooling/config.json": _CLS_LEGACY}, "mean", "mean"),  # the argument wins
         ("bge-tiny", None, "mean", "mean"),
     ],
