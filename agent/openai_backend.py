@@ -24,7 +24,6 @@ the batch's requests one by one, so only the episode whose request it was fails,
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 from typing import Any
 
@@ -40,6 +39,7 @@ from agent.llm import (
     run_sync,
     truncate_at_stop,
 )
+from retrieval.client import retry_after_s
 
 
 class BackendError(RuntimeError):
@@ -159,7 +159,7 @@ class OpenAICompatibleLLM:
                 continue
             if r.status_code == 429 or r.status_code >= 500:
                 last = f"HTTP {r.status_code}: {r.text[:200]}"
-                wait = _retry_after(r.headers.get("retry-after"))
+                wait = retry_after_s(r.headers.get("retry-after"))
                 continue
             if r.status_code in (401, 403, 404):
                 raise BackendRefused(f"{self.base_url}/completions answered HTTP {r.status_code}: {r.text[:300]}")
@@ -234,13 +234,3 @@ def restore_stop(text: str, choice: dict, stop: tuple[str, ...]) -> str:
         if s.startswith("</") and s.endswith(">") and text.rfind("<" + s[2:]) > text.rfind(s):
             return text + s
     return text
-
-
-def _retry_after(value: str | None, cap_s: float = 60.0) -> float:
-    """Seconds a 429/503 asks the client to wait (``Retry-After: <seconds>``; the HTTP-date form and junk read
-    as 0), at most ``cap_s``."""
-    try:
-        s = float(value) if value else 0.0
-    except ValueError:
-        return 0.0
-    return min(max(s, 0.0), cap_s) if math.isfinite(s) else 0.0

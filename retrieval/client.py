@@ -182,7 +182,7 @@ class RemoteRetriever:
                 if r.status != 429 and r.status < 500:
                     raise ValueError(f"retrieval server rejected the request (HTTP {r.status}): {_message(data)}")
                 last = _ServerFailed(f"HTTP {r.status}: {_message(data)}")
-                wait = _retry_after(r.getheader("retry-after"))
+                wait = retry_after_s(r.getheader("retry-after"))
             failures += 1
             if failures > self.retries:
                 break
@@ -289,9 +289,9 @@ def _hit(item: dict) -> Hit:
                score if type(score) is float else float(score))
 
 
-def _retry_after(value: str | None, cap_s: float = 60.0) -> float:
+def retry_after_s(value: str | None, cap_s: float = 60.0) -> float:
     """Seconds a 429/5xx answer's ``Retry-After: <seconds>`` asks the client to wait, at most ``cap_s`` (the
-    HTTP-date form, a missing header and junk read as 0)."""
+    HTTP-date form, a missing header and junk read as 0). Also read by :mod:`agent.openai_backend`."""
     try:
         s = float(value) if value else 0.0
     except ValueError:
