@@ -377,8 +377,8 @@ def run_rl_stage(cfg: Config, init_path: str | Path, resume: bool = False, log=p
     if ckpt is not None:
         done = json.loads((ckpt / "trainer_state.json").read_text())["step"]
         log(f"{cfg.train.algorithm}: resuming {run_dir} from {ckpt.name}")
-    elif resume:  # kept for job scripts that always pass --resume, but said: it is no resume
-        log(f"{cfg.train.algorithm}: --resume, but {run_dir} has no checkpoint yet: starting at step 0")
+    elif resume:  # --resume (job scripts always pass it; the quickstart resumes by default): say it is no resume
+        log(f"{cfg.train.algorithm}: no checkpoint in {run_dir} yet: starting at step 0")
     bar = tqdm(total=cfg.train.steps, initial=done, desc=cfg.train.algorithm, unit="step", disable=rank != 0)
 
     def on_step(step: int, rec: dict[str, Any]) -> None:
