@@ -5,11 +5,13 @@ Steps (CPU, a few minutes on 2 cores): BM25 index of ``corpora/sample/corpus.jso
 of the *train* questions (:mod:`training.sft`); then ``direct``, ``rag``, ``ircot``, ``search_o1`` and
 ``agent`` on the 100 *test* questions through :func:`eval.run.run_benchmarks`, and
 :func:`eval.report.write_report` into this folder. Work files go to ``runs/eval_example`` (re-running reuses
-the index, the model and every cached prediction). The committed report evaluates the quickstart's RL
-checkpoint (``sleuth quickstart`` first): ``--model runs/quickstart/grpo/checkpoints/step_000008``.
+the index, the model and every cached prediction). Agent, policy and SFT settings come from ``--config``
+(default ``configs/quickstart.yaml``: a checkpoint is only fair to evaluate in the prompt format it was
+trained on). The committed report evaluates the quickstart's RL checkpoint (``sleuth quickstart`` first):
+``--model runs/quickstart/grpo/checkpoints/step_000008``.
 
     .venv/bin/python -m eval.example.make_example [--work runs/eval_example] [--epochs 6] [--limit 100]
-        [--model CHECKPOINT_DIR]   # skip the SFT and evaluate an existing checkpoint
+        [--config YAML] [--model CHECKPOINT_DIR]   # skip the SFT and evaluate an existing checkpoint
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+QUICKSTART_CONFIG = HERE.parents[1] / "configs" / "quickstart.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=100)
     p.add_argument("--methods", default="direct,rag,ircot,search_o1,agent")
     p.add_argument("--model", default=None, help="evaluate this checkpoint (e.g. the quickstart's) instead of building one")
+    p.add_argument("--config", default=str(QUICKSTART_CONFIG),
+                   help="the config whose agent, policy and SFT settings to use (default: the quickstart's, so its "
+                        "checkpoint is evaluated with the prompt format it was trained on)")
     args = p.parse_args(argv)
 
     import torch
@@ -44,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     torch.set_num_threads(2)
-    cfg = load_config(None)
+    cfg = load_config(args.config)
     work = Path(args.work)
     paths = sample_paths()
     index_dir = work / "index"
