@@ -144,8 +144,10 @@ class TrainConfig(Section):
                             "also under torchrun) or shared (a head on the policy's own hidden states; one "
                             "process only)")
     critic_lr: float = 1e-3
-    vf_coef: float = Field(0.5, ge=0.0)
-    vf_clip: float = Field(0.2, ge=0.0)
+    vf_coef: float = Field(0.5, ge=0.0, description="value-loss weight (PPO's c1): scales the critic's loss before "
+                           "its own gradient clipping (max_grad_norm) and AdamW step at critic_lr, so it mostly "
+                           "sets how hard the clipping bites (verl's separate critic does not scale it)")
+    vf_clip: float = Field(0.2, ge=0.0, description="clip range of the value update around the rollout's values")
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(1.0, ge=0.0, le=1.0)
     ig_coef: float = Field(1.0, ge=0.0, description="IGPO: weight of the information gain turn reward")
