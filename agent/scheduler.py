@@ -194,11 +194,18 @@ class Scheduler:
     def _run(self, kind: str, payloads: list[Any]) -> list[Any]:
         """The batch's backend call (in the worker thread). A ``StopIteration`` it raises becomes a
         ``RuntimeError``: an asyncio future cannot hold one, so the batch's result would never arrive and the
-        scheduler would stay busy (every later request of that kind waiting forever)."""
+        scheduler would stay busy (every later request of that kind waiting forever). So does a
+        ``BaseException`` that is no ``Exception`` but ``KeyboardInterrupt`` or ``SystemExit`` (which stop the
+        event loop): an ``asyncio.CancelledError`` of the backend's own loop would read as the cancellation of
+        the batch's task, a ``GeneratorExit`` would end it, and either way its requests would wait forever."""
         try:
             return self._runners[kind](payloads)
         except StopIteration as e:
             raise RuntimeError(f"the {kind} backend raised StopIteration{f': {e}' if str(e) else ''}") from e
+        except (Exception, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            raise RuntimeError(f"the {kind} backend raised {type(e).__name__}{f': {e}' if str(e) else ''}") from e
 
     def _run_generate(self, payloads: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
         """The batch's generations, each request within its own budget (:func:`agent.llm.generate_requests`:

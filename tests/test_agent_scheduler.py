@@ -335,3 +335,26 @@ def test_generate_requests_keeps_each_budget_in_one_call_per_setting_or_one_gene
     each = Each()
     out = generate_requests(each, reqs)
     assert each.calls == [[9, 24, 5]] and [len(g.token_ids) for g in out] == [9, 24, 5]
+
+
+def test_a_backend_raising_a_base_exception_fails_its_requests_instead_of_leaving_them_waiting():
+    """A backend call that raises a BaseException that is no Exception (an ``asyncio.CancelledError`` of a
+    backend's own event loop, ``GeneratorExit``) left every request of its batch waiting forever (the batch's
+    task ended as if cancelled, or with an exception no one read); now it is a ``RuntimeError`` naming it,
+    split like any other error, and the scheduler keeps serving."""
+
+    async def main(llm):
+        sched = Scheduler(llm)
+        batch = asyncio.gather(*(sched.generate(p, SamplingParams()) for p in ([1], [666], [3])),
+                               return_exceptions=True)
+        out = await asyncio.wait_for(batch, 10)
+        return out, await asyncio.wait_for(sched.generate([4], SamplingParams()), 10)
+
+    for error in (asyncio.CancelledError(), GeneratorExit()):
+        for concurrent in (False, True):  # the batch's call and [666]'s single call raise it
+            llm = FailsOn(error)
+            llm.concurrent_calls = concurrent
+            out, later = asyncio.run(main(llm))
+            assert isinstance(out[1], RuntimeError) and type(error).__name__ in str(out[1]), (error, out)
+            assert out[0].token_ids == [1] and out[2].token_ids == [3] and later.token_ids == [4]
+            assert llm.calls == [3, 1, 1, 1, 1]
