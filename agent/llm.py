@@ -52,6 +52,18 @@ class BackendUnavailable(RuntimeError):
     request's (a prompt over the model's context, a request the server rejects)."""
 
 
+class BatchPartlyFailed(RuntimeError):
+    """Some requests of a batched call failed and the others did not: ``results[i]`` is request ``i``'s
+    :class:`Generation` or its exception. A backend that sends each request on its own (an OpenAI-compatible
+    server) raises it so that :class:`agent.scheduler.Scheduler` answers every request with its own outcome
+    instead of running the batch again one request at a time."""
+
+    def __init__(self, results: list[Any]):
+        self.results = results
+        failed = [r for r in results if isinstance(r, BaseException)]
+        super().__init__(f"{len(failed)} of {len(results)} requests failed; the first: {failed[0] if failed else '-'}")
+
+
 @runtime_checkable
 class LLM(Protocol):
     """A batched generator.

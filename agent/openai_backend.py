@@ -17,8 +17,9 @@ per request and retries with exponential backoff on connection errors, timeouts,
 what a `Retry-After` header asks, up to 60 s); a request still failing after them raises
 :class:`BackendUnreachable` (the server is down: the scheduler fails the whole batch), and 401, 403 and
 404 raise :class:`BackendRefused` at once (a wrong key, URL or model name: the same). Other 4xx responses
-and malformed bodies raise :class:`BackendError` at once (a retry would not help; the scheduler retries
-the batch's requests one by one, so only the episode whose request it was fails, with the reason).
+and malformed bodies fail their request at once (a retry would not help): the batch raises
+:class:`BackendPartlyFailed` with every request's outcome, so the scheduler fails only the episodes whose
+requests failed, each with its reason, and sends nothing again.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import httpx2
 
 from agent.llm import (
     BackendUnavailable,
+    BatchPartlyFailed,
     Generation,
     SamplingParams,
     decode,
@@ -49,6 +51,11 @@ class BackendError(RuntimeError):
 class BackendUnreachable(BackendError, BackendUnavailable):
     """A request still failed after all its retries (connection errors, timeouts, 429, 5xx): the server is
     down or overloaded, not unhappy with one request."""
+
+
+class BackendPartlyFailed(BackendError, BatchPartlyFailed):
+    """Some requests of a batch failed on their own (a 400 for one prompt, a malformed answer) and the others
+    did not; ``results`` holds each request's :class:`~agent.llm.Generation` or error."""
 
 
 class BackendRefused(BackendError, BackendUnavailable):
@@ -88,10 +95,12 @@ class OpenAICompatibleLLM:
 
     # -- LLM protocol ---------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """Blocking batch call (the scheduler runs it in a worker thread). Raises :class:`BackendError`
-        when any request of the batch is rejected or answered with garbage: :class:`BackendUnreachable`
-        when one still fails after its retries, :class:`BackendRefused` on 401, 403 or 404 (both are
-        ``BackendError`` and :class:`agent.llm.BackendUnavailable`)."""
+        """Blocking batch call (the scheduler runs it in a worker thread); every request runs to its end.
+        Raises :class:`BackendUnreachable` when a request still fails after its retries and
+        :class:`BackendRefused` on 401, 403 or 404 (both :class:`agent.llm.BackendUnavailable`: the batch
+        fails); else, when some requests were rejected or answered with garbage, :class:`BackendPartlyFailed`
+        with each request's outcome (the request's own :class:`BackendError` for a batch of one). All are
+        :class:`BackendError`."""
         return run_sync(self.agenerate(prompts, params))
 
     def generate_each(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
@@ -111,8 +120,15 @@ class OpenAICompatibleLLM:
         sem = asyncio.Semaphore(self.max_concurrency)
         async with httpx2.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout_s,
                                      limits=limits) as client:
-            return list(await asyncio.gather(*(self._one(client, sem, p, params, i)
-                                               for i, (p, params) in enumerate(requests))))
+            out = await asyncio.gather(*(self._one(client, sem, p, params, i)
+                                         for i, (p, params) in enumerate(requests)), return_exceptions=True)
+        failed = [r for r in out if isinstance(r, BaseException)]
+        for r in failed:  # a cancellation, or the server down or refusing every request: the whole batch
+            if not isinstance(r, Exception) or isinstance(r, BackendUnavailable):
+                raise r
+        if failed:  # each request's own outcome, so that only the failed ones fail (agent.scheduler)
+            raise failed[0] if len(out) == 1 else BackendPartlyFailed(list(out))
+        return list(out)
 
     # -- one request ----------------------------------------------------------------------------------
     def _body(self, prompt: list[int], params: SamplingParams, i: int) -> dict[str, Any]:

@@ -8,7 +8,8 @@ same scheduler serves concurrent HTTP requests (each request is an episode).
 
 A batched call that raises is retried once, member by member, so that one bad request (a prompt over the
 model's context, a request a remote server rejects) fails only its own episode; see :func:`is_global`
-for the errors that fail the whole batch at once. Those single calls run one after another (the
+for the errors that fail the whole batch at once. A backend that knows each request's outcome raises
+:class:`agent.llm.BatchPartlyFailed` instead, and each request gets its own outcome with no second call. Those single calls run one after another (the
 transformers and vLLM backends must not be called from several threads at once), or, for a backend or
 retriever whose class sets ``concurrent_calls = True`` (the OpenAI-compatible HTTP backend, the remote
 retrieval client), up to :data:`SPLIT_CONCURRENCY` at a time, so one rejected request in a batch of 256
@@ -23,7 +24,14 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from agent.llm import LLM, BackendUnavailable, Generation, SamplingParams, generate_requests
+from agent.llm import (
+    LLM,
+    BackendUnavailable,
+    BatchPartlyFailed,
+    Generation,
+    SamplingParams,
+    generate_requests,
+)
 from retrieval.base import Hit, Retriever
 
 SPLIT_CONCURRENCY = 32
@@ -132,6 +140,13 @@ class Scheduler:
             for (_, fut), res in zip(items, results, strict=True):
                 if not fut.done():
                     fut.set_result(res)
+        except BatchPartlyFailed as e:
+            if len(e.results) != len(items):
+                await self._one_by_one(kind, items, e)
+            else:  # every request's own outcome is known: nothing to run again
+                for (_, fut), res in zip(items, e.results, strict=True):
+                    if not fut.done():
+                        (fut.set_exception if isinstance(res, BaseException) else fut.set_result)(res)
         except Exception as e:  # noqa: BLE001 - forwarded to the waiting episodes
             await self._one_by_one(kind, items, e)
         finally:

@@ -358,3 +358,36 @@ def test_a_backend_raising_a_base_exception_fails_its_requests_instead_of_leavin
             assert isinstance(out[1], RuntimeError) and type(error).__name__ in str(out[1]), (error, out)
             assert out[0].token_ids == [1] and out[2].token_ids == [3] and later.token_ids == [4]
             assert llm.calls == [3, 1, 1, 1, 1]
+
+
+def test_a_batch_that_partly_failed_answers_each_request_with_its_own_outcome_without_a_second_pass():
+    """A backend that sends each request on its own (an OpenAI-compatible server) knows which requests
+    failed: it raises agent.llm.BatchPartlyFailed with every request's outcome, and the scheduler answers
+    each request with its own, with no second call (the one-by-one pass re-sent the whole batch)."""
+    from agent.llm import BatchPartlyFailed
+
+    class PerRequest:
+        tokenizer = None
+
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, prompts, params):
+            self.calls.append([p[0] for p in prompts])
+            out = [Generation([p[0]], str(p[0]), "length") if p[0] != 2 else ValueError("prompt 2 is too long")
+                   for p in prompts]
+            if any(isinstance(o, Exception) for o in out):
+                raise BatchPartlyFailed(out)
+            return out
+
+    backend = PerRequest()
+
+    async def run():
+        sched = Scheduler(backend)
+        return await asyncio.gather(*(sched.generate([i], SamplingParams(max_new_tokens=1)) for i in (1, 2, 3)),
+                                    return_exceptions=True)
+
+    outs = asyncio.run(run())
+    assert backend.calls == [[1, 2, 3]]  # one call: nothing re-sent
+    assert [o.text for o in (outs[0], outs[2])] == ["1", "3"]
+    assert isinstance(outs[1], ValueError) and "too long" in str(outs[1])

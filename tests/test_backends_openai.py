@@ -93,6 +93,9 @@ def test_one_rejected_prompt_fails_only_its_episode_and_a_refusing_server_fails_
         trajs = run_episodes([FRANCE, long, EIFFEL], llm, retriever, agent_cfg)
         assert [t.answer for t in trajs] == ["Paris", None, "Dijon"]
         assert trajs[1].stop_reason == "error" and "maximum context length" in trajs[1].metadata["error"]
+        # the batch's other answers were kept (BackendPartlyFailed): nothing was sent twice
+        first_turn = [b["prompt"] for b in mode["seen"][:3]]
+        assert all(sum(b["prompt"] == p for b in mode["seen"]) == 1 for p in first_turn)
         # a server refusing every request (a wrong key: 401) fails the batch without one call per episode
         mode.update(status=401, seen=[])
         with pytest.raises(BackendUnavailable, match="HTTP 401"):
