@@ -489,7 +489,7 @@ def test_ppo_kernel_gradient_formula_matches_autograd(agg, kl_type, clip_c):
 def test_ppo_clip_loss_ignores_nan_and_inf_at_masked_positions(agg):
     """CPU side of the GPU test ``..._nan_at_masked_positions``: the kernel selects masked positions away
     (cuda/ppo_loss.cu), so NaN/inf there never reach the loss, stats or gradient; the reference (the spec,
-    and the path on CPU or with dual-clip) must do the same, not multiply them by 0 (NaN * 0 = NaN)."""
+    and the path on CPU) must do the same, not multiply them by 0 (NaN * 0 = NaN)."""
     lp, old, adv, mask, ref, ent = _ppo_inputs(B=4, T=6, seed=5)
     off = mask == 0
     kw = {"clip_low": 0.2, "clip_high": 0.28, "loss_agg": agg, "kl_coef": 0.1, "entropy_coef": 0.01}
