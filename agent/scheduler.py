@@ -8,12 +8,12 @@ same scheduler serves concurrent HTTP requests (each request is an episode).
 
 A batched call that raises is retried once, member by member, so that one bad request (a prompt over the
 model's context, a request a remote server rejects) fails only its own episode; see :func:`is_global`
-for the errors that fail the whole batch at once. A backend that knows each request's outcome raises
-:class:`agent.llm.BatchPartlyFailed` instead, and each request gets its own outcome with no second call. Those single calls run one after another (the
+for the errors that fail the whole batch at once. Those single calls run one after another (the
 transformers and vLLM backends must not be called from several threads at once), or, for a backend or
-retriever whose class sets ``concurrent_calls = True`` (the OpenAI-compatible HTTP backend, the remote
-retrieval client), up to :data:`SPLIT_CONCURRENCY` at a time, so one rejected request in a batch of 256
-costs about 256 / 32 round trips, not 256.
+retriever whose class sets ``concurrent_calls = True`` (the remote retrieval client, the OpenAI-compatible
+backend), up to :data:`SPLIT_CONCURRENCY` at a time. A backend that knows each request's outcome (the
+OpenAI-compatible backend) raises :class:`agent.llm.BatchPartlyFailed` instead, and each request gets its
+own outcome with no second call.
 """
 
 from __future__ import annotations
@@ -170,7 +170,8 @@ class Scheduler:
         backend = self.llm if kind == "generate" else self.retriever
         width = 1
         if getattr(backend, "concurrent_calls", False):  # within the backend's own bound (OpenAI: max_concurrency)
-            width = max(1, min(SPLIT_CONCURRENCY, len(waiting), getattr(backend, "max_concurrency", None) or len(waiting)))
+            bound = getattr(backend, "max_concurrency", None) or len(waiting)
+            width = max(1, min(SPLIT_CONCURRENCY, len(waiting), bound))
         pool = concurrent.futures.ThreadPoolExecutor(width, "sleuth-split") if width > 1 else None
         gate = asyncio.Semaphore(width)
 
