@@ -497,22 +497,30 @@ def test_a_bad_pooling_config_is_an_error_naming_the_file(tmp_path):
         dense.Encoder(str(path), device="cpu")
 
 
-def test_plain_hf_encoder_truncates_at_the_model_s_positions(tmp_path):
-    """A plain HF encoder was given max_seq_length=512 whatever the model held, so a model with fewer
-    positions (64 here) failed on a long passage with a bare tensor-size RuntimeError; inputs are now cut
-    at min(512, the model's positions, the tokenizer's limit), as sentence-transformers cuts them."""
+def _assert_cut_at_64_tokens(path, model_cls) -> None:
+    """The plain HF encoder in ``path`` takes 64 tokens and embeds a long passage as transformers does with
+    the input cut at 64 (mean pooling, L2-normalised)."""
     import torch
-    from transformers import AutoTokenizer, BertModel
+    from transformers import AutoTokenizer
 
-    path = _plain_bert(tmp_path, "tiny-encoder")
     enc = dense.Encoder(str(path), device="cpu")
     assert enc.model.max_seq_length == 64
     text = "zebrafish live in rivers " * 40
-    tok, model = AutoTokenizer.from_pretrained(path), BertModel.from_pretrained(path).eval()
+    tok, model = AutoTokenizer.from_pretrained(path), model_cls.from_pretrained(path).eval()
     batch = tok([text], truncation=True, max_length=64, return_tensors="pt")
     with torch.no_grad():
         want = torch.nn.functional.normalize(model(**batch).last_hidden_state.mean(1), dim=-1).numpy()
     np.testing.assert_allclose(enc.encode_passages([text]), want, atol=1e-5)
+
+
+def test_plain_hf_encoder_truncates_at_the_model_s_positions(tmp_path):
+    """A plain HF encoder was given max_seq_length=512 whatever the model held, so a model with fewer
+    positions (64 here) failed on a long passage with a bare tensor-size RuntimeError; inputs are now cut
+    at min(512, the model's positions, the tokenizer's limit), as sentence-transformers cuts them."""
+    from transformers import BertModel
+
+    path = _plain_bert(tmp_path, "tiny-encoder")
+    _assert_cut_at_64_tokens(path, BertModel)
 
 
 def test_plain_hf_encoder_truncates_roberta_style_models_past_their_position_offset(tmp_path):
@@ -522,7 +530,7 @@ def test_plain_hf_encoder_truncates_roberta_style_models_past_their_position_off
     import shutil
 
     import torch
-    from transformers import AutoTokenizer, RobertaConfig, RobertaModel
+    from transformers import RobertaConfig, RobertaModel
 
     src, path = dense.resolve_model_path(dense.DEFAULT_MODEL), tmp_path / "tiny-roberta"
     path.mkdir()
@@ -532,11 +540,4 @@ def test_plain_hf_encoder_truncates_roberta_style_models_past_their_position_off
     conf = RobertaConfig(vocab_size=30522, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                          intermediate_size=32, max_position_embeddings=66, pad_token_id=1)
     RobertaModel(conf).save_pretrained(path)
-    enc = dense.Encoder(str(path), device="cpu")
-    assert enc.model.max_seq_length == 64
-    text = "zebrafish live in rivers " * 40
-    tok, model = AutoTokenizer.from_pretrained(path), RobertaModel.from_pretrained(path).eval()
-    batch = tok([text], truncation=True, max_length=64, return_tensors="pt")
-    with torch.no_grad():
-        want = torch.nn.functional.normalize(model(**batch).last_hidden_state.mean(1), dim=-1).numpy()
-    np.testing.assert_allclose(enc.encode_passages([text]), want, atol=1e-5)
+    _assert_cut_at_64_tokens(path, RobertaModel)

@@ -487,16 +487,24 @@ def test_column_hits_fast_path_equals_general_path():
         _column_hits({"result": reply["result"]})
 
 
+async def _read_request(scope, receive) -> bool:
+    """For the hand-written ASGI apps below: read an HTTP request's whole body; ``False`` for other scopes
+    (lifespan), which the apps ignore."""
+    if scope["type"] != "http":
+        return False
+    while (await receive()).get("more_body"):
+        pass
+    return True
+
+
 def _canned_app(fmt: bytes, body: bytes):
     """An ASGI app that answers every request 200 with ``body``, its ``x-sleuth-rows-reply`` header claiming
     the reply format ``fmt``: a server whose reply is whatever the test chooses."""
     from retrieval.base import ROWS_REPLY_HEADER
 
     async def app(scope, receive, send):
-        if scope["type"] != "http":
+        if not await _read_request(scope, receive):
             return
-        while (await receive()).get("more_body"):
-            pass
         headers = [(b"content-type", b"application/octet-stream"), (ROWS_REPLY_HEADER.encode(), fmt)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
@@ -579,10 +587,8 @@ def test_client_retries_a_columns_stream_cut_between_frames():
     calls = []
 
     async def app(scope, receive, send):
-        if scope["type"] != "http":
+        if not await _read_request(scope, receive):
             return
-        while (await receive()).get("more_body"):
-            pass
         calls.append(1)
         headers = [(b"content-type", b"application/octet-stream"), (ROWS_REPLY_HEADER.encode(), b"columns-stream")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -634,10 +640,8 @@ def test_search_cli_with_url_works_against_a_server_without_health(capsys):
     from sleuth.cli import main
 
     async def app(scope, receive, send):
-        if scope["type"] != "http":
+        if not await _read_request(scope, receive):
             return
-        while (await receive()).get("more_body"):
-            pass
         ok = scope["path"] == "/retrieve" and scope["method"] == "POST"
         body = json.dumps({"result": [[{"id": "d2", "contents": "Mount Everest\nEverest is high."}]]}).encode()
         await send({"type": "http.response.start", "status": 200 if ok else 404,
@@ -657,10 +661,8 @@ def test_client_waits_what_a_busy_answers_retry_after_asks():
     calls = []
 
     async def app(scope, receive, send):
-        if scope["type"] != "http":
+        if not await _read_request(scope, receive):
             return
-        while (await receive()).get("more_body"):
-            pass
         calls.append(time.monotonic())
         if len(calls) == 1:
             body = b'{"error": "busy"}'
