@@ -341,8 +341,29 @@ def check_rollout_backend(cfg: Config) -> None:
                          "updated after each step; train with agent.backend.kind=transformers or vllm")
 
 
+def rl_run_dir(cfg: Config) -> Path:
+    """The RL run directory, ``<out_dir>/<train.algorithm>`` (``runs/quickstart/grpo``, ``runs/x/ppo``): one run
+    per algorithm, so that changing ``train.algorithm`` under one ``out_dir`` starts a new run rather than
+    resuming another algorithm's checkpoints.
+
+    Earlier versions wrote every algorithm's run to ``<out_dir>/grpo``. Such a run is still found: when
+    ``<out_dir>/<algorithm>`` has no checkpoint and the latest checkpoint in ``<out_dir>/grpo`` was written by
+    this algorithm (its ``trainer_state.json``), that folder is returned, so an interrupted run resumes."""
+    from training.checkpoint import latest_checkpoint
+
+    algo = cfg.train.algorithm
+    run_dir = Path(cfg.out_dir) / algo
+    old = Path(cfg.out_dir) / "grpo"
+    if algo != "grpo" and latest_checkpoint(run_dir) is None:
+        ckpt = latest_checkpoint(old)
+        if ckpt is not None and json.loads((ckpt / "trainer_state.json").read_text()).get("algorithm") == algo:
+            return old
+    return run_dir
+
+
 def run_rl_stage(cfg: Config, init_path: str | Path, resume: bool = False, log=print) -> Path:
-    """GRPO from ``init_path`` into ``<out_dir>/grpo``; returns the final checkpoint directory. Rollouts run on
+    """``train.algorithm`` from ``init_path`` into :func:`rl_run_dir` (``<out_dir>/<algorithm>``); returns the
+    final checkpoint directory. Rollouts run on
     ``agent.backend.kind`` (transformers, or vllm updated in place after each step; openai is a ``ValueError``,
     :func:`check_rollout_backend`).
 
@@ -363,7 +384,7 @@ def run_rl_stage(cfg: Config, init_path: str | Path, resume: bool = False, log=p
     rank = world()[0]
     if rank != 0:
         log = lambda *a, **k: None  # rank 0 alone reports
-    run_dir = Path(cfg.out_dir) / "grpo"
+    run_dir = rl_run_dir(cfg)
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None and not resume:
         raise ValueError(f"{run_dir} already has checkpoints (latest {ckpt.name}); pass --resume to continue "

@@ -501,6 +501,49 @@ def test_resume_without_a_checkpoint_says_it_starts_from_the_beginning(tiny_poli
     assert not any("no checkpoint" in m for m in logs)
 
 
+def _fake_checkpoint(run_dir, algorithm: str) -> None:
+    ckpt = run_dir / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "algorithm": algorithm}))
+
+
+def test_each_algorithm_trains_in_its_own_run_directory(tiny_policy_dir, retriever, tmp_path, monkeypatch):
+    """Every algorithm's run went to ``<out_dir>/grpo``: a PPO run sat in a folder named for GRPO, and
+    switching ``train.algorithm`` under one ``out_dir`` with ``--resume`` resumed the other algorithm's
+    checkpoint (GRPO weights as PPO, with a fresh critic and no word). The run directory is now
+    ``<out_dir>/<algorithm>``; a run written to ``grpo/`` by an earlier version resumes from there; and
+    :func:`training.trainer.rl_train` refuses a checkpoint written by another algorithm."""
+    import training.trainer
+    from sleuth import pipeline
+    from sleuth.config import load_config
+
+    over = [f"out_dir={tmp_path}", "train.steps=1"]
+    grpo = load_config(None, over)
+    ppo = load_config(None, [*over, "train.algorithm=ppo", "train.critic=separate"])
+    assert pipeline.rl_run_dir(grpo) == tmp_path / "grpo" and pipeline.rl_run_dir(ppo) == tmp_path / "ppo"
+
+    seen = []
+    monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: retriever)
+    monkeypatch.setattr(training.trainer, "rl_train", lambda *a, **kw: seen.append((a[5], kw["resume"])))
+    pipeline.run_rl_stage(ppo, tiny_policy_dir, resume=True, log=lambda *a, **k: None)
+    assert seen[-1] == (tmp_path / "ppo", False)
+
+    _fake_checkpoint(tmp_path / "grpo", "grpo")  # a GRPO run beside it: not PPO's
+    assert pipeline.rl_run_dir(ppo) == tmp_path / "ppo"
+    legacy = tmp_path / "old"
+    _fake_checkpoint(legacy / "grpo", "ppo")  # a PPO run written by an earlier version
+    old_ppo = load_config(None, [f"out_dir={legacy}", "train.steps=1", "train.algorithm=ppo", "train.critic=separate"])
+    assert pipeline.rl_run_dir(old_ppo) == legacy / "grpo"
+    _fake_checkpoint(legacy / "ppo", "ppo")  # once the new folder has a checkpoint, it is the run
+    assert pipeline.rl_run_dir(old_ppo) == legacy / "ppo"
+
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="train.algorithm=grpo, not ppo"):
+        training.trainer.rl_train(ppo, None, None, retriever, [], tmp_path / "grpo", resume=True)
+    with pytest.raises(ValueError, match="already has checkpoints"):  # a new run never overwrites an old one
+        pipeline.run_rl_stage(grpo, tiny_policy_dir, log=lambda *a, **k: None)
+
+
 def test_an_episode_budget_beyond_the_models_context_is_refused_before_loading(tiny_policy_dir, tmp_path, monkeypatch):
     """``agent.max_total_tokens`` above the model's context (``max_position_embeddings``) let episodes run
     past the positions the model was trained on (transformers: silently degraded output; vLLM: an error in

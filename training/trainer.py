@@ -620,7 +620,8 @@ def rl_train(
     for it without ``train.dist_timeout_s``). Resuming with the
     same number of ranks continues exactly; with another number it continues from the same weights,
     optimizer state and data position (with a warning); ranks that see different latest checkpoints (a run
-    directory not shared by every rank) raise ``ValueError``. PPO's ``separate`` critic is built from the
+    directory not shared by every rank) raise ``ValueError``, as does a checkpoint written by another
+    ``train.algorithm``. PPO's ``separate`` critic is built from the
     full policy and sharded on its own (:func:`training.distributed.shard_value_model`), its advantages are
     whitened over every rank's tokens, and its checkpoint holds the full critic and its name-keyed optimizer
     state; a ``shared`` critic is refused under torchrun (``ValueError``): its head rides on the sharded
@@ -652,6 +653,11 @@ def rl_train(
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         ckpt = latest_checkpoint(run_dir) if resume else None
+        if ckpt is not None:  # GRPO weights resumed as PPO would start a fresh critic without a word
+            algo = json.loads((ckpt / "trainer_state.json").read_text()).get("algorithm", tc.algorithm)
+            if algo != tc.algorithm:
+                raise ValueError(f"{ckpt} was written by train.algorithm={algo}, not {tc.algorithm}: resume it with "
+                                 f"train.algorithm={algo}, or start a new run in another run directory")
         if W > 1:  # every rank must resume the same step (and load the same weights): a shared run directory
             seen = gather_objects(ckpt.name if ckpt is not None else None)
             if len(set(seen)) > 1:

@@ -1,4 +1,5 @@
-"""``sleuth train``: SFT warm start (if enabled) then multi-turn GRPO with tool-token masking.
+"""``sleuth train``: SFT warm start (if enabled) then multi-turn RL (``train.algorithm``: GRPO,
+PPO, RLOO, ...) with tool-token masking, into ``<out_dir>/<algorithm>``.
 
 Under ``torchrun --nproc_per_node N -m sleuth.cli train ...`` rank 0 alone writes the run config, builds
 the index and the tiny policy and runs the SFT warm start while the other ranks wait (a failure there
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from sleuth.commands._common import add_config_arguments, config_from_args
 
-HELP = "train the policy: SFT warm start, then multi-turn GRPO (metrics, checkpoints, --resume; torchrun)"
+HELP = "train the policy: SFT warm start, then multi-turn RL (train.algorithm; metrics, checkpoints, --resume; torchrun)"
 
 
 def add_arguments(p) -> None:
@@ -20,12 +21,11 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from pathlib import Path
-
     from sleuth.pipeline import (
         check_rollout_backend,
         ensure_index,
         resolve_model_path,
+        rl_run_dir,
         run_rl_stage,
         run_sft_stage,
         save_run_config,
@@ -49,5 +49,5 @@ def run(args) -> int:
     finally:
         shutdown(barrier=ok)  # no barrier on an error path: the other ranks may be gone
     if rank == 0:
-        print(f"final checkpoint: {final}\nmetrics: {Path(cfg.out_dir) / 'grpo' / 'metrics.jsonl'}")
+        print(f"final checkpoint: {final}\nmetrics: {rl_run_dir(cfg) / 'metrics.jsonl'}")
     return 0
