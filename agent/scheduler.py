@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -58,7 +59,8 @@ class Scheduler:
     the backend's ``concurrent_calls`` attribute is true; absent means false), so only the requests whose
     own call raises get an exception; an error that :func:`is_global` calls global is not split: it fails
     every request of the batch (and, met in the one-by-one pass, the requests not yet retried). Either way
-    the scheduler keeps serving.
+    the scheduler keeps serving. A batch whose task is cancelled (the event loop shutting down) fails its
+    requests still waiting with a ``RuntimeError``, so none of them waits for ever.
     """
 
     def __init__(self, llm: LLM, retriever: Retriever | None = None, max_batch: int = 256):
@@ -74,6 +76,8 @@ class Scheduler:
             "search": self._run_search,
         }
         self.stats = {"generate_batches": 0, "generate_prompts": 0, "search_batches": 0, "search_queries": 0}
+        self._stats_lock = threading.Lock()  # a split pass may run several backend calls in threads at once
+        self._tasks: set[asyncio.Task] = set()  # the running batches (the loop keeps only weak references)
 
     # -- episode accounting ---------------------------------------------------------------------------
     @asynccontextmanager
@@ -126,10 +130,15 @@ class Scheduler:
         everyone_waiting = len(gen_q) + len(search_q) >= self.active - self._inflight
         if search_q and not self._busy["search"] and (everyone_waiting or len(search_q) >= self.max_batch):
             self._busy["search"] = True
-            loop.create_task(self._flush("search"))
+            self._start(loop, "search")
         if gen_q and not self._busy["generate"] and (len(gen_q) >= self.active or len(gen_q) >= self.max_batch):
             self._busy["generate"] = True
-            loop.create_task(self._flush("generate"))
+            self._start(loop, "generate")
+
+    def _start(self, loop: asyncio.AbstractEventLoop, kind: str) -> None:
+        task = loop.create_task(self._flush(kind))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _flush(self, kind: str) -> None:
         q = self._queues[kind]
@@ -149,6 +158,12 @@ class Scheduler:
                         (fut.set_exception if isinstance(res, BaseException) else fut.set_result)(res)
         except Exception as e:  # noqa: BLE001 - forwarded to the waiting episodes
             await self._one_by_one(kind, items, e)
+        except asyncio.CancelledError:  # the loop is shutting down: no request of the batch may wait for ever
+            error = RuntimeError(f"the scheduler's {kind} batch was cancelled")
+            for _, fut in items:
+                if not fut.done():
+                    fut.set_exception(error)
+            raise
         finally:
             self._inflight -= len(items)
             self._busy[kind] = False
@@ -227,8 +242,9 @@ class Scheduler:
         """The batch's generations, each request within its own budget (:func:`agent.llm.generate_requests`:
         one call per distinct sampling setting, or one ``generate_each`` call)."""
         out = generate_requests(self.llm, payloads)
-        self.stats["generate_batches"] += 1
-        self.stats["generate_prompts"] += len(payloads)
+        with self._stats_lock:
+            self.stats["generate_batches"] += 1
+            self.stats["generate_prompts"] += len(payloads)
         return out
 
     def _run_search(self, payloads: list[tuple[str, int]]) -> list[list[Hit]]:
@@ -240,6 +256,7 @@ class Scheduler:
             hits = self.retriever.search([payloads[i][0] for i in idx], k)  # type: ignore[union-attr]
             for i, h in zip(idx, hits, strict=True):
                 out[i] = h
-        self.stats["search_batches"] += 1
-        self.stats["search_queries"] += len(payloads)
+        with self._stats_lock:
+            self.stats["search_batches"] += 1
+            self.stats["search_queries"] += len(payloads)
         return out  # type: ignore[return-value]

@@ -391,3 +391,36 @@ def test_a_batch_that_partly_failed_answers_each_request_with_its_own_outcome_wi
     assert backend.calls == [[1, 2, 3]]  # one call: nothing re-sent
     assert [o.text for o in (outs[0], outs[2])] == ["1", "3"]
     assert isinstance(outs[1], ValueError) and "too long" in str(outs[1])
+
+
+def test_a_cancelled_batch_fails_its_waiting_requests_instead_of_leaving_them_waiting():
+    """A batch whose own task was cancelled (the event loop shutting down under a server) left the requests
+    it had taken from the queue waiting for ever: no one would set their futures. They now fail with a
+    ``RuntimeError`` that names the cancelled batch. The scheduler holds each running batch's task (the
+    event loop keeps only weak references to tasks)."""
+    release = threading.Event()
+
+    class Blocks:
+        tokenizer = None
+
+        def generate(self, prompts, params):
+            release.wait(10)
+            return [Generation([9], "x") for _ in prompts]
+
+    async def main():
+        sched = Scheduler(Blocks())
+        asks = [asyncio.ensure_future(sched.generate(p, SamplingParams())) for p in ([1], [2])]
+        for _ in range(100):  # until the batch has taken both requests
+            await asyncio.sleep(0.01)
+            if sched._tasks and not sched._queues["generate"]:
+                break
+        (task,) = sched._tasks
+        task.cancel()
+        out = await asyncio.wait_for(asyncio.gather(*asks, return_exceptions=True), 5)
+        release.set()
+        await asyncio.sleep(0.05)
+        return out, sched._tasks
+
+    out, running = asyncio.run(main())
+    assert all(isinstance(o, RuntimeError) and "generate batch was cancelled" in str(o) for o in out), out
+    assert running == set()  # a finished batch's task is let go
