@@ -156,7 +156,8 @@ def iter_corpus(path: str | Path) -> Iterator[Passage]:
     """Stream passages from a corpus JSONL file without loading it whole.
 
     Accepts ``{"id", "contents"}`` with an optional ``title`` (Search-R1 / FlashRAG / pyserini) and
-    ``{"id", "title", "text"}`` (DPR-style). Raises :class:`DataFormatError` naming the line of a bad record,
+    ``{"id", "title", "text"}`` (DPR-style). A ``contents`` whose first line is not its ``title`` gets the
+    title line put before it (what Search-R1's client renders as the title). Raises :class:`DataFormatError` naming the line of a bad record,
     and :class:`FileNotFoundError` if the file is missing.
     """
     path = Path(path)
@@ -180,7 +181,9 @@ def iter_corpus(path: str | Path) -> Iterator[Passage]:
         if "contents" in obj:
             contents = passage_field(obj, "contents", path, lineno)
             title = str(obj.get("title") or contents.partition("\n")[0].strip('"'))
-            yield Passage(id=pid, title=title, contents=contents)
+            p = Passage(id=pid, title=title, contents=contents)
+            # contents without the title line get it (Search-R1's client takes the first line as the title)
+            yield p if p.text != contents or contents == title else Passage.make(pid, title, contents)
         elif "text" in obj:
             title = obj.get("title")  # (null: no title, not the title 'None')
             yield Passage.make(pid, "" if title is None else str(title), passage_field(obj, "text", path, lineno))

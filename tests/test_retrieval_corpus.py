@@ -466,3 +466,21 @@ def test_a_search_r1_export_given_as_a_flashrag_qa_file_says_which_eval_reads_it
                                "reward_model": {"ground_truth": {"target": ["a"]}}}) + "\n")
     with pytest.raises(DataFormatError, match=r"nq\.jsonl:1: a Search-R1-format QA record .*--benchmarks"):
         read_qa(src)
+
+
+def test_corpus_contents_without_its_title_line_get_it_so_search_r1_renders_the_title(tmp_path):
+    # {"id", "title", "contents"} whose contents lack the title line were indexed and served as they were, so
+    # Search-R1's client (Doc i(Title: <first line>) <rest>) showed the body as the title and no text
+    src = tmp_path / "c.jsonl"
+    rows = [{"id": "1", "title": "Other", "contents": "hello world"},
+            {"id": "2", "title": "Aaron", "contents": '"Aaron"\nalready has it'},
+            {"id": "3", "contents": "no title field"}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = read_corpus(src)
+    assert [(p.title, p.contents, p.text) for p in got] == [
+        ("Other", "Other\nhello world", "hello world"),
+        ("Aaron", '"Aaron"\nalready has it', "already has it"),
+        ("no title field", "no title field", "no title field"),
+    ]
+    rendered = [f"(Title: {p.contents.split(chr(10))[0]}) {chr(10).join(p.contents.split(chr(10))[1:])}" for p in got]
+    assert rendered[0] == "(Title: Other) hello world"
