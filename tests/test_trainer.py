@@ -815,3 +815,25 @@ def test_a_second_training_on_the_same_run_directory_is_refused(tiny_policy_dir,
     assert out["last"] and (tmp_path / "metrics.jsonl").exists()
     with run_dir_lock(tmp_path):  # released when rl_train returned
         pass
+
+
+def test_a_fresh_start_replaces_the_reference_of_an_earlier_unfinished_run(tiny_policy_dir, retriever, tmp_path):
+    """A run killed before its first checkpoint (an OOM at step 1, say) leaves run_dir/reference; a new run in
+    the same directory from another initial model (the user changed policy.model or enabled SFT) kept that
+    stale reference on disk, and once resumed, compared its KL with the earlier run's model. A fresh start now
+    saves its own initial policy as the reference."""
+    from training.trainer import load_pretrained_weights, rl_train
+
+    other, _ = load(tiny_policy_dir)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.5)
+    other.save_pretrained(tmp_path / "reference")  # what the unfinished run with another model left
+    model, tok = load(tiny_policy_dir)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    rl_train(make_cfg("train.steps=1", "train.kl_coef=0.1"), model, tok, retriever, QUESTIONS, tmp_path,
+             judge=varying_judge)
+    ref, _ = load(tiny_policy_dir)
+    load_pretrained_weights(ref, tmp_path / "reference")
+    for k, v in initial.items():
+        torch.testing.assert_close(ref.state_dict()[k], v, rtol=0, atol=0)

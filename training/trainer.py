@@ -664,16 +664,20 @@ def rl_train(
                 raise ValueError(f"the ranks see different latest checkpoints of {run_dir} (by rank: {seen}); the run "
                                  "directory must be on a file system every rank sees")
 
-        # reference model (KL): the initial policy, saved once so that a resumed run uses the same one
+        # reference model (KL): the initial policy, saved by every fresh start (a reference left by an earlier run
+        # that died before its first checkpoint may be of another model) so that a resumed run uses the same one
         ref_model = None
         if tc.kl_coef > 0:
             ref_dir = run_dir / "reference"
             ref_model = copy.deepcopy(model).eval()
             if ckpt is not None and (ref_dir / "config.json").exists():
                 load_pretrained_weights(ref_model, ref_dir)  # one file or shards
-            elif rank == 0 and not (ref_dir / "config.json").exists():
+            elif rank == 0:
                 import shutil
 
+                if ckpt is not None:  # train.kl_coef turned on at a resume: the initial policy is gone
+                    warnings.warn(f"{ref_dir} is missing: the KL reference is the resumed checkpoint {ckpt.name}, not "
+                                  "the run's initial policy", stacklevel=1)
                 tmp = run_dir / ".reference.tmp"
                 shutil.rmtree(tmp, ignore_errors=True)
                 ref_model.save_pretrained(tmp)
