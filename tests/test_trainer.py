@@ -837,3 +837,25 @@ def test_a_fresh_start_replaces_the_reference_of_an_earlier_unfinished_run(tiny_
     load_pretrained_weights(ref, tmp_path / "reference")
     for k, v in initial.items():
         torch.testing.assert_close(ref.state_dict()[k], v, rtol=0, atol=0)
+
+
+def test_the_leftovers_of_a_checkpoint_write_killed_midway_are_removed(tiny_policy_dir, retriever, tmp_path):
+    """A run killed while writing a checkpoint leaves checkpoints/.tmp_step_<n>_<pid> (a full model and optimizer
+    state: gigabytes), and save_best's killed copy .tmp_best_<pid> / .old_best; no later run removed them,
+    since each process only clears its own pid's. The run holding the directory now removes them at its start,
+    and the complete checkpoints stay."""
+    from agent.hf import load_model_and_tokenizer
+    from training.checkpoint import latest_checkpoint
+    from training.trainer import rl_train
+
+    model, tok = load(tiny_policy_dir)
+    rl_train(make_cfg("train.steps=1"), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
+    root = tmp_path / "checkpoints"
+    left = [root / ".tmp_step_000002_999999", root / ".tmp_best_999999", root / ".old_best"]
+    for d in left:
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"\0" * 1000)
+    model, tok = load_model_and_tokenizer(str(latest_checkpoint(tmp_path)), device="cpu")
+    rl_train(make_cfg("train.steps=2"), model, tok, retriever, QUESTIONS, tmp_path, resume=True, judge=varying_judge)
+    assert not any(d.exists() for d in left)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001", "step_000002"]

@@ -161,6 +161,24 @@ def save_checkpoint(run_dir: str | Path, step: int, model: Any, tokenizer: Any, 
     return final
 
 
+def remove_unfinished(run_dir: str | Path) -> list[Path]:
+    """Delete what killed writes left in ``<run>/checkpoints``: checkpoint and ``best`` copies under their
+    temporary names (``.tmp_step_<n>_<pid>``, ``.tmp_best_<pid>``: a full model and optimizer state each),
+    the previous ``best`` set aside by :func:`save_best` (``.old_best``) and the pointer's ``.latest.tmp``.
+    Complete checkpoints, ``latest`` and ``best`` are kept. Only for the one process that writes the run
+    (the holder of :func:`run_dir_lock`): another writer's files in progress would go too. Returns the
+    removed paths."""
+    root = Path(run_dir) / "checkpoints"
+    gone = sorted(p for pattern in (".tmp_step_*", ".tmp_best_*", ".old_best", ".latest.tmp")
+                  for p in root.glob(pattern))
+    for p in gone:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return gone
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The last complete checkpoint of a run, or ``None``."""
     ckpt_root = Path(run_dir) / "checkpoints"

@@ -47,6 +47,7 @@ from training.checkpoint import (
     load_optimizer_state,
     load_trainer_state,
     read_extra,
+    remove_unfinished,
     restore_rng,
     rng_state,
     run_dir_lock,
@@ -650,6 +651,8 @@ def rl_train(
     with run_dir_lock(run_dir) if rank == 0 else contextlib.nullcontext():  # rank 0 writes run_dir
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        if rank == 0:  # the temporary copies of checkpoint writes killed midway (gigabytes each)
+            remove_unfinished(run_dir)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         ckpt = latest_checkpoint(run_dir) if resume else None
