@@ -3,7 +3,8 @@
 Index the sample corpus, build the tiny policy, SFT warm start, evaluate (before RL), GRPO, evaluate
 (after RL); print the before/after table on the held-out test questions and write it under ``out_dir``.
 Re-running it reuses the index, the tiny policy, the SFT model and the GRPO checkpoints (resuming an
-interrupted GRPO run); the two evaluations run again.
+interrupted GRPO run); the two evaluations run again. One at a time per ``out_dir``
+(:func:`training.checkpoint.run_dir_lock`; another training there is a ``RuntimeError`` before anything is written).
 """
 
 from __future__ import annotations
@@ -21,13 +22,25 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    import time
+
+    from sleuth.config import load_config
+    from sleuth.pipeline import check_rollout_backend
+    from training.checkpoint import run_dir_lock
+
+    t0 = time.time()
+    cfg = load_config(args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None), args.overrides)
+    check_rollout_backend(cfg)
+    with run_dir_lock(cfg.out_dir):  # a second quickstart or training there is refused before it writes anything
+        return _run(cfg, t0)
+
+
+def _run(cfg, t0: float) -> int:
     import json
     import time
 
     from corpora import read_qa
-    from sleuth.config import load_config
     from sleuth.pipeline import (
-        check_rollout_backend,
         data_paths,
         ensure_index,
         evaluate_agent,
@@ -43,9 +56,6 @@ def run(args) -> int:
         write_eval_outputs,
     )
 
-    t0 = time.time()
-    cfg = load_config(args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None), args.overrides)
-    check_rollout_backend(cfg)
     out = Path(cfg.out_dir)
     save_run_config(cfg)
     log = lambda msg: print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)

@@ -6,9 +6,14 @@ the index and the tiny policy and runs the SFT warm start while the other ranks 
 stops every rank); then all ranks train with FSDP2 (:func:`training.trainer.rl_train`), rank 0 alone logs
 and checkpoints, and the process group ends with a barrier. Collectives time out after
 ``train.dist_timeout_s`` seconds, so a rank that died makes the others fail rather than hang.
+
+One training at a time per ``out_dir``: rank 0 holds it (:func:`training.checkpoint.run_dir_lock`) from before
+it writes the run config to the end, and a second ``sleuth train`` there raises ``RuntimeError`` at once.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from sleuth.commands._common import add_config_arguments, config_from_args
 
@@ -31,14 +36,18 @@ def run(args) -> int:
         save_run_config,
         tiny_policy_path,
     )
+    from training.checkpoint import run_dir_lock
     from training.distributed import init_from_env, run_on_rank0, shutdown
 
     cfg = config_from_args(args)
     check_rollout_backend(cfg)  # before minutes of SFT
     rank, _W = init_from_env(timeout_s=cfg.train.dist_timeout_s)  # torchrun: the process group; else a no-op
     ok = False
+    held = contextlib.ExitStack()
     try:
         def setup() -> str:  # writes files: rank 0 only, the others wait for its result
+            # out_dir for the whole command (config.yaml, index, SFT, RL run): a second training there is refused
+            held.enter_context(run_dir_lock(cfg.out_dir))  # before it writes anything (RuntimeError)
             save_run_config(cfg)
             ensure_index(cfg)
             return str(run_sft_stage(cfg) if cfg.sft.enabled else resolve_model_path(cfg.policy.model or tiny_policy_path(cfg)))
@@ -47,6 +56,7 @@ def run(args) -> int:
         final = run_rl_stage(cfg, init, resume=args.resume)
         ok = True
     finally:
+        held.close()
         shutdown(barrier=ok)  # no barrier on an error path: the other ranks may be gone
     if rank == 0:
         print(f"final checkpoint: {final}\nmetrics: {rl_run_dir(cfg) / 'metrics.jsonl'}")
