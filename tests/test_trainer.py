@@ -859,3 +859,24 @@ def test_the_leftovers_of_a_checkpoint_write_killed_midway_are_removed(tiny_poli
     rl_train(make_cfg("train.steps=2"), model, tok, retriever, QUESTIONS, tmp_path, resume=True, judge=varying_judge)
     assert not any(d.exists() for d in left)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001", "step_000002"]
+
+
+@pytest.mark.parametrize("first,then", [(True, False), (False, True)])
+def test_resuming_with_lora_switched_is_refused_naming_it(first, then, tiny_policy_dir, retriever, tmp_path):
+    """``--resume train.lora=...`` the other way than the checkpoint's run failed deep in torch ('Missing optimizer
+    state for parameter ...lora_A...'), naming neither train.lora nor what to do; it is now a ValueError that
+    does, raised before anything is written."""
+    from agent.hf import load_model_and_tokenizer
+    from training.checkpoint import latest_checkpoint
+    from training.trainer import rl_train
+
+    lora = ["train.lora_targets=[q_proj,v_proj]"]
+    model, tok = load(tiny_policy_dir)
+    rl_train(make_cfg("train.steps=1", f"train.lora={first}", *lora), model, tok, retriever, QUESTIONS, tmp_path,
+             judge=varying_judge)
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    model, tok = load_model_and_tokenizer(str(latest_checkpoint(tmp_path)), device="cpu")
+    with pytest.raises(ValueError, match=f"train.lora={str(first).lower()}"):
+        rl_train(make_cfg("train.steps=2", f"train.lora={then}", *lora), model, tok, retriever, QUESTIONS, tmp_path,
+                 resume=True, judge=varying_judge)
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics

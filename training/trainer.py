@@ -622,7 +622,7 @@ def rl_train(
     same number of ranks continues exactly; with another number it continues from the same weights,
     optimizer state and data position (with a warning); ranks that see different latest checkpoints (a run
     directory not shared by every rank) raise ``ValueError``, as does a checkpoint written by another
-    ``train.algorithm``. PPO's ``separate`` critic is built from the
+    ``train.algorithm`` or ``train.lora``. PPO's ``separate`` critic is built from the
     full policy and sharded on its own (:func:`training.distributed.shard_value_model`), its advantages are
     whitened over every rank's tokens, and its checkpoint holds the full critic and its name-keyed optimizer
     state; a ``shared`` critic is refused under torchrun (``ValueError``): its head rides on the sharded
@@ -657,10 +657,18 @@ def rl_train(
         random.seed(cfg.seed)
         ckpt = latest_checkpoint(run_dir) if resume else None
         if ckpt is not None:  # GRPO weights resumed as PPO would start a fresh critic without a word
-            algo = json.loads((ckpt / "trainer_state.json").read_text()).get("algorithm", tc.algorithm)
+            saved_state = json.loads((ckpt / "trainer_state.json").read_text())
+            algo = saved_state.get("algorithm", tc.algorithm)
             if algo != tc.algorithm:
                 raise ValueError(f"{ckpt} was written by train.algorithm={algo}, not {tc.algorithm}: resume it with "
                                  f"train.algorithm={algo}, or start a new run in another run directory")
+            # its optimizer state is the adapters' or the full model's (checkpoints before "lora": its files tell)
+            lora = saved_state.get("lora")
+            if lora is None:
+                lora = (ckpt / "base").is_dir() or "lora" in read_extra(ckpt)
+            if lora != tc.lora:
+                raise ValueError(f"{ckpt} was written with train.lora={str(lora).lower()}: resume it with "
+                                 f"train.lora={str(lora).lower()}, or start a new run in another run directory")
         if W > 1:  # every rank must resume the same step (and load the same weights): a shared run directory
             seen = gather_objects(ckpt.name if ckpt is not None else None)
             if len(set(seen)) > 1:
@@ -802,7 +810,7 @@ def rl_train(
 
                 path = save_checkpoint(run_dir, step, target, tokenizer, None, scheduler,
                                        trainer_state={"data_position": data.position, "best": best, "best_step": best_step,
-                                                      "algorithm": tc.algorithm, "world_size": W,
+                                                      "algorithm": tc.algorithm, "lora": tc.lora, "world_size": W,
                                                       "alarms_below": alarms.state(), "nonfinite": nonfinite},
                                        keep=tc.keep_checkpoints, extra=extra, optimizer_state=opt_state, rng_states=rngs,
                                        write_files=write_base if tc.lora else None)
