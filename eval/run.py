@@ -119,6 +119,12 @@ def _same_question(record: dict[str, Any], example: QAExample) -> bool:
     return list(record.get("golden_answers") or []) == list(example.golden_answers)
 
 
+def _failed(record: dict[str, Any]) -> bool:
+    """Whether a prediction record is of an episode that ended on an error (``error`` set, e.g. by
+    :func:`eval.methods.trajectory_fields`) rather than with an answer or out of budget."""
+    return bool(record.get("error")) or record.get("stop_reason") == "error"
+
+
 def _set_question_fields(record: dict[str, Any], example: QAExample, benchmark: str) -> dict[str, Any]:
     """Give ``record`` (in place) its example's ``supporting_ids``, ``hops`` and ``dataset``, and its
     ``question`` if it has none; returns ``record``."""
@@ -147,7 +153,8 @@ def evaluate_benchmark(
     batch in place, so the cached records carry the verdicts. ``reuse`` (question id -> record, e.g. the
     unjudged predictions of the same config) supplies predictions without calling the method; they are judged
     and cached like computed ones. A cached or reused record whose question or golden answers differ from
-    its example's (the same id in other data: another data dir, an edited file) is recomputed, never scored;
+    its example's (the same id in other data: another data dir, an edited file) is recomputed, never scored,
+    and so is one of an episode that ended on an error (:func:`_failed`: a dead retrieval server is no answer);
     a cached record that is reused gets the example's current ``supporting_ids``, ``hops`` and ``dataset``
     (they describe the question, and a QA file may gain or correct them after its predictions were cached).
     Returns ``(records, n_computed)`` (questions the method computed).
@@ -162,8 +169,15 @@ def evaluate_benchmark(
                     "recomputing them", benchmark, len(stale), stale[0])
         for qid in stale:
             del cached[qid]
+    failed = [e.id for e in examples if e.id in cached and _failed(cached[e.id])]
+    if failed:  # an episode that ended on an error (a dead retrieval server) is no answer: run it again
+        log.warning("%s: %d cached prediction(s) ended on an error (e.g. %r: %s); recomputing them", benchmark,
+                    len(failed), failed[0], cached[failed[0]].get("error"))
+        for qid in failed:
+            del cached[qid]
     if reuse:
-        reuse = {e.id: reuse[e.id] for e in examples if e.id in reuse and _same_question(reuse[e.id], e)}
+        reuse = {e.id: reuse[e.id] for e in examples
+                 if e.id in reuse and _same_question(reuse[e.id], e) and not _failed(reuse[e.id])}
     missing = [e for e in examples if e.id not in cached]
     done = [cached[e.id] for e in examples if e.id in cached]
     bar = tqdm(total=len(examples), initial=len(done), desc=f"{cache.method} {benchmark}", disable=not progress,
@@ -249,8 +263,9 @@ def run_benchmarks(
             :data:`JUDGE_DEFAULTS`) and ``judge_model_dir``'s manifest go into the fingerprint.
 
     Returns ``{"method", "fingerprint", "run_dir", "benchmarks": {name: metrics}}`` where metrics are those of
-    :func:`eval.metrics.aggregate` plus ``limit``, ``seed``, ``file``, ``split``, ``multihop`` and
-    ``computed`` (questions computed in this call; the rest came from the cache); with a judge, ``judge_acc``
+    :func:`eval.metrics.aggregate` plus ``limit``, ``seed``, ``file``, ``split``, ``multihop``,
+    ``computed`` (questions computed in this call; the rest came from the cache), ``errors`` (questions whose
+    episode ended on an error, scored 0 and recomputed by the next run); with a judge, ``judge_acc``
     and ``judge_unparseable`` are set.
 
     Raises :class:`eval.datasets.UnknownBenchmarkError` (lists known names) before any work, ``ValueError``
@@ -309,6 +324,7 @@ def run_benchmarks(
             "split": spec.split if spec else None,
             "multihop": spec.multihop if spec else any(r.get("hops") for r in records),
             "computed": computed,
+            "errors": sum(_failed(r) for r in records),
             "elapsed_s": round(time.perf_counter() - t0, 3),
             "question_ids": [e.id for e in examples],
         })

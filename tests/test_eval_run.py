@@ -375,3 +375,27 @@ def test_a_cache_line_that_is_not_a_record_is_a_clear_error(tmp_path, line):
     cache.append("sample", [{"id": "q2", "pred": "b"}])
     with pytest.raises(CacheMismatchError, match="sample.jsonl:2"):
         cache.load("sample")
+
+
+class FailingOnceMethod(CountingMethod):
+    """A fake agent method whose first call fails every episode (a dead retrieval server): error records."""
+
+    def __call__(self, examples):
+        recs = super().__call__(examples)
+        if len(self.computed) <= len(examples):  # the first call
+            for r in recs:
+                r.update(prediction=None, stop_reason="error", error="ConnectionError: retrieval server down")
+        return recs
+
+
+def test_failed_episodes_are_counted_and_recomputed_on_the_next_run(tmp_path):
+    """An episode that ended on an error (scored 0) is not a finished question: the summary counts it, and the
+    next run computes it again instead of reusing the failure from the cache."""
+    method = FailingOnceMethod()
+    s1 = _run(tmp_path, method, limit=3, batch_size=3)
+    assert s1["benchmarks"]["sample"]["errors"] == 3 and s1["benchmarks"]["sample"]["em"] == 0.0
+    s2 = _run(tmp_path, method, limit=3, batch_size=3)
+    assert s2["benchmarks"]["sample"]["computed"] == 3 and s2["benchmarks"]["sample"]["errors"] == 0
+    assert len(method.computed) == 6
+    s3 = _run(tmp_path, method, limit=3, batch_size=3)  # now the cache holds the good records: nothing to do
+    assert s3["benchmarks"]["sample"]["computed"] == 0 and s3["benchmarks"]["sample"]["errors"] == 0

@@ -82,6 +82,10 @@ def run(args) -> int:
                                 judge_llm=judge_llm, judge_options=judge_options if judge_llm else None,
                                 judge_model_dir=judge_model)
         print(format_summary(result))
+        failed = {b: m["errors"] for b, m in result["benchmarks"].items() if m.get("errors")}
+        if failed:  # scored 0 like wrong answers: say so, or a dead retrieval server reads as a bad model
+            print(f"\nwarning: episodes stopped on an error and scored 0 ({', '.join(f'{b}: {n}' for b, n in failed.items())}; "
+                  "'error' in their prediction records); the next run of this command computes them again")
         print(f"\nwrote {Path(result['run_dir']) / SUMMARY} (all metrics) and the predictions beside it")
         return 0
     summary, trajs = evaluate_agent(llm, retriever, examples, cfg)
