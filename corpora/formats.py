@@ -200,8 +200,8 @@ def iter_qa(path: str | Path) -> Iterator[QAExample]:
     """Stream QA examples from a FlashRAG-format JSONL file. Golden answers that are ``null`` or blank are
     left out (as an answer, ``"None"`` or ``""`` would reward answering that).
 
-    Raises :class:`DataFormatError` naming the field and line of a bad record (no golden answer left,
-    ``metadata`` not an object, ...).
+    Raises :class:`DataFormatError` naming the field and line of a bad record (no golden answer left, an
+    answer or id that is no text: an object, a list, a bool, an id ``null``; ``metadata`` not an object, ...).
     """
     path = Path(path)
     if not path.exists():
@@ -214,6 +214,9 @@ def iter_qa(path: str | Path) -> Iterator[QAExample]:
         if isinstance(answers, str):
             answers = [answers]
         if isinstance(answers, list):  # null or blank answers are none (as in eval.datasets)
+            bad = [a for a in answers if nonblank_text(a) is None and not (a is None or isinstance(a, str))]
+            if bad:  # an object, list or bool: its Python text would be an answer no prediction matches
+                raise DataFormatError(f"{path}:{lineno}: field 'golden_answers' holds {bad[0]!r:.60}, not an answer string")
             answers = [a for a in answers if a is not None and str(a).strip()]
         if not isinstance(answers, list) or not answers:
             raise DataFormatError(f"{path}:{lineno}: field 'golden_answers' must be a non-empty list "
@@ -225,8 +228,11 @@ def iter_qa(path: str | Path) -> Iterator[QAExample]:
         question = nonblank_text(raw)
         if question is None:
             raise DataFormatError(f"{path}:{lineno}: field 'question' must be a non-empty string, got {raw!r:.60}")
+        raw_id = _require(obj, "id", path, lineno)
+        if (qid := nonblank_text(raw_id)) is None:
+            raise DataFormatError(f"{path}:{lineno}: field 'id' must be a non-empty string or a number, got {raw_id!r:.60}")
         yield QAExample(
-            id=str(_require(obj, "id", path, lineno)),
+            id=qid,
             question=question,
             golden_answers=[str(a) for a in answers],
             metadata=dict(metadata),

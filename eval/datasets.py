@@ -289,7 +289,13 @@ def _answers(value: Any, ctx: _Ctx, field: str) -> list[str]:
         value = value.tolist()
     if not isinstance(value, (list, tuple)):
         raise ctx.fail(f"field {field!r} must be a string or a list of strings, got {type(value).__name__}")
-    out = [str(a).strip() for a in value if a is not None and str(a).strip()]
+    out = []
+    for a in value:  # null and blank answers are left out; an object, list or bool is no answer text
+        text = nonblank_text(a)
+        if text is None and not (a is None or isinstance(a, str)):
+            raise ctx.fail(f"field {field!r} holds {a!r:.60}, not an answer string")
+        if text is not None:
+            out.append(text.strip())
     if not out:
         raise ctx.fail(f"field {field!r} has no non-empty answer")
     return out
@@ -329,7 +335,7 @@ def _from_flashrag(rec: dict[str, Any], ctx: _Ctx) -> QAExample:
     if not isinstance(meta, dict):
         raise ctx.fail("field 'metadata' must be a JSON object")
     return QAExample(
-        id=str(ctx.get(rec, "id")), question=ctx.text(rec, "question"), golden_answers=answers, metadata=dict(meta)
+        id=ctx.text(rec, "id"), question=ctx.text(rec, "question"), golden_answers=answers, metadata=dict(meta)
     )
 
 
@@ -355,7 +361,7 @@ def _from_hotpot_like(rec: dict[str, Any], ctx: _Ctx, two_wiki: bool) -> QAExamp
         if "level" in rec:
             meta["level"] = rec["level"]
     return QAExample(
-        id=str(ctx.get(rec, "_id")),
+        id=ctx.text(rec, "_id"),
         question=ctx.text(rec, "question"),
         golden_answers=_answers(ctx.get(rec, "answer"), ctx, "answer"),
         metadata=meta,
@@ -377,7 +383,7 @@ def musique_hops(qid: str, decomposition: list[Any] | None = None) -> int | None
 def _from_musique(rec: dict[str, Any], ctx: _Ctx) -> QAExample | None:
     if rec.get("answerable") is False:
         return None
-    qid = str(ctx.get(rec, "id"))
+    qid = ctx.text(rec, "id")
     answers = _answers([ctx.get(rec, "answer"), *(rec.get("answer_aliases") or [])], ctx, "answer")
     paragraphs = rec.get("paragraphs") or []
     titles = [str(p.get("title")) for p in paragraphs if isinstance(p, dict) and p.get("is_supporting")]
@@ -396,7 +402,7 @@ def _from_ircot(rec: dict[str, Any], ctx: _Ctx) -> QAExample:
     spans = [s for o in objs if isinstance(o, dict) for s in (o.get("spans") or [])]
     titles = [str(c.get("title")) for c in rec.get("contexts") or [] if isinstance(c, dict) and c.get("is_supporting")]
     return QAExample(
-        id=str(ctx.get(rec, "question_id")),
+        id=ctx.text(rec, "question_id"),
         question=ctx.text(rec, "question_text"),
         golden_answers=_answers(spans, ctx, "answers_objects[].spans"),
         metadata={"supporting_titles": titles},

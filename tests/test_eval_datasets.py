@@ -177,6 +177,26 @@ def test_a_missing_or_blank_question_is_an_error_not_the_text_none(tmp_path, que
         read_qa_file(_jsonl(tmp_path / "s.jsonl", [blank]))
 
 
+@pytest.mark.parametrize("field,value", [
+    ("golden_answers", [{"text": "Paris"}]),  # a SQuAD-style answer object
+    ("golden_answers", [["Paris", "City of Light"]]),  # answers nested one list too deep
+    ("golden_answers", [True]),
+    ("id", None),
+    ("id", ["a"]),
+])
+def test_a_golden_answer_or_id_that_is_no_text_is_an_error(tmp_path, field, value):
+    """A golden answer that is an object, a list or a bool became its Python text (``"{'text': 'Paris'}"``),
+    which no prediction matches, so the question silently scored 0; an id ``null`` became ``"None"``. Both
+    readers (benchmarks and ``--qa``) now name the file, line and field."""
+    recs = [{"id": "a", "question": "q", "golden_answers": ["x"]},
+            {"id": "b", "question": "q2", "golden_answers": ["y"]} | {field: value}]
+    path = _jsonl(tmp_path / "f.jsonl", recs)
+    with pytest.raises(DataFormatError, match=rf"line 2: field '{field}'"):
+        read_qa_file(path)
+    with pytest.raises(DataFormatError, match=rf":2: field '{field}'"):
+        read_qa(path)
+
+
 def test_searchr1_missing_answer_names_field_and_line(tmp_path):
     bad = json.loads(json.dumps(SEARCHR1[0]))
     del bad["extra_info"]["answer"]
