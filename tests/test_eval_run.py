@@ -399,3 +399,26 @@ def test_failed_episodes_are_counted_and_recomputed_on_the_next_run(tmp_path):
     assert len(method.computed) == 6
     s3 = _run(tmp_path, method, limit=3, batch_size=3)  # now the cache holds the good records: nothing to do
     assert s3["benchmarks"]["sample"]["computed"] == 0 and s3["benchmarks"]["sample"]["errors"] == 0
+
+
+def test_cli_a_malformed_benchmark_file_fails_before_the_index_and_the_model_load(tmp_path, monkeypatch):
+    """``sleuth eval --benchmarks FILE`` with a bad line names it before minutes of loading the index and the
+    model, as an unknown name or a missing file already did."""
+    import argparse
+
+    from corpora.formats import DataFormatError
+    from sleuth import pipeline
+    from sleuth.commands import evaluate
+
+    def must_not_load(*a, **kw):
+        raise AssertionError("loaded the index or the model before reading the questions")
+
+    monkeypatch.setattr(pipeline, "load_llm", must_not_load)
+    monkeypatch.setattr(pipeline, "open_retriever", must_not_load)
+    qa = tmp_path / "bad.jsonl"
+    qa.write_text('{"id": "a", "question": "q?", "golden_answers": ["x"]}\n{"id": "b", "question": "q2?"}\n')
+    p = argparse.ArgumentParser()
+    evaluate.add_arguments(p)
+    args = p.parse_args(["--benchmarks", str(qa), "--method", "rag", "--out", str(tmp_path / "ev"), f"out_dir={tmp_path}"])
+    with pytest.raises(DataFormatError, match=r"bad.jsonl: line 2: missing field 'golden_answers'"):
+        evaluate.run(args)
