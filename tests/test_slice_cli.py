@@ -914,17 +914,19 @@ def test_training_starts_from_a_checkpoints_latest_pointer(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("command", ["train", "quickstart"])
 def test_a_second_training_in_a_running_out_dir_is_refused_before_it_writes(command, tiny_policy_dir, tmp_path,
-                                                                             monkeypatch):
+                                                                             monkeypatch, capsys):
     """A second ``sleuth train`` (or quickstart) on the out_dir of a running one (a job requeued while its first
     copy runs) overwrote the running run's config.yaml and ran the index, the SFT warm start (into the same
     sft.tmp) and the evaluations before rl_train's lock refused it. The command now holds out_dir for its
-    whole length and refuses at once."""
+    whole length and refuses at once, in one line (exit status 2), not with a traceback."""
     from sleuth import pipeline
     from training.checkpoint import run_dir_lock
 
     monkeypatch.setattr(pipeline, "ensure_index", lambda *a, **k: pytest.fail("built the index"))
     monkeypatch.setattr(pipeline, "run_rl_stage", lambda *a, **k: pytest.fail("trained"))
     (tmp_path / "config.yaml").write_text("the running run's\n")
-    with run_dir_lock(tmp_path), pytest.raises(RuntimeError, match="another training is running"):
-        main([command, f"out_dir={tmp_path}", f"policy.model={tiny_policy_dir}", "sft.enabled=false"])
+    with run_dir_lock(tmp_path):
+        assert main([command, f"out_dir={tmp_path}", f"policy.model={tiny_policy_dir}", "sft.enabled=false"]) == 2
+    err = capsys.readouterr().err
+    assert f"sleuth {command}: error: another training is running in {tmp_path}" in err and "Traceback" not in err
     assert (tmp_path / "config.yaml").read_text() == "the running run's\n"

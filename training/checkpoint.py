@@ -36,11 +36,16 @@ import numpy as np
 import torch
 
 
+class RunDirBusyError(BlockingIOError, RuntimeError):
+    """Another training holds the run directory (:func:`run_dir_lock`). A ``RuntimeError`` as before, and a
+    ``BlockingIOError`` (an ``OSError``: the resource is busy), which the CLI reports in one line."""
+
+
 @contextmanager
 def run_dir_lock(run_dir: str | Path) -> Iterator[Path]:
     """Hold ``run_dir`` (created if missing) for one training: an exclusive ``flock`` on
     ``run_dir/.train.lock``, released when the block ends or the process dies (a killed run leaves no stale
-    lock). Raises ``RuntimeError`` naming the holder's pid when another open lock holds it (another process,
+    lock). Raises :class:`RunDirBusyError` (a ``RuntimeError``) naming the holder's pid when another open lock holds it (another process,
     or another block in this one). Local file systems only: ``flock`` is not shared across the nodes of a
     network file system."""
     run_dir = Path(run_dir)
@@ -53,7 +58,7 @@ def run_dir_lock(run_dir: str | Path) -> Iterator[Path]:
         except BlockingIOError:
             f.seek(0)
             holder = f.read().strip() or "unknown"
-            raise RuntimeError(f"another training is running in {run_dir} (pid {holder} holds {path}); wait for "
+            raise RunDirBusyError(f"another training is running in {run_dir} (pid {holder} holds {path}); wait for "
                                "it to end, or write this run to another directory") from None
         f.seek(0)
         f.truncate()

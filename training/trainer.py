@@ -875,7 +875,11 @@ def rl_train(
                 warnings.warn(f"step {step + 1}: {e}; step skipped ({nonfinite}/{tc.max_nonfinite_steps})", stacklevel=1)
                 loss_stats = {"skipped": 1.0}
                 if nonfinite >= tc.max_nonfinite_steps:
-                    raise RuntimeError(f"stopping: {nonfinite} non-finite losses (train.max_nonfinite_steps)") from e
+                    last = latest_checkpoint(run_dir)
+                    raise RuntimeError(
+                        f"stopping at step {step + 1}: {nonfinite} steps skipped for a non-finite loss or gradient norm "
+                        f"(train.max_nonfinite_steps={tc.max_nonfinite_steps}; the last: {e}); the last complete "
+                        f"checkpoint is {last or 'none yet'}: resume it with --resume and a lower train.lr") from e
             # a backend holding its own weights (vLLM) gets them under the base model's names (LoRA merged)
             state = None
             if moved and W > 1:  # the rollout copy is what checkpoints and evaluate see: refreshed with any backend

@@ -8,7 +8,8 @@ and checkpoints, and the process group ends with a barrier. Collectives time out
 ``train.dist_timeout_s`` seconds, so a rank that died makes the others fail rather than hang.
 
 One training at a time per ``out_dir``: rank 0 holds it (:func:`training.checkpoint.run_dir_lock`) from before
-it writes the run config to the end, and a second ``sleuth train`` there raises ``RuntimeError`` at once.
+it writes the run config to the end, and a second ``sleuth train`` there is refused at once
+(:class:`training.checkpoint.RunDirBusyError`, one line from the CLI).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def run(args) -> int:
     try:
         def setup() -> str:  # writes files: rank 0 only, the others wait for its result
             # out_dir for the whole command (config.yaml, index, SFT, RL run): a second training there is refused
-            held.enter_context(run_dir_lock(cfg.out_dir))  # before it writes anything (RuntimeError)
+            held.enter_context(run_dir_lock(cfg.out_dir))  # before it writes anything (RunDirBusyError)
             save_run_config(cfg)
             ensure_index(cfg)
             return str(run_sft_stage(cfg) if cfg.sft.enabled else resolve_model_path(cfg.policy.model or tiny_policy_path(cfg)))
