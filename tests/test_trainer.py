@@ -882,3 +882,24 @@ def test_resuming_with_lora_switched_is_refused_naming_it(first, then, tiny_poli
         rl_train(make_cfg("train.steps=2", f"train.lora={then}", *lora), model, tok, retriever, QUESTIONS, tmp_path,
                  resume=True, judge=varying_judge)
     assert (tmp_path / "metrics.jsonl").read_text() == metrics
+
+
+def test_a_resumed_run_replaces_the_redone_steps_in_tensorboard_too(tmp_path):
+    """On resume ``metrics.jsonl`` was cut back to the checkpoint's step, but TensorBoard kept the events of
+    the steps after it, so every redone step was plotted twice (old and new value). The logger now passes
+    ``purge_step`` to the ``SummaryWriter``: TensorBoard hides the old events from the resumed step on."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from training.trainer import MetricsLogger
+
+    first = MetricsLogger(tmp_path)
+    for step in (1, 2, 3):
+        first.log(step, {"reward": float(step)})
+    first.tb.close()
+    resumed = MetricsLogger(tmp_path, truncate_after=1)  # resumed from step 1's checkpoint
+    resumed.log(2, {"reward": 20.0})
+    resumed.tb.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward")] == [(1, 1.0), (2, 20.0)]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]

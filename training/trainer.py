@@ -125,7 +125,9 @@ def drop_steps_after(path: Path, step: int, step_of: Callable[[dict], int]) -> N
 class MetricsLogger:
     """Appends one JSON record per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
 
-    ``truncate_after`` drops records of steps after it (a resumed run rewrites the steps it redoes)."""
+    ``truncate_after`` drops records of steps after it (a resumed run rewrites the steps it redoes), in
+    ``metrics.jsonl`` and in TensorBoard (``SummaryWriter``'s ``purge_step``: TensorBoard hides the earlier
+    events of those steps, so a redone step is not plotted twice)."""
 
     def __init__(self, run_dir: Path, truncate_after: int | None = None, tensorboard: bool = True):
         self.path = run_dir / "metrics.jsonl"
@@ -136,7 +138,8 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(run_dir / "tb"))
+                purge = None if truncate_after is None else truncate_after + 1
+                self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge)
             except Exception:  # noqa: BLE001 - TensorBoard is optional at run time
                 self.tb = None
 
