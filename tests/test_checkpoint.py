@@ -143,3 +143,24 @@ def test_files_and_directories_are_fsynced_before_the_commit_renames(tmp_path, m
     synced = {e[1] for e in events[:commit] if e[0] == "fsync"}
     assert {f"{tmp}/model.txt", f"{tmp}/best.json", tmp} <= synced
     assert ("fsync", str(root)) in events[commit:]
+
+
+def test_rotation_keeps_the_checkpoint_just_written_and_drops_an_abandoned_later_one(tmp_path):
+    """A run killed between committing a checkpoint (here step 5) and moving ``latest`` resumes from an
+    earlier one. Rotation sorted the names and kept the newest ``keep``, so with ``keep=1`` the leftover later
+    step made the next save delete the checkpoint it had just written (``latest`` then named a deleted
+    folder). Now checkpoints after the step being saved are deleted as abandoned, the one just written is
+    kept, and the order is numeric (``step_1000000`` after ``step_999999``)."""
+    root = tmp_path / "checkpoints"
+    save_checkpoint(tmp_path, 2, Saveable("2"), Saveable("t", "tok.txt"), keep=1)
+    (root / "step_000005").mkdir()  # committed by the earlier timeline; `latest` never moved to it
+    (root / "step_000005" / "trainer_state.json").write_text(json.dumps({"step": 5}))
+    p3 = save_checkpoint(tmp_path, 3, Saveable("3"), Saveable("t", "tok.txt"), keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000003"]
+    assert latest_checkpoint(tmp_path) == p3 and (p3 / "model.txt").read_text() == "3"
+
+    save_checkpoint(tmp_path, 999_999, Saveable("a"), Saveable("t", "tok.txt"), keep=2)
+    big = save_checkpoint(tmp_path, 1_000_000, Saveable("b"), Saveable("t", "tok.txt"), keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_1000000", "step_999999"]
+    (root / "latest").unlink()  # the fallback without the pointer: the highest step, by number
+    assert latest_checkpoint(tmp_path) == big

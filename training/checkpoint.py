@@ -131,7 +131,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model: Any, tokenizer: Any, 
     optimizer), restored by :func:`load_trainer_state` into ``state["extra"]``. ``write_files(dir)`` adds
     further files (e.g. LoRA's frozen base weights) to the directory before it is committed, so they are
     part of the atomic checkpoint. A checkpoint named ``best``
-    (see :func:`save_best`) is never rotated away. Call it on one rank only.
+    (see :func:`save_best`) is never rotated away, nor is the one just written (rotation is by step number;
+    checkpoints of steps after ``step``, left by a run that resumed from an earlier one, are deleted). Call it
+    on one rank only.
 
     Returns the checkpoint directory. The model is saved with ``save_pretrained`` so any checkpoint is also
     a loadable Hugging Face model directory (``sleuth eval --model <ckpt>``).
@@ -161,9 +163,20 @@ def save_checkpoint(run_dir: str | Path, step: int, model: Any, tokenizer: Any, 
     _write_durably(latest_tmp, final.name)
     os.replace(latest_tmp, ckpt_root / "latest")
     _fsync(ckpt_root)
-    for old in sorted(ckpt_root.glob("step_*"))[:-keep]:
+    # a checkpoint after this step is of a timeline the run left when it resumed from an earlier one (killed
+    # between committing it and moving ``latest``): gone, so it can neither push this one out nor be resumed
+    stale = [p for p in ckpt_root.glob("step_*") if _step_number(p) > step]
+    kept = sorted((p for p in ckpt_root.glob("step_*") if _step_number(p) <= step), key=_step_number)
+    for old in stale + kept[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _step_number(path: Path) -> int:
+    """The step of a ``step_<n>`` checkpoint directory (``-1`` for another name), for ordering by number:
+    names sort wrongly from step 1,000,000 on."""
+    n = path.name.removeprefix("step_")
+    return int(n) if n.isdigit() else -1
 
 
 def remove_unfinished(run_dir: str | Path) -> list[Path]:
@@ -192,7 +205,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         path = ckpt_root / pointer.read_text().strip()
         if (path / "trainer_state.json").exists():
             return path
-    done = sorted(p for p in ckpt_root.glob("step_*") if (p / "trainer_state.json").exists())
+    done = sorted((p for p in ckpt_root.glob("step_*") if (p / "trainer_state.json").exists()), key=_step_number)
     return done[-1] if done else None
 
 
