@@ -267,6 +267,7 @@ def run_sft_stage(cfg: Config, log=print) -> Path:
 
     from agent.hf import TransformersLLM
     from corpora.formats import iter_corpus
+    from training.checkpoint import commit_directory
     from training.sft import oracle_trajectories, sft_train
 
     out = Path(cfg.out_dir) / "sft"
@@ -298,8 +299,7 @@ def run_sft_stage(cfg: Config, log=print) -> Path:
     llm.model.save_pretrained(tmp)
     llm.tokenizer.save_pretrained(tmp)
     (tmp / "sft_history.json").write_text(json.dumps(history, indent=1))
-    tmp.rename(out)
-    return out
+    return commit_directory(tmp, out)  # flushed: later runs reuse it, so no empty files after a power loss
 
 
 def held_out_questions(cfg: Config) -> list[QAExample]:

@@ -164,3 +164,17 @@ def test_rotation_keeps_the_checkpoint_just_written_and_drops_an_abandoned_later
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_1000000", "step_999999"]
     (root / "latest").unlink()  # the fallback without the pointer: the highest step, by number
     assert latest_checkpoint(tmp_path) == big
+
+
+def test_commit_directory_replaces_the_old_directory_whole(tmp_path):
+    """The KL reference and the SFT model are written under a temporary name and moved into place by
+    ``commit_directory`` (flushed first): an existing directory is replaced whole, the temporary name is gone.
+    The SFT stage used ``rename``, which fails on a non-empty leftover directory of the same name."""
+    from training.checkpoint import commit_directory
+
+    final, tmp = tmp_path / "sft", tmp_path / "sft.tmp"
+    final.mkdir()
+    (final / "stale.bin").write_text("old")
+    Saveable("new").save_pretrained(tmp)
+    assert commit_directory(tmp, final) == final
+    assert sorted(p.name for p in final.iterdir()) == ["model.txt"] and not tmp.exists()

@@ -109,6 +109,20 @@ def _fsync_tree(root: Path) -> None:
         _fsync(Path(dirpath))
 
 
+def commit_directory(tmp: str | Path, final: str | Path) -> Path:
+    """Move the finished directory ``tmp`` to ``final`` (replacing it) durably: every file under ``tmp`` is
+    flushed before the rename and the parent's entry after it, so that after a power loss ``final`` is either
+    the old directory, missing, or complete (never empty or partial files). For model directories written
+    outside a checkpoint: the KL reference, the SFT warm start. Returns ``final``."""
+    tmp, final = Path(tmp), Path(final)
+    _fsync_tree(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+    return final
+
+
 def _write_durably(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)

@@ -43,6 +43,7 @@ from training import advantages as A
 from training.batch import Batch, _unwrap, collate, micro_batches
 from training.checkpoint import (
     best_source,
+    commit_directory,
     latest_checkpoint,
     load_optimizer_state,
     load_trainer_state,
@@ -695,8 +696,7 @@ def rl_train(
                 tmp = run_dir / ".reference.tmp"
                 shutil.rmtree(tmp, ignore_errors=True)
                 ref_model.save_pretrained(tmp)
-                shutil.rmtree(ref_dir, ignore_errors=True)
-                tmp.rename(ref_dir)
+                commit_directory(tmp, ref_dir)  # flushed: a power loss leaves no empty weight files behind
             for p in ref_model.parameters():
                 p.requires_grad_(False)
 
