@@ -343,11 +343,12 @@ def test_retrieval_url_searches_a_running_server_instead_of_an_index(retriever, 
 @pytest.mark.parametrize("argv", [["--topk", "0"], ["--max-topk", "0"], ["--max-queries", "0"], ["--max-hits", "-1"],
                                   ["--max-query-chars", "0"], ["--cache-size", "-2"],
                                   ["--max-body-bytes", "0"], ["--topk", "5", "--max-topk", "2"],
-                                  ["--max-pending-queries", "0"], ["--max-pending-queries", "8", "--max-queries", "9"]])
+                                  ["--max-pending-queries", "0"], ["--max-pending-queries", "8", "--max-queries", "9"],
+                                  ["--max-wait-ms", "nan"], ["--max-wait-ms", "inf"], ["--max-wait-ms", "-1"]])
 def test_serve_retrieval_limits_are_checked_before_serving(tmp_path, argv, capsys):
     """`serve-retrieval --topk 0` (or a --max-topk below --topk, --max-queries 0, ...) started a server that
-    answered every request (or every one without a topk) with HTTP 400; they are usage errors now, before the
-    index is opened."""
+    answered every request (or every one without a topk) with HTTP 400, and `--max-wait-ms nan` (or inf) one
+    that never answered; they are usage errors now, before the index is opened."""
     try:
         code = main(["serve-retrieval", "--index", str(tmp_path / "nope"), *argv])
     except SystemExit as e:  # argparse usage error

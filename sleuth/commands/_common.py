@@ -29,6 +29,19 @@ def non_negative_int(value: str) -> int:
     return _int_at_least(value, 0, "non-negative")
 
 
+def non_negative_number(value: str) -> float:
+    """argparse type of a finite number >= 0 (a wait in milliseconds: ``nan`` or ``inf`` would wait forever)."""
+    import math
+
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    if not (x >= 0 and math.isfinite(x)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return x
+
+
 def port_number(value: str) -> int:
     """argparse type of a TCP port to listen on: an integer in 1..65535."""
     n = _int_at_least(value, 1, "port")

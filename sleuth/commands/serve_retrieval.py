@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 
 from retrieval.bm25 import BACKENDS
-from sleuth.commands._common import check_port_free, non_negative_int, port_number, positive_int
+from sleuth.commands._common import (
+    check_port_free,
+    non_negative_int,
+    non_negative_number,
+    port_number,
+    positive_int,
+)
 
 HELP = "Serve an index over HTTP, Search-R1 compatible: POST /retrieve {queries, topk, return_scores}; GET /health."
 
@@ -33,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="most queries waiting or being searched, over all requests (default 65536; a request "
                         "past it: HTTP 503 with Retry-After); at least --max-queries")
     p.add_argument("--cache-size", type=non_negative_int, default=0, help="LRU query cache entries (0 = off)")
-    p.add_argument("--max-wait-ms", type=float, default=0.0, help="extra wait to gather a batch")
+    p.add_argument("--max-wait-ms", type=non_negative_number, default=0.0,
+                   help="extra wait to gather a batch, in milliseconds (a finite number >= 0; default 0)")
     p.add_argument("--mmap", action="store_true", help="memory-map the index instead of loading it")
     p.add_argument("--bm25-backend", default="maxscore", choices=BACKENDS,
                    help="BM25 top-k: maxscore (exact, pruned; default) or bm25s's exhaustive numpy/numba")
