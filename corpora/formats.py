@@ -100,8 +100,9 @@ def iter_json_objects(
                 f"{path}:{lineno}: not valid UTF-8 (byte {line[e.start]:#04x} at byte {e.start} of the line: "
                 f"{e.reason})"
             ) from None
-        except json.JSONDecodeError as e:
-            raise DataFormatError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        except json.JSONDecodeError as e:  # (e.msg may end in "at", before the position str(e) adds)
+            where = f"{'' if e.msg.endswith(' at') else ' at'} column {e.colno}"
+            raise DataFormatError(f"{path}:{lineno}: not valid JSON ({e.msg}{where})") from None
         if not isinstance(obj, dict):
             raise DataFormatError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
         if escapes and _has_lone_surrogate(obj):

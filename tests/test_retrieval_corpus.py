@@ -484,3 +484,15 @@ def test_corpus_contents_without_its_title_line_get_it_so_search_r1_renders_the_
     ]
     rendered = [f"(Title: {p.contents.split(chr(10))[0]}) {chr(10).join(p.contents.split(chr(10))[1:])}" for p in got]
     assert rendered[0] == "(Title: Other) hello world"
+
+
+def test_a_json_error_says_where_on_its_line(tmp_path):
+    # a line cut inside a string read "not valid JSON (Invalid control character at)": json's message without
+    # the position it ends with; the column is named now
+    src = tmp_path / "c.jsonl"
+    src.write_text('{"id": "1", "contents": "a"}\n' * 6 + '{"id": "7", "contents": "cut\n{"id": "8"}\n')
+    with pytest.raises(DataFormatError, match=r"c\.jsonl:7: not valid JSON \(Invalid control character at column 29\)"):
+        read_corpus(src)
+    src.write_text('{"id": "1", "contents": "a"}\nhello\n')
+    with pytest.raises(DataFormatError, match=r"c\.jsonl:2: not valid JSON \(Expecting value at column 1\)"):
+        read_corpus(src)
