@@ -35,9 +35,11 @@ class Passage:
 
     @property
     def text(self) -> str:
-        """The body of the passage, without the title line."""
+        """The body of the passage, without the title line: the first line when it is the title, bare or in
+        quotes (wiki-18's ``"Title"``; a title that itself ends in a quote too)."""
         head, sep, rest = self.contents.partition("\n")
-        return rest if sep and head.strip('"') == self.title else self.contents
+        quoted = head[1:-1] if len(head) > 1 and head[0] == head[-1] == '"' else None
+        return rest if sep and self.title in (head, head.strip('"'), quoted) else self.contents
 
     @classmethod
     def make(cls, id: str, title: str, text: str) -> Passage:

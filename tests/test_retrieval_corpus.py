@@ -474,13 +474,17 @@ def test_corpus_contents_without_its_title_line_get_it_so_search_r1_renders_the_
     src = tmp_path / "c.jsonl"
     rows = [{"id": "1", "title": "Other", "contents": "hello world"},
             {"id": "2", "title": "Aaron", "contents": '"Aaron"\nalready has it'},
-            {"id": "3", "contents": "no title field"}]
+            {"id": "3", "contents": "no title field"},
+            {"id": "4", "title": 'Z "Q"', "contents": 'Z "Q"\nbody'},  # (strip('"') cut the title's own quote)
+            {"id": "5", "title": 'Z "Q"', "contents": '"Z "Q""\nbody'}]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     got = read_corpus(src)
     assert [(p.title, p.contents, p.text) for p in got] == [
         ("Other", "Other\nhello world", "hello world"),
         ("Aaron", '"Aaron"\nalready has it', "already has it"),
         ("no title field", "no title field", "no title field"),
+        ('Z "Q"', 'Z "Q"\nbody', "body"),
+        ('Z "Q"', '"Z "Q""\nbody', "body"),
     ]
     rendered = [f"(Title: {p.contents.split(chr(10))[0]}) {chr(10).join(p.contents.split(chr(10))[1:])}" for p in got]
     assert rendered[0] == "(Title: Other) hello world"
