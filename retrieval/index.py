@@ -205,9 +205,14 @@ def _docstore_complete(index_dir: Path) -> bool:
 
 def read_manifest(index_dir: str | Path) -> dict:
     """The manifest of an index; raises :class:`IndexNotFoundError` (with the build command) if it is absent
-    or unreadable (not a JSON object)."""
+    or unreadable (not a JSON object), or if ``index_dir`` is a file (a corpus given as the index)."""
     index_dir = Path(index_dir)
     m = index_dir / MANIFEST
+    if index_dir.is_file():  # (a corpus file given as the index: building with --out it would fail)
+        raise IndexNotFoundError(
+            f"{index_dir} is a file, not an index directory; build an index with: "
+            f"{build_command('DIR', str(index_dir) if index_dir.suffix == '.jsonl' else None)} and pass DIR"
+        )
     if not index_dir.is_dir() or not m.exists():
         raise IndexNotFoundError(
             f"no index at {index_dir} (missing {m.name}); build it with: {build_command(index_dir)}"

@@ -431,6 +431,10 @@ def test_missing_index_says_how_to_build(tmp_path, index_dir):
     assert load_retriever(tmp_path / "bm25only").search(["Everest"], 1)[0][0].id == "d3"
     with pytest.raises(IndexNotFoundError, match=r"no dense part.*sleuth index --corpus .*c\.jsonl --out"):
         load_retriever(tmp_path / "bm25only", "dense")
+    # the corpus file given as the index: the error said to build it with `--out c.jsonl` (over the corpus)
+    with pytest.raises(IndexNotFoundError, match=r"c\.jsonl is a file, not an index directory") as e:
+        load_retriever(corpus)
+    assert f"--out {corpus}" not in str(e.value) and "sleuth index --corpus" in str(e.value)
 
 
 @pytest.mark.parametrize("text", ['{"format_version": 1, "corp', "[]", ""])
