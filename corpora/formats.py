@@ -82,10 +82,10 @@ def iter_json_objects(
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield ``(line number, object)`` for each non-blank line of a JSONL stream (1-based numbers).
 
-    ``lines`` is any iterable of text lines or of UTF-8 byte lines (an open file); ``path`` only names the
-    source in errors. Raises :class:`DataFormatError` naming the file and line of a line that is not
-    UTF-8, not a JSON object, or has a string with an escaped lone surrogate (``"\\ud800"``, which no
-    UTF-8 file can hold).
+    ``lines`` is any iterable of text lines or of UTF-8 byte lines (an open file), a byte-order mark before
+    the first line skipped; ``path`` only names the source in errors. Raises :class:`DataFormatError`
+    naming the file and line of a line that is not UTF-8, not a JSON object, or has a string with an escaped
+    lone surrogate (``"\\ud800"``, which no UTF-8 file can hold).
     """
     for lineno, line in enumerate(lines, start=1):
         try:
@@ -94,6 +94,8 @@ def iter_json_objects(
                 line = line.decode("utf-8")
             else:
                 escapes = _SURROGATE_ESCAPE.search(line)
+            if lineno == 1:
+                line = line.removeprefix("\ufeff")  # a UTF-8 byte-order mark (files saved on Windows)
             if not line.strip():
                 continue
             obj = json.loads(line)

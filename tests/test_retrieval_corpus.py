@@ -500,3 +500,13 @@ def test_a_json_error_says_where_on_its_line(tmp_path):
     src.write_text('{"id": "1", "contents": "a"}\nhello\n')
     with pytest.raises(DataFormatError, match=r"c\.jsonl:2: not valid JSON \(Expecting value at column 1\)"):
         read_corpus(src)
+
+
+def test_a_corpus_starting_with_a_utf8_bom_is_read(tmp_path):
+    # a JSONL saved with a byte-order mark (Windows editors) failed at line 1: 'Unexpected UTF-8 BOM'; the JSON
+    # array reader of the pool already skipped one
+    src = tmp_path / "bom.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + json.dumps({"id": "1", "title": "T", "contents": "T\nbody"}).encode() + b"\n")
+    assert [(p.id, p.text) for p in read_corpus(src)] == [("1", "body")]
+    pool_corpus([src], tmp_path / "out.jsonl")
+    assert [p.id for p in read_corpus(tmp_path / "out.jsonl")] == ["1"]
