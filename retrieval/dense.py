@@ -432,7 +432,9 @@ def build_dense_shards(
         ):
             idx.add(np.ascontiguousarray(emb[a : min(stop, a + 65536)], dtype=np.float32))
         name = f"dense_{s}.faiss"
-        faiss.write_index(idx, str(out_dir / name))
+        # written beside and renamed over: a process that memory-mapped the old shard keeps reading it
+        faiss.write_index(idx, str(out_dir / f"{name}.tmp"))
+        os.replace(out_dir / f"{name}.tmp", out_dir / name)
         names.append(name)
     return names
 

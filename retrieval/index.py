@@ -339,7 +339,7 @@ def build_index(
     }
     if manifest["bm25"] != asdict(bm25_params) or not (out / "bm25").is_dir():
         _mark_rebuilding(out, manifest, "bm25")
-        BM25Index.build(store.iter_contents(), n, out / "bm25", bm25_params, show_progress)
+        _replace_dir(out / "bm25", lambda d: BM25Index.build(store.iter_contents(), n, d, bm25_params, show_progress))
         manifest["bm25"] = asdict(bm25_params)
         _write_manifest(out, manifest)  # recorded now: a later part that fails does not lose it
         built = True
@@ -386,6 +386,20 @@ def build_index(
     manifest["reused"] = not built
     _write_manifest(out, manifest)
     return manifest
+
+
+def _replace_dir(path: Path, build: Callable[[Path], object]) -> None:
+    """Run ``build(tmp)`` into the empty folder ``tmp`` beside ``path``, then rename it to ``path`` (the old
+    folder is renamed away and removed): a process that memory-mapped the old files (``serve-retrieval
+    --mmap``) keeps reading them, where writing into them would change its index under it."""
+    tmp, old = path.with_name(path.name + ".build"), path.with_name(path.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build(tmp)
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _model_ref(name: str) -> str:

