@@ -49,6 +49,9 @@ class RetrievalConfig(Section):
     build_lucene: bool = False  # also build the index's Lucene part (on by itself when method is lucene)
     # maxscore: Sleuth's exact pruned top-k (retrieval/maxscore.py); numpy/numba: bm25s's exhaustive retrieval
     bm25_backend: Literal["maxscore", "numpy", "numba"] = "maxscore"
+    # an LRU of (query, top-k) results in front of the index or server, shared by every rollout of a run (GRPO's
+    # G rollouts of a question often search the question itself); 0 turns it off; never for simulated search
+    cache_size: int = Field(10_000, ge=0)
 
     def chosen_dense_model(self) -> str | None:
         """``dense_model`` when the config sets it (a YAML key or an override, also to the default's value),

@@ -35,9 +35,25 @@ def open_retriever(cfg: Config, index_dir: str | None = None, method: str | None
     ``/health`` route (Search-R1's own) is taken as running. A dense or hybrid index is searched with the
     model it was built with; a ``retrieval.dense_model`` the config sets to another model is a ``ValueError``
     naming both and the rebuild command (:meth:`~sleuth.config.RetrievalConfig.chosen_dense_model`).
+
+    An index or a server is searched through a query cache of ``retrieval.cache_size`` ``(query, k)`` keys
+    (:class:`retrieval.cache.CachedRetriever`; 0: none), shared by every rollout and step of the run; the
+    simulated engine is not cached (its documents are sampled, with a noise level that changes per step).
     """
     method = method or cfg.retrieval.method
-    if cfg.retrieval.url and index_dir is None and method != "simulated":
+    if method == "simulated":
+        return _simulated_search(cfg)
+    retriever = _index_or_server(cfg, index_dir, method)
+    if cfg.retrieval.cache_size:
+        from retrieval.cache import CachedRetriever
+
+        retriever = CachedRetriever(retriever, cfg.retrieval.cache_size)
+    return retriever
+
+
+def _index_or_server(cfg: Config, index_dir: str | None, method: str):
+    """:func:`open_retriever`'s retriever before its cache: the server at ``retrieval.url`` or the index."""
+    if cfg.retrieval.url and index_dir is None:
         from retrieval.client import RemoteRetriever
 
         try:  # a probe of its own: short timeout, one retry (the search client waits 60 s, 4 attempts)
@@ -45,22 +61,25 @@ def open_retriever(cfg: Config, index_dir: str | None = None, method: str | None
         except ValueError:  # it answered (HTTP 4xx, or not JSON): it is up
             pass
         return RemoteRetriever(cfg.retrieval.url)
-    if method == "simulated":
-        from agent.backends import make_llm
-        from agent.llm import SamplingParams, complete
-        from retrieval.simulated import SimulatedSearch
-
-        s = cfg.agent.simulator
-        backend = other_model_backend(cfg) if s.model else cfg.agent.backend
-        sim_llm = make_llm(backend, str(s.model or cfg.policy.model or tiny_policy_path(cfg)),
-                           cfg.policy.dtype, cfg.policy.device, cfg.seed)
-        params = SamplingParams(max_new_tokens=s.max_doc_tokens, temperature=s.temperature, stop=())
-        return SimulatedSearch(lambda prompts: complete(sim_llm, prompts, params), s.noise_start, s.noise_end,
-                               s.noise_base, total_steps=max(cfg.train.steps, 1), seed=cfg.seed)
     from retrieval.index import load_retriever
 
     return load_retriever(index_dir or cfg.retrieval.index_dir, method, bm25_backend=cfg.retrieval.bm25_backend,
                           dense_model=cfg.retrieval.chosen_dense_model())
+
+
+def _simulated_search(cfg: Config):
+    """ZeroSearch's simulated search engine (:func:`open_retriever`)."""
+    from agent.backends import make_llm
+    from agent.llm import SamplingParams, complete
+    from retrieval.simulated import SimulatedSearch
+
+    s = cfg.agent.simulator
+    backend = other_model_backend(cfg) if s.model else cfg.agent.backend
+    sim_llm = make_llm(backend, str(s.model or cfg.policy.model or tiny_policy_path(cfg)),
+                       cfg.policy.dtype, cfg.policy.device, cfg.seed)
+    params = SamplingParams(max_new_tokens=s.max_doc_tokens, temperature=s.temperature, stop=())
+    return SimulatedSearch(lambda prompts: complete(sim_llm, prompts, params), s.noise_start, s.noise_end,
+                           s.noise_base, total_steps=max(cfg.train.steps, 1), seed=cfg.seed)
 
 
 def check_index_corpus(cfg: Config) -> None:

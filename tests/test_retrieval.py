@@ -645,3 +645,28 @@ def test_a_rebuild_replaces_the_files_a_running_memory_mapped_server_reads(tmp_p
     assert all(os.stat(p).st_ino != ino for p, ino in inodes.items()), "a part's file was rewritten in place"
     assert [[h.id for h in hs] for hs in old.search(["Everest highest mountain", "Trigiani film"], 3)] == before
     assert load_retriever(out, "bm25").search(["Everest climb code17"], 1)[0][0].id == "e17"
+
+
+def test_the_configured_retriever_caches_repeated_queries_across_a_run(index_dir, monkeypatch):
+    """The LRU query cache (issue: "shared across a rollout step") was reachable only through
+    ``serve-retrieval --cache-size`` and the Python API: training, eval and serving searched the index afresh
+    for every repeat of a query (GRPO's G rollouts of a question often search the question itself).
+    ``open_retriever`` now puts a cache of ``retrieval.cache_size`` keys in front of the index or the server;
+    0 turns it off, and its answers are the index's."""
+    from retrieval.cache import CachedRetriever
+    from sleuth.config import load_config
+    from sleuth.pipeline import open_retriever
+
+    base = [f"retrieval.index_dir={index_dir}"]
+    r = open_retriever(load_config(None, base))
+    assert isinstance(r, CachedRetriever) and r.maxsize == 10_000
+    calls = []
+    real = r.inner.search
+    monkeypatch.setattr(r.inner, "search", lambda qs, k: calls.append(list(qs)) or real(qs, k))
+    q = "highest mountain Himalayas"
+    first = r.search([q, q], 2)
+    again = r.search([q, "tallest tower"], 2)
+    assert calls == [[q], ["tallest tower"]]  # the repeat within a batch and across calls: searched once
+    assert first[0] == first[1] == again[0] == real([q], 2)[0] and first[0][0].id == "d3"
+    plain = open_retriever(load_config(None, [*base, "retrieval.cache_size=0"]))
+    assert not isinstance(plain, CachedRetriever) and plain.search([q], 2) == first[:1]

@@ -325,7 +325,7 @@ def test_retrieval_url_searches_a_running_server_instead_of_an_index(retriever, 
     with _Server(create_app(retriever, info={"method": "bm25"})) as srv:
         cfg = load_config(None, [f"retrieval.url={srv.url}", f"retrieval.index_dir={tmp_path / 'none'}"])
         r = open_retriever(cfg)
-        assert isinstance(r, RemoteRetriever)
+        assert isinstance(r.inner, RemoteRetriever)  # behind the run's query cache (retrieval.cache_size)
         q = ["capital of France", "Eiffel Tower designer"]
         assert [[h.id for h in hs] for hs in r.search(q, 2)] == [[h.id for h in hs] for hs in retriever.search(q, 2)]
         ensure_index(cfg)  # nothing to build
