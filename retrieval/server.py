@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -175,10 +176,15 @@ class Batcher:
     """Coalesce concurrent searches into one ``retriever.search`` call (see module docstring).
 
     ``batches``/``queries`` count the index passes and the queries they served; ``pending`` is the number of
-    queries waiting or being searched.
+    queries waiting or being searched. Raises ``ValueError`` for ``max_batch_queries < 1`` or a
+    ``max_wait_ms`` that is not a finite number >= 0 (NaN or infinity: the batcher would sleep for ever).
     """
 
     def __init__(self, retriever: Retriever, max_batch_queries: int = 8192, max_wait_ms: float = 0.0):
+        if max_batch_queries < 1:
+            raise ValueError(f"max_batch_queries must be >= 1, got {max_batch_queries}")
+        if not math.isfinite(max_wait_ms) or max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be a finite number >= 0, got {max_wait_ms}")
         self.retriever = retriever
         self.rows = row_source(retriever)  # (rows, store) for the raw-bytes reply path, or None
         self.max_batch_queries = max_batch_queries

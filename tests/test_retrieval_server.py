@@ -711,3 +711,22 @@ def test_queries_over_max_pending_get_503_with_retry_after_and_the_server_keeps_
         post("after", ["c"])
         assert out["after"].status_code == 200
         assert httpx2.get(s.url + "/health").json()["limits"]["max_pending_queries"] == 3
+
+
+def test_create_app_refuses_a_batching_wait_that_would_never_end():
+    """``create_app(..., max_wait_ms=nan)`` (or inf) from the Python API started a server whose batcher slept for
+    ever, so no request was ever answered (the CLI checks its flag; the API did not). It is a ValueError when
+    the app is built; a negative wait too. A finite wait still serves."""
+    from retrieval.server import Batcher
+
+    class Nothing:
+        def search(self, queries, k):
+            return [[] for _ in queries]
+
+    r = Nothing()
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="max_wait_ms must be a finite number >= 0"):
+            create_app(r, max_wait_ms=bad)
+    with pytest.raises(ValueError, match="max_batch_queries must be >= 1"):
+        Batcher(r, max_batch_queries=0)
+    assert Batcher(r, max_wait_ms=2.5).max_wait == 0.0025
