@@ -4,7 +4,10 @@ e5 retriever of Search-R1's ``retrieval_server.py``).
 * :class:`Encoder` wraps any sentence-transformers model or plain Hugging Face encoder, loaded offline,
   with the query/passage prefixes the model was trained with (e5: ``query: `` / ``passage: ``; bge: its
   query instruction; a model's own ``prompts`` from ``config_sentence_transformers.json``). Embeddings
-  are L2-normalised float32, so inner product is cosine similarity.
+  are float32, L2-normalised as the model says: a sentence-transformers model when its modules include
+  ``Normalize`` (then inner product is cosine similarity; a dot-product model such as
+  msmarco-distilbert-base-tas-b has none), a plain Hugging Face encoder always (e5, bge and gte score by
+  cosine).
 * :func:`encode_to_memmap` streams passages into a memory-mapped ``[N, d]`` float32 ``.npy`` file in
   batches and resumes after an interruption from the last flushed row.
 * :class:`DenseIndex` holds one or more FAISS shards (``flat`` = ``IndexFlatIP``, ``hnsw`` =
@@ -143,7 +146,10 @@ def _usable_positions(model) -> int | None:
 
 
 class Encoder:
-    """Text -> L2-normalised float32 embeddings ``[n, d]``.
+    """Text -> float32 embeddings ``[n, d]``, unit norm when the model normalises (``normalized``): a
+    sentence-transformers model as its modules say (a ``Normalize`` module, as all-MiniLM-L6-v2, e5 and bge
+    ship; a dot-product model has none, and its vectors are left as they are, as sentence-transformers
+    leaves them); a plain Hugging Face encoder always.
 
     Pooling of a plain Hugging Face model (no sentence-transformers ``modules.json``): the ``pooling``
     argument (``"mean"``, ``"cls"``, or another sentence-transformers mode), else what the model folder
@@ -179,6 +185,7 @@ class Encoder:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if (path / "modules.json").exists():
             self.model = SentenceTransformer(str(path), device=device, local_files_only=True)
+            self.normalized = any(type(m).__name__ == "Normalize" for m in self.model)
         else:  # a plain HF encoder: pooling from the argument, the model's pooling config or its family
             try:
                 from sentence_transformers.sentence_transformer import modules as models
@@ -190,6 +197,9 @@ class Encoder:
             dim = (getattr(word, "get_embedding_dimension", None) or word.get_word_embedding_dimension)()
             pool = _pooling_module(models, model, path, pooling, dim)
             self.model = SentenceTransformer(modules=[word, pool, models.Normalize()], device=device)
+            self.normalized = True
+        if not self.normalized:  # its vectors differ from what this code wrote before it read the modules
+            self.fingerprint += ":unnormalised"
         if max_length:
             self.model.max_seq_length = max_length
         q, p = default_prefixes(f"{model} {path.name}")
@@ -209,18 +219,18 @@ class Encoder:
             texts,
             prompt=prefix,
             batch_size=batch_size,
-            normalize_embeddings=True,
+            normalize_embeddings=False,  # the model's own Normalize module decides (see the class docstring)
             convert_to_numpy=True,
             show_progress_bar=False,
         )
         return np.ascontiguousarray(emb, dtype=np.float32)
 
     def encode_queries(self, queries: list[str], batch_size: int = 64) -> np.ndarray:
-        """``[len(queries), dim]`` float32, unit norm."""
+        """``[len(queries), dim]`` float32 (unit norm when ``normalized``)."""
         return self._encode(list(queries), self.query_prefix, batch_size)
 
     def encode_passages(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
-        """``[len(texts), dim]`` float32, unit norm."""
+        """``[len(texts), dim]`` float32 (unit norm when ``normalized``)."""
         return self._encode(list(texts), self.passage_prefix, batch_size)
 
 

@@ -497,7 +497,8 @@ class LuceneRetriever(_RowRetriever):
 
 
 class DenseRetriever(_RowRetriever):
-    """Dense inner-product retrieval; scores are cosine similarities in [-1, 1]. Raises ``ValueError`` when
+    """Dense inner-product retrieval; scores are cosine similarities in [-1, 1] for a model that normalises its
+    vectors (:attr:`~retrieval.dense.Encoder.normalized`), plain inner products otherwise. Raises ``ValueError`` when
     the encoder's dimension is not the index's (another model than the one the index was built with)."""
 
     def __init__(self, encoder: Encoder, index: DenseIndex, store: DocStore, batch_size: int = 64):
@@ -532,7 +533,8 @@ def check_dense_model(encoder: Encoder, dense_dir: Path, store: DocStore, cmd: s
         return
     why = f"it makes {encoder.dim}-dimensional vectors, the index holds {stored.shape[1]}-dimensional ones"
     if stored.shape[1] == encoder.dim:
-        cos = float(encoder.encode_passages([store.get(0)["contents"]])[0] @ stored[0])
+        now, then = encoder.encode_passages([store.get(0)["contents"]])[0], np.asarray(stored[0], np.float32)
+        cos = float(now @ then / max(float(np.linalg.norm(now) * np.linalg.norm(then)), 1e-12))
         if cos >= SAME_MODEL_COSINE:
             return
         why = f"passage 0 now gets an embedding at cosine {cos:.3f} to the one indexed"

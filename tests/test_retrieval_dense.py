@@ -541,3 +541,37 @@ def test_plain_hf_encoder_truncates_roberta_style_models_past_their_position_off
                          intermediate_size=32, max_position_embeddings=66, pad_token_id=1)
     RobertaModel(conf).save_pretrained(path)
     _assert_cut_at_64_tokens(path, RobertaModel)
+
+
+def test_normalisation_is_what_a_sentence_transformers_model_says(tmp_path):
+    """Every embedding was L2-normalised, whatever the model: a sentence-transformers model trained for
+    dot-product scoring (no ``Normalize`` module, e.g. msmarco-distilbert-base-tas-b) was searched by cosine.
+    Now its modules decide: with ``Normalize`` the vectors are unit norm (MiniLM, as before, same
+    fingerprint); without, they are the model's raw vectors (same directions), their fingerprint says so (a
+    resumed encoding does not mix the two) and an index built with the model scores by inner product."""
+    import shutil
+
+    from retrieval.index import build_index, load_retriever
+    from tests.test_retrieval import write_corpus
+
+    src = dense.resolve_model_path(dense.DEFAULT_MODEL)
+    dot = tmp_path / "minilm-dot"
+    shutil.copytree(src, dot)
+    modules = json.loads((dot / "modules.json").read_text())
+    (dot / "modules.json").write_text(json.dumps([m for m in modules if not m["type"].endswith("Normalize")]))
+    unit, raw = dense.Encoder(dense.DEFAULT_MODEL, device="cpu"), dense.Encoder(str(dot), device="cpu")
+    assert unit.normalized and not raw.normalized
+    assert unit.fingerprint == model_fingerprint(dense.DEFAULT_MODEL) and raw.fingerprint.endswith(":unnormalised")
+    texts = ["Big Stone Gap film", "zebrafish", "the tallest mountain in the Himalayas"]
+    e_unit, e_raw = unit.encode_passages(texts), raw.encode_passages(texts)
+    norms = np.linalg.norm(e_raw, axis=1)
+    np.testing.assert_allclose(np.linalg.norm(e_unit, axis=1), 1.0, atol=1e-5)
+    assert np.abs(norms - 1).min() > 0.05  # not unit norm
+    np.testing.assert_allclose(e_raw / norms[:, None], e_unit, atol=1e-5)  # the same directions
+
+    build_index(write_corpus(tmp_path / "c.jsonl"), tmp_path / "idx", dense_model=str(dot), show_progress=False)
+    r = load_retriever(tmp_path / "idx", "dense")  # the open-time model check compares directions (cosine)
+    q = "highest mountain Himalayas"
+    hit = r.search([q], 1)[0][0]
+    want = float(raw.encode_queries([q])[0] @ raw.encode_passages([hit.contents])[0])
+    assert hit.score == pytest.approx(want, rel=1e-4) and abs(want) > 1.5  # an inner product, not a cosine
