@@ -103,6 +103,20 @@ def test_block_diagonal_mask_is_what_makes_packing_exact(policy, monkeypatch):
     assert (leaky[1:] - ref[1:]).abs().max() > 1e-3
 
 
+def test_packing_refuses_a_transformers_without_packed_sequence_detection(policy, monkeypatch):
+    """transformers 4.51-4.52 (which pyproject allows) have no masking_utils: the packed row would get one plain
+    causal mask and every episode would attend to the ones packed before it. That must be an error, not a
+    silently wrong loss."""
+    import sys
+
+    model, tok = policy
+    b = make_batch(tok)
+    monkeypatch.setitem(sys.modules, "transformers.masking_utils", None)  # import fails, as on 4.52
+    with pytest.raises(ValueError, match="train.packing"):
+        policy_logprobs(model, b, packed=True)
+    policy_logprobs(model, b)  # the padded path does not need it
+
+
 def test_each_packed_row_equals_that_row_alone(policy):
     """No attention or target crosses a sequence boundary: row i of the packed result == row i run alone."""
     model, tok = policy
