@@ -149,3 +149,17 @@ def test_blank_queries_get_no_hits_and_no_simulator_calls():
     assert all("capital of France" in p for p in prompts_seen)
     assert sim.last_labels[0] == sim.last_labels[2] == [] and len(sim.last_labels[1]) == 2
     assert sim.search(["  "], 3) == [[]] and len(prompts_seen) == 2
+
+
+def test_simulator_data_refuses_the_simulated_engine_as_its_retriever(tiny_data, bm25_index, tmp_path, capsys):
+    """With the training config's ``retrieval.method: simulated`` the command built the simulator's
+    fine-tuning data from the simulator itself (the policy writing documents, labelled by the gold answer)
+    and said it wrote them; it needs a real retriever and now says so before loading any model."""
+    from sleuth.cli import main
+
+    out = tmp_path / "sim.jsonl"
+    rc = main(["simulator-data", "retrieval.method=simulated", "policy.model=/no/such/model",
+               f"data.corpus={tiny_data / 'corpus.jsonl'}", f"data.train={tiny_data / 'train.jsonl'}",
+               f"retrieval.index_dir={bm25_index}", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "retrieval.method" in err and "real retriever" in err and not out.exists()

@@ -6,7 +6,9 @@ labelled *useful* when it leads to the gold answer (it is a supporting paragraph
 normalised golden answer as whole words: gold "2" is not in "1925", "no" is not in "north"; a yes/no gold
 says nothing about a passage, so only supporting ids decide those) and *noisy* otherwise. The prompt is :func:`retrieval.simulated.simulator_prompt`
 with that label, so a simulator fine-tuned on this file is steered by the same useful/noisy switch that
-:class:`retrieval.simulated.SimulatedSearch` uses at rollout time (ZeroSearch, section 3.2).
+:class:`retrieval.simulated.SimulatedSearch` uses at rollout time (ZeroSearch, section 3.2). The retriever is
+the configured index or server; ``retrieval.method: simulated`` (a training config's) is a ``ValueError``, as the
+simulator would write its own training data.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ def run(args) -> int:
     from sleuth.pipeline import data_paths, open_retriever
 
     cfg = config_from_args(args)
+    if cfg.retrieval.method == "simulated":  # the training config's: the simulator would label its own documents
+        raise ValueError("sleuth simulator-data builds the simulator's data from a real retriever, and "
+                         "retrieval.method=simulated is the simulator itself: give a real one, e.g. "
+                         "retrieval.method=bm25 (with --index or retrieval.index_dir), or retrieval.url=...")
     paths = data_paths(cfg)
     examples = read_qa(args.qa or paths["train"])[: args.limit]
     retriever = open_retriever(cfg, args.index)
