@@ -903,3 +903,18 @@ def test_a_resumed_run_replaces_the_redone_steps_in_tensorboard_too(tmp_path):
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("reward")] == [(1, 1.0), (2, 20.0)]
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_packing_without_packed_sequence_masks_is_refused_before_the_first_rollout(retriever, tmp_path,
+                                                                                     monkeypatch):
+    """``train.packing`` on a transformers without packed-sequence detection (4.51-4.52) is an error
+    (training.batch.check_packed_masks); it came at the first packed micro-batch, after a whole rollout. It
+    now comes when ``rl_train`` starts, before any model is touched or rollout made."""
+    import sys
+
+    from training.trainer import rl_train
+
+    monkeypatch.setitem(sys.modules, "transformers.masking_utils", None)  # the import fails, as on 4.52
+    with pytest.raises(ValueError, match="train.packing needs a transformers"):
+        rl_train(make_cfg("train.packing=true"), None, None, retriever, QUESTIONS, tmp_path)
+    assert not (tmp_path / "checkpoints").exists()

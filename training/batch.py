@@ -172,7 +172,7 @@ def _unwrap(model):
     return model.get_base_model() if hasattr(model, "get_base_model") and hasattr(model, "peft_config") else model
 
 
-def _check_packed_masks() -> None:
+def check_packed_masks() -> None:
     """Raise ``ValueError`` unless the installed transformers turns restarting position ids into a
     block-diagonal mask (``masking_utils.find_packed_sequence_indices``). Older releases
     (4.51-4.52, which the dependency range allows) build one plain causal mask over the packed row, so every
@@ -187,7 +187,7 @@ def _check_packed_masks() -> None:
         import transformers
 
         raise ValueError(f"train.packing needs a transformers that detects packed sequences (masking_utils."
-                         f"find_packed_sequence_indices; 4.56 and later), installed {transformers.__version__}: "
+                         f"find_packed_sequence_indices: 4.55 has it, 4.51-4.52 do not), installed {transformers.__version__}: "
                          "without it packed episodes attend to each other; upgrade transformers or set "
                          "train.packing=false")
 
@@ -202,10 +202,10 @@ def _packed_hidden(backbone, batch: Batch, device: torch.device) -> tuple[torch.
     and builds a block-diagonal causal mask (sdpa/eager/flex; flash-attention uses varlen ``cu_seqlens``
     from the same position ids). ``use_cache=False`` is needed: with a cache the detection is skipped. The
     hidden state of a sequence's last token is never gathered, so no target crosses into the next sequence.
-    Raises ``ValueError`` for a transformers without that detection (:func:`_check_packed_masks`) and for rows
+    Raises ``ValueError`` for a transformers without that detection (:func:`check_packed_masks`) and for rows
     that are not right-padded.
     """
-    _check_packed_masks()
+    check_packed_masks()
     attn = batch.attention_mask.bool()
     N, T = attn.shape
     lengths = attn.sum(-1)

@@ -40,7 +40,7 @@ from agent.trajectory import Trajectory, save_trajectories
 from corpora.formats import QAExample, json_records
 from retrieval.base import Retriever
 from training import advantages as A
-from training.batch import Batch, _unwrap, collate, micro_batches
+from training.batch import Batch, _unwrap, check_packed_masks, collate, micro_batches
 from training.checkpoint import (
     best_source,
     commit_directory,
@@ -642,6 +642,8 @@ def rl_train(
         raise ValueError(f"RL needs sampled rollouts: agent.temperature must be > 0, got {cfg.agent.temperature}")
     if tc.algorithm in A.NEEDS_CRITIC and tc.critic == "none":  # also enforced by the config schema
         raise ValueError(f"train.algorithm={tc.algorithm} needs train.critic (separate or shared)")
+    if tc.packing:  # before the first rollout, not at the first packed micro-batch
+        check_packed_masks()
     # torchrun: one process group over every rank (no-op on one process, or when the caller made it)
     rank, W = init_from_env(timeout_s=tc.dist_timeout_s)
     if W > 1:
