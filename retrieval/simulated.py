@@ -91,8 +91,8 @@ class SimulatedSearch:
     the id so evaluation can count useful documents), the first line of the completion as title, and a
     descending pseudo-score; a blank query gets no hits. ``last_labels`` holds the labels of the latest call.
     Raises ``TypeError`` / ``ValueError`` for malformed queries or ``k`` not an integer >= 1
-    (:func:`retrieval.base.check_queries`); an exception from ``generate`` propagates (the agent loop fails
-    the episode with it).
+    (:func:`retrieval.base.check_queries`); an exception from ``generate`` propagates, and an empty (or blank)
+    completion is a ``RuntimeError`` naming the query (the agent loop fails the episode with either).
     """
 
     def __init__(self, generate: Callable[[list[str]], list[str]], noise_start: float = 0.0,
@@ -138,6 +138,9 @@ class SimulatedSearch:
             for r, lab in enumerate(labs):
                 doc = (outs[j] or "").strip()[: self.max_doc_chars]
                 j += 1
+                if not doc:  # not a hit titled with the query and no text: the policy would read its query back
+                    raise RuntimeError(f"the simulator wrote an empty document {r + 1} of {len(labs)} ({lab}) for "
+                                       f"query {q!r}")
                 title, _, body = doc.partition("\n")
                 title = title.strip() or q
                 hits.append(Hit(id=f"sim:{lab}:{qh}:{r}", title=title, contents=f"{title}\n{body.strip()}",

@@ -163,3 +163,16 @@ def test_simulator_data_refuses_the_simulated_engine_as_its_retriever(tiny_data,
                f"retrieval.index_dir={bm25_index}", "--out", str(out)])
     err = capsys.readouterr().err
     assert rc == 2 and "retrieval.method" in err and "real retriever" in err and not out.exists()
+
+
+@pytest.mark.parametrize("empty", ["", "  \n\t ", None])
+def test_an_empty_simulated_document_is_an_error_naming_the_query(empty):
+    """An empty (or blank) completion became a hit titled with the query itself and no text, labelled useful
+    or noisy as drawn: the policy read its own query back as a document, silently. It is now a RuntimeError
+    naming the query and the document, which the agent loop reports as the episode's error."""
+    def gen(prompts):
+        return [empty] + _fake_generate(prompts[1:])
+
+    sim = SimulatedSearch(gen)
+    with pytest.raises(RuntimeError, match=r"empty document 1 of 2 .*'capital of France'"):
+        sim.search(["capital of France"], 2)
