@@ -176,3 +176,15 @@ def test_an_empty_simulated_document_is_an_error_naming_the_query(empty):
     sim = SimulatedSearch(gen)
     with pytest.raises(RuntimeError, match=r"empty document 1 of 2 .*'capital of France'"):
         sim.search(["capital of France"], 2)
+
+
+def test_simulator_data_from_an_empty_qa_file_is_an_error(tiny_data, bm25_index, tmp_path, capsys):
+    """An empty QA file wrote an empty fine-tuning file and exited 0 ("wrote 0 simulator examples")."""
+    from sleuth.cli import main
+
+    qa, out = tmp_path / "empty.jsonl", tmp_path / "sim.jsonl"
+    qa.write_text("")
+    rc = main(["simulator-data", f"data.corpus={tiny_data / 'corpus.jsonl'}", f"retrieval.index_dir={bm25_index}",
+               "--qa", str(qa), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "no questions" in err and str(qa) in err and not out.exists()

@@ -69,7 +69,10 @@ def run(args) -> int:
                          "retrieval.method=simulated is the simulator itself: give a real one, e.g. "
                          "retrieval.method=bm25 (with --index or retrieval.index_dir), or retrieval.url=...")
     paths = data_paths(cfg)
-    examples = read_qa(args.qa or paths["train"])[: args.limit]
+    qa_path = args.qa or paths["train"]
+    examples = read_qa(qa_path)[: args.limit]
+    if not examples:  # not an empty fine-tuning file and exit 0
+        raise ValueError(f"no questions in {qa_path}: give a QA file with --qa or data.train")
     retriever = open_retriever(cfg, args.index)
     titles = {p.id: p.title for p in iter_corpus(paths["corpus"])}
     recs = simulator_examples(examples, retriever, args.k, titles)
