@@ -84,7 +84,10 @@ class SimulatedSearch:
             ``lambda ps: agent.llm.complete(llm, ps, params)``.
         noise_start, noise_end, noise_base: the curriculum (``p_s``, ``p_e``, ``b``).
         total_steps: ``m``; call :meth:`set_step` as training advances (noise starts at ``p_s``).
-        seed: the useful/noisy draws are a deterministic function of ``(seed, step, query, rank)``.
+        seed: the useful/noisy draws are a deterministic function of ``(seed, step, n, query, rank)``, where
+            ``n`` counts the earlier searches of the same query at this step (in this call or earlier ones):
+            repeated searches of a query (a GRPO group's rollouts) draw independently, as ZeroSearch's per-call
+            draws do, and the same calls with the same seed draw the same labels.
         max_doc_chars: generated documents are cut to this many characters.
 
     Each :class:`~retrieval.base.Hit` has ``id = "sim:<useful|noisy>:<query hash>:<rank>"`` (the label is in
@@ -106,26 +109,37 @@ class SimulatedSearch:
         self.seed = seed
         self.max_doc_chars = max_doc_chars
         self.last_labels: list[list[str]] = []
+        self._searched: dict[str, int] = {}  # searches of each query at this step (``n`` of the draws)
 
     @property
     def noise_probability(self) -> float:
         return curriculum_noise(self.step, self.total_steps, self.noise_start, self.noise_end, self.noise_base)
 
     def set_step(self, step: int, total_steps: int | None = None) -> None:
-        """Advance the curriculum to training step ``step`` (of ``total_steps`` when given)."""
+        """Advance the curriculum to training step ``step`` (of ``total_steps`` when given); a new step counts
+        repeated searches afresh, so a run resumed at a step draws as the uninterrupted run did."""
         if total_steps is not None:
             self.total_steps = max(total_steps, 1)
+        if step != self.step:
+            self._searched = {}
         self.step = step
 
-    def _label(self, query: str, rank: int, p: float) -> str:
-        h = hashlib.sha256(f"{self.seed}|{self.step}|{query}|{rank}".encode()).digest()
+    def _label(self, query: str, n: int, rank: int, p: float) -> str:
+        h = hashlib.sha256(f"{self.seed}|{self.step}|{n}|{rank}|{query}".encode()).digest()
         return NOISY if random.Random(h).random() < p else USEFUL
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:
         check_queries(queries, k)
         p = self.noise_probability
         # blank queries get no hits (as from every other retriever) and cost no simulator calls
-        labels = [[self._label(q, r, p) for r in range(k)] if q.strip() else [] for q in queries]
+        labels: list[list[str]] = []
+        for q in queries:
+            if not q.strip():
+                labels.append([])
+                continue
+            n = self._searched.get(q, 0)
+            self._searched[q] = n + 1
+            labels.append([self._label(q, n, r, p) for r in range(k)])
         prompts = [simulator_prompt(q, lab) for q, labs in zip(queries, labels) for lab in labs]
         outs = self.generate(prompts) if prompts else []
         if len(outs) != len(prompts):

@@ -188,3 +188,29 @@ def test_simulator_data_from_an_empty_qa_file_is_an_error(tiny_data, bm25_index,
                "--qa", str(qa), "--out", str(out)])
     err = capsys.readouterr().err
     assert rc == 2 and "no questions" in err and str(qa) in err and not out.exists()
+
+
+def test_repeated_searches_of_a_query_draw_their_noise_independently_and_reproducibly():
+    """The G rollouts of a GRPO group often search the same query (the question itself) at the same step;
+    its useful/noisy draws were a function of (seed, step, query, rank) alone, so every rollout got the same
+    pattern (all useful, or all noisy) where ZeroSearch draws per search call. Each search of a query at a
+    step now draws afresh (the n-th search of it is part of the draw), and a run with the same seed and the
+    same calls draws the same labels, after a resume too (set_step to the same step)."""
+    def draws(sim):
+        sim.search(["capital of France", "capital of France"], 8)  # two rollouts in one batch
+        first = list(sim.last_labels)
+        sim.search(["capital of France"], 8)  # a third, in a later batch
+        return first + sim.last_labels
+
+    sim = SimulatedSearch(_fake_generate, noise_start=0.5, noise_end=0.5, total_steps=10, seed=3)
+    sim.set_step(4)
+    a, b, c = draws(sim)
+    assert a != b and b != c and a != c
+    again = SimulatedSearch(_fake_generate, noise_start=0.5, noise_end=0.5, total_steps=10, seed=3)
+    again.set_step(4)  # a resumed run's first step
+    assert draws(again) == [a, b, c]
+    again.set_step(5)
+    assert draws(again) != [a, b, c]
+    other_seed = SimulatedSearch(_fake_generate, noise_start=0.5, noise_end=0.5, total_steps=10, seed=4)
+    other_seed.set_step(4)
+    assert draws(other_seed) != [a, b, c]
