@@ -88,7 +88,8 @@ class SimulatedSearch:
             ``n`` counts the earlier searches of the same query at this step (in this call or earlier ones):
             repeated searches of a query (a GRPO group's rollouts) draw independently, as ZeroSearch's per-call
             draws do, and the same calls with the same seed draw the same labels.
-        max_doc_chars: generated documents are cut to this many characters.
+        max_doc_chars: generated documents are cut to this many characters (an integer >= 1, else
+            ``ValueError``; so are the curriculum's bad values, see :func:`curriculum_noise`).
 
     Each :class:`~retrieval.base.Hit` has ``id = "sim:<useful|noisy>:<query hash>:<rank>"`` (the label is in
     the id so evaluation can count useful documents), the first line of the completion as title, and a
@@ -102,6 +103,8 @@ class SimulatedSearch:
                  noise_end: float = 0.5, noise_base: float = 4.0, total_steps: int = 1, seed: int = 0,
                  max_doc_chars: int = 1000):
         curriculum_noise(0, max(total_steps, 1), noise_start, noise_end, noise_base)  # validates
+        if isinstance(max_doc_chars, bool) or not isinstance(max_doc_chars, int) or max_doc_chars < 1:
+            raise ValueError(f"max_doc_chars must be an integer >= 1, got {max_doc_chars!r}")
         self.generate = generate
         self.noise_start, self.noise_end, self.noise_base = noise_start, noise_end, noise_base
         self.total_steps = max(total_steps, 1)

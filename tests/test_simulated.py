@@ -214,3 +214,11 @@ def test_repeated_searches_of_a_query_draw_their_noise_independently_and_reprodu
     other_seed = SimulatedSearch(_fake_generate, noise_start=0.5, noise_end=0.5, total_steps=10, seed=4)
     other_seed.set_step(4)
     assert draws(other_seed) != [a, b, c]
+
+
+@pytest.mark.parametrize("bad", [0, -5])
+def test_max_doc_chars_must_be_positive(bad):
+    """``max_doc_chars`` 0 cut every document to nothing, and a negative one cut that many characters off the end
+    of each (a Python slice) instead of keeping that many; both are now a ValueError when the engine is built."""
+    with pytest.raises(ValueError, match="max_doc_chars"):
+        SimulatedSearch(_fake_generate, max_doc_chars=bad)
