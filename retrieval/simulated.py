@@ -119,12 +119,11 @@ class SimulatedSearch:
         return curriculum_noise(self.step, self.total_steps, self.noise_start, self.noise_end, self.noise_base)
 
     def set_step(self, step: int, total_steps: int | None = None) -> None:
-        """Advance the curriculum to training step ``step`` (of ``total_steps`` when given); a new step counts
-        repeated searches afresh, so a run resumed at a step draws as the uninterrupted run did."""
+        """Advance the curriculum to training step ``step`` (of ``total_steps`` when given) and count repeated
+        searches afresh, so the step draws the same whatever was searched before it (a resumed run, SFT)."""
         if total_steps is not None:
             self.total_steps = max(total_steps, 1)
-        if step != self.step:
-            self._searched = {}
+        self._searched = {}
         self.step = step
 
     def _label(self, query: str, n: int, rank: int, p: float) -> str:

@@ -222,3 +222,16 @@ def test_max_doc_chars_must_be_positive(bad):
     of each (a Python slice) instead of keeping that many; both are now a ValueError when the engine is built."""
     with pytest.raises(ValueError, match="max_doc_chars"):
         SimulatedSearch(_fake_generate, max_doc_chars=bad)
+
+
+def test_a_step_draws_the_same_whatever_was_searched_before_it():
+    """The SFT oracle searches through the same engine before RL's set_step(0): those searches moved the
+    repeated-search counts of step 0, so RL's first step drew otherwise than a run without them (or a run
+    resumed at step 0). set_step now always starts the counts afresh."""
+    warm = SimulatedSearch(_fake_generate, noise_start=0.5, noise_end=0.5, total_steps=10, seed=0)
+    warm.search(["capital of France"] * 3, 8)  # e.g. the SFT oracle's rollouts, before training
+    fresh = SimulatedSearch(_fake_generate, noise_start=0.5, noise_end=0.5, total_steps=10, seed=0)
+    for sim in (warm, fresh):
+        sim.set_step(0, 10)
+        sim.search(["capital of France"], 8)
+    assert warm.last_labels == fresh.last_labels
