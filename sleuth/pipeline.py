@@ -105,10 +105,10 @@ def check_index_corpus(cfg: Config) -> None:
 
 def ensure_index(cfg: Config, log=print) -> None:
     """Build the index of the configured corpus unless a complete one is already there (nothing to build when
-    the agent searches a server, ``retrieval.url``)."""
+    the agent searches a server, ``retrieval.url``, or the simulated engine, whose LLM is not loaded here)."""
     from retrieval.base import IndexNotFoundError
 
-    if cfg.retrieval.url and cfg.retrieval.method != "simulated":
+    if cfg.retrieval.url or cfg.retrieval.method == "simulated":
         return
 
     try:

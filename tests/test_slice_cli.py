@@ -51,6 +51,20 @@ def test_simulated_search_is_wired_by_config(tiny_policy_dir, tmp_path):
     assert len(hits) == 2 and all(h.contents for h in hits)
 
 
+def test_ensure_index_loads_no_simulator_model(tiny_policy_dir, tmp_path, monkeypatch):
+    """With ``retrieval.method=simulated`` ``ensure_index`` opened the configured retriever to see whether an
+    index was there, which loaded the simulator LLM (a vLLM engine on a GPU) only to throw it away before SFT
+    and RL load their own. It now returns at once: the simulated engine has no index to build."""
+    import agent.backends
+    from sleuth.config import load_config
+    from sleuth.pipeline import ensure_index
+
+    monkeypatch.setattr(agent.backends, "make_llm", lambda *a, **k: pytest.fail("loaded the simulator model"))
+    ensure_index(load_config(None, ["retrieval.method=simulated", f"policy.model={tiny_policy_dir}",
+                                    f"out_dir={tmp_path}", f"retrieval.index_dir={tmp_path / 'index'}"]))
+    assert not (tmp_path / "index").exists()
+
+
 @pytest.mark.parametrize("bad", ["0", "-3", "x"])
 def test_eval_limit_must_be_a_positive_integer(bad, capsys):
     with pytest.raises(SystemExit) as e:
