@@ -168,11 +168,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: Any, tokenizer: Any, 
                 "scheduler": scheduler.state_dict() if scheduler else None,
                 "rng": rngs[0], "rng_per_rank": rngs, "extra": extra or {}}, tmp / "trainer.pt")
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(trainer_state or {})}, indent=1))
-    _fsync_tree(tmp)  # durable contents before the renames that commit them
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync(ckpt_root)
+    commit_directory(tmp, final)  # durable contents before the rename that commits them
     latest_tmp = ckpt_root / ".latest.tmp"
     _write_durably(latest_tmp, final.name)
     os.replace(latest_tmp, ckpt_root / "latest")
