@@ -162,8 +162,8 @@ def iter_corpus(path: str | Path) -> Iterator[Passage]:
 
     Accepts ``{"id", "contents"}`` with an optional ``title`` (Search-R1 / FlashRAG / pyserini) and
     ``{"id", "title", "text"}`` (DPR-style). A ``contents`` whose first line is not its ``title`` gets the
-    title line put before it (what Search-R1's client renders as the title). Raises :class:`DataFormatError` naming the line of a bad record,
-    and :class:`FileNotFoundError` if the file is missing.
+    title line put before it (what Search-R1's client renders as the title). Raises :class:`DataFormatError`
+    naming the line of a bad record, and :class:`FileNotFoundError` if the file is missing.
     """
     path = Path(path)
     if not path.exists():

@@ -45,9 +45,9 @@ class RunDirBusyError(BlockingIOError, RuntimeError):
 def run_dir_lock(run_dir: str | Path) -> Iterator[Path]:
     """Hold ``run_dir`` (created if missing) for one training: an exclusive ``flock`` on
     ``run_dir/.train.lock``, released when the block ends or the process dies (a killed run leaves no stale
-    lock). Raises :class:`RunDirBusyError` (a ``RuntimeError``) naming the holder's pid when another open lock holds it (another process,
-    or another block in this one). Local file systems only: ``flock`` is not shared across the nodes of a
-    network file system."""
+    lock). Raises :class:`RunDirBusyError` (a ``RuntimeError``) naming the holder's pid when another open
+    lock holds it (another process, or another block in this one). Local file systems only: ``flock`` is not
+    shared across the nodes of a network file system."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / ".train.lock"

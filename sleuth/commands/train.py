@@ -18,7 +18,8 @@ import contextlib
 
 from sleuth.commands._common import add_config_arguments, config_from_args
 
-HELP = "train the policy: SFT warm start, then multi-turn RL (train.algorithm; metrics, checkpoints, --resume; torchrun)"
+HELP = ("train the policy: SFT warm start, then multi-turn RL (train.algorithm; metrics, checkpoints, --resume; "
+        "torchrun)")
 
 
 def add_arguments(p) -> None:
