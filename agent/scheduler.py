@@ -158,13 +158,13 @@ class Scheduler:
                         (fut.set_exception if isinstance(res, BaseException) else fut.set_result)(res)
         except Exception as e:  # noqa: BLE001 - forwarded to the waiting episodes
             await self._one_by_one(kind, items, e)
-        except asyncio.CancelledError:  # the loop is shutting down: no request of the batch may wait for ever
+        finally:
+            # every path above settles every request; one left means the task was cancelled (the loop shutting
+            # down), in the batch's call or in its split pass: no request of the batch may wait for ever
             error = RuntimeError(f"the scheduler's {kind} batch was cancelled")
             for _, fut in items:
                 if not fut.done():
                     fut.set_exception(error)
-            raise
-        finally:
             self._inflight -= len(items)
             self._busy[kind] = False
             self._poke()

@@ -424,3 +424,36 @@ def test_a_cancelled_batch_fails_its_waiting_requests_instead_of_leaving_them_wa
     out, running = asyncio.run(main())
     assert all(isinstance(o, RuntimeError) and "generate batch was cancelled" in str(o) for o in out), out
     assert running == set()  # a finished batch's task is let go
+
+
+def test_a_batch_cancelled_during_its_split_pass_fails_the_requests_left():
+    """The cancelled-batch handling sat in an ``except`` beside the one that runs the split pass, so a
+    cancellation while the failed batch's requests were being retried one by one skipped it: the requests
+    not yet retried waited for ever. Every request the batch still holds is now failed however it ends."""
+    release, started = threading.Event(), threading.Event()
+
+    class FailsThenBlocks:
+        tokenizer = None
+
+        def generate(self, prompts, params):
+            if len(prompts) > 1:
+                raise ValueError("one prompt is bad")  # not global: the batch is split
+            started.set()
+            release.wait(10)
+            return [Generation([9], "x")]
+
+    async def main():
+        sched = Scheduler(FailsThenBlocks())
+        asks = [asyncio.ensure_future(sched.generate(p, SamplingParams())) for p in ([1], [2], [3])]
+        for _ in range(500):  # until the split pass runs its first single call
+            await asyncio.sleep(0.01)
+            if started.is_set():
+                break
+        (task,) = sched._tasks
+        task.cancel()
+        out = await asyncio.wait_for(asyncio.gather(*asks, return_exceptions=True), 5)
+        release.set()
+        return out
+
+    out = asyncio.run(main())
+    assert all(isinstance(o, RuntimeError) and "generate batch was cancelled" in str(o) for o in out), out
