@@ -131,6 +131,21 @@ def nonblank_text(value: Any) -> str | None:
     return str(value)
 
 
+def answer_texts(values: list[Any]) -> list[str]:
+    """The golden answers of a QA record's answer list as text (:func:`nonblank_text`): ``null`` and blank ones
+    left out (as an answer, ``"None"`` or ``""`` would reward answering that), numbers as their text. Raises
+    ``ValueError`` (``"holds <value>, not an answer string"``) for the first object, list or bool: no prediction
+    matches its Python text. Shared by :func:`iter_qa` and the benchmark loaders of :mod:`eval.datasets`."""
+    out = []
+    for a in values:
+        text = nonblank_text(a)
+        if text is not None:
+            out.append(text)
+        elif not (a is None or isinstance(a, str)):
+            raise ValueError(f"holds {a!r:.60}, not an answer string")
+    return out
+
+
 def _require(obj: dict[str, Any], key: str, path: Path, lineno: int) -> Any:
     if key not in obj:
         raise DataFormatError(f"{path}:{lineno}: missing field {key!r} (has {sorted(obj)})")
@@ -219,10 +234,10 @@ def iter_qa(path: str | Path) -> Iterator[QAExample]:
         if isinstance(answers, str):
             answers = [answers]
         if isinstance(answers, list):  # null or blank answers are none (as in eval.datasets)
-            bad = [a for a in answers if nonblank_text(a) is None and not (a is None or isinstance(a, str))]
-            if bad:  # an object, list or bool: its Python text would be an answer no prediction matches
-                raise DataFormatError(f"{path}:{lineno}: field 'golden_answers' holds {bad[0]!r:.60}, not an answer string")
-            answers = [a for a in answers if a is not None and str(a).strip()]
+            try:
+                answers = answer_texts(answers)
+            except ValueError as e:
+                raise DataFormatError(f"{path}:{lineno}: field 'golden_answers' {e}") from None
         if not isinstance(answers, list) or not answers:
             raise DataFormatError(f"{path}:{lineno}: field 'golden_answers' must be a non-empty list "
                                   "(null and blank answers are left out)")
@@ -239,7 +254,7 @@ def iter_qa(path: str | Path) -> Iterator[QAExample]:
         yield QAExample(
             id=qid,
             question=question,
-            golden_answers=[str(a) for a in answers],
+            golden_answers=answers,
             metadata=dict(metadata),
         )
 

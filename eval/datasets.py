@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from corpora.formats import DataFormatError, QAExample, iter_json_lines, nonblank_text
+from corpora.formats import DataFormatError, QAExample, answer_texts, iter_json_lines, nonblank_text
 
 log = logging.getLogger(__name__)
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -289,13 +289,10 @@ def _answers(value: Any, ctx: _Ctx, field: str) -> list[str]:
         value = value.tolist()
     if not isinstance(value, (list, tuple)):
         raise ctx.fail(f"field {field!r} must be a string or a list of strings, got {type(value).__name__}")
-    out = []
-    for a in value:  # null and blank answers are left out; an object, list or bool is no answer text
-        text = nonblank_text(a)
-        if text is None and not (a is None or isinstance(a, str)):
-            raise ctx.fail(f"field {field!r} holds {a!r:.60}, not an answer string")
-        if text is not None:
-            out.append(text.strip())
+    try:  # null and blank answers are left out; an object, list or bool is no answer text
+        out = [text.strip() for text in answer_texts(list(value))]
+    except ValueError as e:
+        raise ctx.fail(f"field {field!r} {e}") from None
     if not out:
         raise ctx.fail(f"field {field!r} has no non-empty answer")
     return out
