@@ -372,7 +372,8 @@ def build_index(
             "vectors": vectors,
         }
         kept = same.get("dense") or {}
-        if {k: kept.get(k) for k in desc} == desc and all((ddir / s).is_file() for s in kept.get("shards") or [None]):
+        same_part = {k: kept.get(k) for k in desc} == desc and kept.get("shards")
+        if same_part and all((ddir / s).is_file() for s in kept["shards"]):
             shards = kept["shards"]  # the same vectors in the same kind of index: not trained and added again
         else:
             shards = build_dense_shards(emb, ddir, dense_spec, show_progress)

@@ -187,9 +187,9 @@ def check_packed_masks() -> None:
         import transformers
 
         raise ValueError(f"train.packing needs a transformers that detects packed sequences (masking_utils."
-                         f"find_packed_sequence_indices: 4.55 has it, 4.51-4.52 do not), installed {transformers.__version__}: "
-                         "without it packed episodes attend to each other; upgrade transformers or set "
-                         "train.packing=false")
+                         f"find_packed_sequence_indices: 4.55 has it, 4.51-4.52 do not), installed "
+                         f"{transformers.__version__}: without it packed episodes attend to each other; upgrade "
+                         "transformers or set train.packing=false")
 
 
 def _packed_hidden(backbone, batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
