@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import threading
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -62,14 +63,47 @@ class BM25Params:
                                  "(or None for no stemming)")
 
 
+#: modules hidden from bm25s while it loads (see :func:`import_bm25s`)
+JAX_MODULES = ("jax", "jax.lax")
+_IMPORT_LOCK = threading.Lock()
+
+
+def import_bm25s():
+    """Import and return the ``bm25s`` module without letting it load JAX.
+
+    bm25s's ``selection`` module imports ``jax.lax`` whenever JAX is installed and runs a ``jax.lax.top_k`` at
+    import time, which starts JAX's default backend: on a GPU machine JAX then preallocates 75% of every
+    visible GPU's memory (``XLA_PYTHON_CLIENT_MEM_FRACTION``) in this process, memory the policy and the
+    rollout engine need. Sleuth never uses bm25s's JAX top-k (MaxScore, or bm25s's numpy/numba backends),
+    so ``jax`` and ``jax.lax`` are hidden (``None`` in ``sys.modules``, an ``ImportError`` to bm25s, which then
+    uses numpy) while bm25s loads, and restored afterwards: JAX stays importable, untouched, for anything
+    else in the process, and no JAX environment variable is changed. If bm25s was already imported
+    elsewhere it is returned as it is.
+    """
+    mod = sys.modules.get("bm25s")
+    if mod is not None:
+        return mod
+    with _IMPORT_LOCK:
+        saved = {name: sys.modules[name] for name in JAX_MODULES if name in sys.modules}
+        sys.modules.update(dict.fromkeys(JAX_MODULES))
+        try:
+            import bm25s  # imports bm25s.selection (the JAX probe) and bm25s.tokenization
+        finally:
+            for name in JAX_MODULES:
+                if name in saved:
+                    sys.modules[name] = saved[name]
+                elif sys.modules.get(name, 0) is None:
+                    del sys.modules[name]
+    return bm25s
+
+
 BACKENDS = ("maxscore", "numpy", "numba")
 #: stems of query words cached since loading (about 360 bytes each) kept before they are dropped again
 STEM_CACHE_WORDS = 100_000
 
 
 def _tokenizer(params: BM25Params):
-    import bm25s.tokenization
-
+    bm25s = import_bm25s()
     stemmer = None
     if params.stemmer:
         import Stemmer
@@ -136,8 +170,7 @@ class BM25Index:
         BM25+ (``method`` ``"bm25l"``/``"bm25+"``: non-occurrence scores, which maxscore cannot prune; load such
         an index with ``backend="numpy"`` too).
         """
-        import bm25s
-
+        bm25s = import_bm25s()
         out_dir = Path(out_dir)
         params = params or BM25Params()
         tok = _tokenizer(params)
@@ -168,8 +201,7 @@ class BM25Index:
         (up to float32 summation order); equal scores may be ordered differently. Raises
         ``FileNotFoundError`` if a part is missing and ``ValueError`` for an unknown backend.
         """
-        import bm25s
-
+        bm25s = import_bm25s()
         index_dir = Path(index_dir)
         pfile = index_dir / PARAMS_FILE
         if not pfile.exists():

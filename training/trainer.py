@@ -72,6 +72,7 @@ from training.distributed import (
     sync_rollout_weights,
     world,
 )
+from training.gpu_health import check_gpu_memory
 from training.monitors import Alarms, health_stats
 from training.rewards import gold_answer_probs, information_gain_rewards, kl_penalty, turn_table
 
@@ -646,6 +647,7 @@ def rl_train(
         check_packed_masks()
     # torchrun: one process group over every rank (no-op on one process, or when the caller made it)
     rank, W = init_from_env(timeout_s=tc.dist_timeout_s)
+    check_gpu_memory()  # logs each device's free memory; warns when something else holds over 10% of one
     if W > 1:
         if tc.algorithm in A.NEEDS_CRITIC and tc.critic == "shared":
             raise ValueError("train.critic=shared is not supported under torchrun (world size > 1): its value head "
