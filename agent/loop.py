@@ -356,16 +356,21 @@ def step_event(node: str, update: dict[str, Any] | None, traj: Trajectory) -> di
     budget spent, an invalid action's error observation).
 
     * after a policy turn: ``{"type": "turn", "turn": i, "text": <the turn's generated text>,
-      "action": "search" | "answer" | "invalid" | ...}`` (``Turn.text``/``Turn.action``);
-    * after a search: ``{"type": "search", "turn": i, "query": str, "doc_ids": [str]}`` (``Turn.query``,
-      ``Turn.hit_ids``, in retrieval order)."""
+      "action": "search" | "answer" | "invalid" | ..., "error": str | None, "judgement": str | None}``
+      (``Turn.text``/``action``/``error``: why an invalid action was invalid; ``judgement``: the ReSeek
+      self-judge of the previous observation, ``"useful"``/``"not useful"``, when the turn made one);
+    * after a search: ``{"type": "search", "turn": i, "query": str, "doc_ids": [str], "hits": [Hit]}``
+      (``Turn.query``, ``Turn.hit_ids`` and the :class:`retrieval.base.Hit` s themselves, with this query's
+      scores, in retrieval order)."""
     update = update or {}
     if node == "policy" and "action" in update and traj.turns:
         t = traj.turns[-1]
-        return {"type": "turn", "turn": t.index, "text": t.text, "action": t.action}
+        return {"type": "turn", "turn": t.index, "text": t.text, "action": t.action, "error": t.error,
+                "judgement": t.judgement}
     if node == "tool" and "hits" in update and traj.turns:
         t = traj.turns[-1]
-        return {"type": "search", "turn": t.index, "query": t.query, "doc_ids": list(t.hit_ids)}
+        return {"type": "search", "turn": t.index, "query": t.query, "doc_ids": list(t.hit_ids),
+                "hits": list(update["hits"])}
     return None
 
 

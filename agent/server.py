@@ -1,22 +1,31 @@
 """The agent served as a question-answering tool (FastAPI): ``/ask``, OpenAI-compatible chat, ``/health``.
 
-* ``POST /ask`` ``{"question": str, "golden_answers"?: [str], "top_k"?: int}`` -> the answer, the evidence
-  documents (ids, titles, contents, scores, in retrieval order) and the whole trajectory.
+* ``POST /ask`` ``{"question": str, "golden_answers"?: [str], "top_k"?: int, "max_turns"?: int}`` -> the
+  answer, the evidence documents (ids, titles, contents, scores, in retrieval order) and the whole
+  trajectory. ``top_k`` (documents per search) is at most ``max_top_k``, ``max_turns`` at most the server's
+  ``agent.max_turns`` (422 otherwise); left out, the server's own settings are used.
 * ``POST /v1/chat/completions`` (OpenAI-compatible): the last user message is the question; the reply's
   content is the agent's answer, and a ``sleuth`` field carries the evidence and stop reason. Existing
-  clients (the ``openai`` package, LangChain's ``ChatOpenAI``) can use the agent as a model. With
+  clients (the ``openai`` package, LangChain's ``ChatOpenAI``) can use the agent as a model. The request
+  may carry ``top_k``, ``max_turns`` and ``golden_answers`` as /ask takes them (``extra_body`` in the
+  ``openai`` client); with golden answers the ``sleuth`` field has the judge's ``verdict``. With
   ``stream: true`` the server-sent events follow the episode turn by turn: a role chunk; each policy
   turn's generated text as ``delta: {"reasoning_content": text}`` (the field vLLM's and DeepSeek's
   reasoning models use; turns after the first start with a blank line) with
-  ``sleuth: {"event": "turn", "turn", "action"}``; each search as an empty delta with
-  ``sleuth: {"event": "search", "turn", "query", "doc_ids"}``; then the answer as
+  ``sleuth: {"event": "turn", "turn", "action", "error"?, "judgement"?}`` (``error``: why an invalid action
+  was invalid; ``judgement``: the turn's self-judge of the previous search, when it made one); each search
+  as an empty delta with ``sleuth: {"event": "search", "turn", "query", "doc_ids", "hits"}`` (``hits``: the
+  retrieved passages in order, each ``{"id", "title", "text", "score"}``, ``text`` without the title line,
+  ``score`` this query's); then the answer as
   ``delta: {"content": answer}``, the finish chunk with the ``sleuth`` evidence, and ``data: [DONE]``. A
   request over ``max_inflight`` gets the plain 503 before any stream starts (so clients retry it); a
   failure of the episode (504, 502) arrives as one ``data: {"error": {...}}`` event; a client that
   disconnects cancels its episode. Sampling fields of the request (``max_tokens``, ``temperature``,
   ``top_p``, ``n``, ...) are ignored: an answer is a whole multi-turn episode, sampled with the server's
   ``agent`` config; ``model`` is echoed back as given.
-* ``GET /health``.
+* ``GET /health``: status, counters (``inflight``: episodes running now) and the per-request ``limits`` a
+  client may choose within (``top_k``/``max_top_k``, ``max_turns``, ``max_question_chars``).
+* ``GET /``: a browser page over the streaming endpoint (:mod:`agent.webui`; no key needed to load it).
 
 All requests share one :class:`agent.scheduler.Scheduler` living in the server's event loop, so concurrent
 requests are episodes whose generation and search calls are batched together. Limits: request bodies over
@@ -131,6 +140,11 @@ class _SlotStream(StreamingResponse):
                 self.release()
 
 
+def _int_in(v: Any, lo: int, hi: int) -> bool:
+    """Whether ``v`` is an integer (a JSON bool is not) in ``[lo, hi]``."""
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error",
            retry_after: int | None = None) -> JSONResponse:
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
@@ -195,6 +209,23 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
                                  f"agent.max_total_tokens={budget} with one token left to generate")
         return q
 
+    def episode_options(obj: dict[str, Any]) -> tuple[list[str], int | None, int | None]:
+        """A request's ``golden_answers`` (``[]`` when left out), ``top_k`` and ``max_turns`` (``None`` when
+        left out: the server's own), or a 422 :class:`HTTPError` naming the field and its range."""
+        golds = obj.get("golden_answers")
+        golds = [] if golds is None else golds
+        if not isinstance(golds, list) or not all(isinstance(g, str) for g in golds):
+            raise HTTPError(422, "golden_answers must be a list of strings")
+        for g in golds:
+            _check_unicode(g, "a golden answer")
+        k, turns = obj.get("top_k"), obj.get("max_turns")
+        if k is not None and not _int_in(k, 1, limits.max_top_k):
+            raise HTTPError(422, f"top_k must be an integer in [1, {limits.max_top_k}]")
+        if turns is not None and not _int_in(turns, 1, agent_cfg.max_turns):
+            raise HTTPError(422, f"max_turns must be an integer in [1, {agent_cfg.max_turns}] "
+                                 "(the server's agent.max_turns)")
+        return golds, k, turns
+
     def take_slot() -> Callable[[], None]:
         """Take one of the ``max_inflight`` episode slots, or raise a 503 :class:`HTTPError` when all are
         taken (with ``Retry-After:`` :data:`BUSY_RETRY_AFTER_S`). The check and the taking are one step (no
@@ -215,17 +246,19 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
         return release
 
     async def episode(question: str, golds: list[str], k: int | None, on_event: EventSink | None = None,
-                      release: Callable[[], None] | None = None) -> Trajectory:
-        """Run one episode in a slot of ``max_inflight`` (``release``: one the caller took with
-        :func:`take_slot`; by default it is taken here) and free the slot when it ends, however it ends.
+                      release: Callable[[], None] | None = None, turns: int | None = None) -> Trajectory:
+        """Run one episode (``k`` documents per search and at most ``turns`` turns; ``None``: the server's
+        own) in a slot of ``max_inflight`` (``release``: one the caller took with :func:`take_slot`; by
+        default it is taken here) and free the slot when it ends, however it ends.
         Raises :class:`HTTPError` 503 (no slot), 504 (over ``request_timeout_s``) or 502 (backend failure)."""
         release = release or take_slot()
         try:
             ex = QAExample(id=f"req-{uuid.uuid4().hex[:12]}", question=question, golden_answers=golds or [""])
             # no gold: nothing to judge, and no verdict is returned, so an LLM judge would only cost a generation
             plain = not golds and getattr(agent_cfg, "judge", "rule") == "llm"
-            run_ctx = ctx if (k is None or k == ctx.top_k) and not plain else make_context(
-                llm, evidence, agent_cfg, temperature=temperature, top_k=k or ctx.top_k,
+            cfg = agent_cfg if turns in (None, agent_cfg.max_turns) else agent_cfg.model_copy(update={"max_turns": turns})
+            run_ctx = ctx if (k is None or k == ctx.top_k) and cfg is agent_cfg and not plain else make_context(
+                llm, evidence, cfg, temperature=temperature, top_k=k or ctx.top_k,
                 judge=rule_judge() if plain else ctx.judge, scheduler=ctx.scheduler)
             traj = await asyncio.wait_for(run_episode(run_ctx, ex, on_event=on_event), limits.request_timeout_s)
         except TimeoutError:
@@ -286,23 +319,17 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
     async def health():
         s = ctx.scheduler
         return {"status": "ok", "model": model_name, "inflight": app.state.inflight, "served": app.state.served,
-                "batches": s.stats["generate_batches"], "prompts": s.stats["generate_prompts"]}
+                "batches": s.stats["generate_batches"], "prompts": s.stats["generate_prompts"],
+                "limits": {"top_k": ctx.top_k, "max_top_k": limits.max_top_k, "max_turns": agent_cfg.max_turns,
+                           "max_question_chars": limits.max_question_chars}}
 
     @app.post("/ask")
     async def ask(request: Request):
         check_auth(request)
         obj = await read_json(request)
         q = check_question(obj.get("question"))
-        golds = obj.get("golden_answers")
-        golds = [] if golds is None else golds
-        if not isinstance(golds, list) or not all(isinstance(g, str) for g in golds):
-            raise HTTPError(422, "golden_answers must be a list of strings")
-        for g in golds:
-            _check_unicode(g, "a golden answer")
-        k = obj.get("top_k")
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= limits.max_top_k):
-            raise HTTPError(422, f"top_k must be an integer in [1, {limits.max_top_k}]")
-        traj = await unless_hung_up(request, episode(q, golds, k))
+        golds, k, turns = episode_options(obj)
+        traj = await unless_hung_up(request, episode(q, golds, k, turns=turns))
         return {"answer": traj.answer, "stop_reason": traj.stop_reason, "evidence": evidence_of(traj),
                 "searches": traj.num_search_calls, "verdict": traj.verdict if golds else None,
                 "trajectory": traj.to_json()}
@@ -331,6 +358,7 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
         elif not isinstance(content, str):
             raise HTTPError(422, "message content must be a string or a list of content parts")
         q = check_question(content)
+        golds, k, turns = episode_options(obj)
         cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         model = obj.get("model") or model_name
         if not isinstance(model, str):
@@ -343,11 +371,11 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
         def reply(traj: Trajectory) -> tuple[str, str, dict[str, Any]]:
             finish = "stop" if traj.answer is not None else "length"
             extra = {"stop_reason": traj.stop_reason, "searches": traj.num_search_calls,
-                     "evidence": evidence_of(traj)}
+                     "evidence": evidence_of(traj), "verdict": traj.verdict if golds else None}
             return traj.answer or "", finish, extra
 
         if not stream:
-            traj = await unless_hung_up(request, episode(q, [], None))
+            traj = await unless_hung_up(request, episode(q, golds, k, turns=turns))
             text, finish, extra = reply(traj)
             n_prompt, n_gen = traj.prompt_len, traj.num_policy_tokens
             return {"id": cid, "object": "chat.completion", "created": created, "model": model,
@@ -364,10 +392,12 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
         def progress(event: dict[str, Any], first_turn: bool) -> str:
             if event["type"] == "turn":
                 text = event["text"] if first_turn else "\n\n" + event["text"]
+                more = {f: event[f] for f in ("error", "judgement") if event.get(f) is not None}
                 return chunk({"reasoning_content": text},
-                             sleuth={"event": "turn", "turn": event["turn"], "action": event["action"]})
+                             sleuth={"event": "turn", "turn": event["turn"], "action": event["action"], **more})
+            hits = [{"id": h.id, "title": h.title, "text": h.text, "score": float(h.score)} for h in event["hits"]]
             return chunk({}, sleuth={"event": "search", "turn": event["turn"], "query": event["query"],
-                                     "doc_ids": event["doc_ids"]})
+                                     "doc_ids": event["doc_ids"], "hits": hits})
 
         # the slot is taken before the stream starts: a client over max_inflight gets a plain 503 (OpenAI
         # clients retry it), not a 200 whose stream then carries the error
@@ -376,7 +406,7 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
         async def events():
             # the episode runs as its own task and hands its progress events over a queue; None = it ended
             queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-            task = asyncio.create_task(episode(q, [], None, on_event=queue.put, release=release))
+            task = asyncio.create_task(episode(q, golds, k, on_event=queue.put, release=release, turns=turns))
             task.add_done_callback(lambda _: queue.put_nowait(None))
             try:
                 yield chunk({"role": "assistant", "content": ""})
