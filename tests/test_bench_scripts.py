@@ -262,3 +262,42 @@ def test_kernels_bench_runs_without_the_config_stack():
                          cwd=BENCH.parent, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "grads match" in out.stdout
+
+
+def test_gpu_scale_cpu_smoke_runs_without_the_config_stack(tmp_path):
+    """bench/gpu_scale.py --cpu-smoke: a tiny policy's rollout and update, with and without LoRA, on a Python
+    without the modules GPU images lack (pydantic, LangGraph, FastAPI, bm25s, FAISS)."""
+    import json
+    import subprocess
+    import sys
+
+    out_json = tmp_path / "gpu_scale.json"
+    block = ("import sys; sys.modules.update(pydantic=None, langgraph=None, fastapi=None, bm25s=None, faiss=None); "
+             f"sys.argv = ['gpu_scale.py', '--cpu-smoke', '--out', {str(out_json)!r}]")
+    run = f"{block}; import runpy; runpy.run_path({str(BENCH / 'gpu_scale.py')!r}, run_name='__main__')"
+    out = subprocess.run([sys.executable, "-c", run], check=False, capture_output=True, text=True,
+                         cwd=BENCH.parent, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out_json.read_text())["shapes"]["tiny"]
+    for phase in ("rollout", "rollout_lora"):
+        assert res[phase]["gen_tokens"] == 4 * 8 and res[phase]["gen_tokens_per_s"] > 0  # the full budget
+    assert res["update"]["trainable_params"] == res["params"]
+    assert 0 < res["update_lora"]["trainable_params"] < res["params"] / 10  # the adapters alone
+    assert res["update"]["policy_tokens"] < res["update"]["tokens"]
+    assert "| tiny |" in out.stdout and out.stdout.count("| update |") == 2
+
+
+def test_gpu_scale_batch_masks_policy_turns_and_picks_the_largest_fitting_shape():
+    gs = _load("gpu_scale")
+    b = gs.synthetic_batch(rows=6, seq_len=400, prompt_len=100, policy_span=40, tool_span=60, vocab=1000)
+    roles = b.roles[:, 1:]
+    assert bool((b.loss_mask.bool() == (roles == 1)).all()) and int(b.loss_mask.sum()) > 0
+    assert bool((b.roles[:, :100] == 0).all())  # the prompt
+    real = b.attention_mask.sum(-1)
+    assert bool((real >= 300).all()) and bool((b.roles[b.attention_mask == 0] == -1).all())
+    fit = {"fits_80gb": True}
+    shapes = {"0.5b": {"params": 5, "rollout": fit, "update": fit},
+              "3b": {"params": 30, "rollout": fit, "update": {"oom": True}},
+              "1.5b": {"params": 15, "rollout": fit, "update": fit}}
+    assert gs.largest_fitting(shapes, "update") == "1.5b"
+    assert gs.largest_fitting(shapes, "update_lora") is None
