@@ -25,7 +25,7 @@ from langgraph.graph import END, START, StateGraph
 from agent import function_call, protocol
 from agent.judges import normalize_answer, rule_verdict
 from agent.llm import LLM, SamplingParams, decode, encode, end_of_turn_ids, run_sync
-from agent.scheduler import Scheduler
+from agent.scheduler import Scheduler, is_global
 from agent.trajectory import Role, Trajectory, Turn
 from corpora.formats import QAExample
 from retrieval.base import Retriever
@@ -376,10 +376,11 @@ def step_event(node: str, update: dict[str, Any] | None, traj: Trajectory) -> di
 
 async def run_episode(ctx: AgentContext, example: QAExample, group: int = 0,
                       on_event: EventSink | None = None) -> Trajectory:
-    """Run one episode to its end. A backend failure ends the episode with ``stop_reason="error"`` and the
-    reason in ``metadata["error"]``; it raises only when the prompt itself cannot be built (the tokenizer or
-    chat template fails on it: a setup error that would fail every episode, so it is not hidden as one), and
-    cancelling the task still cancels it.
+    """Run one episode to its end. A backend failure ends the episode with ``stop_reason="error"``, the
+    reason in ``metadata["error"]`` and ``metadata["service_down"]`` true when the backend or retriever as a
+    whole was unavailable (:func:`agent.scheduler.is_global`); it raises only when the prompt itself cannot be
+    built (the tokenizer or chat template fails on it: a setup error that would fail every episode, so it is
+    not hidden as one), and cancelling the task still cancels it.
 
     With ``on_event`` (an async callable taking one dict), the graph runs through LangGraph's
     ``astream(stream_mode="updates")`` instead of ``ainvoke`` and ``await on_event(event)`` is called
@@ -405,6 +406,7 @@ async def run_episode(ctx: AgentContext, example: QAExample, group: int = 0,
         except Exception as e:  # noqa: BLE001 - an episode fails cleanly with its reason
             traj.stop_reason = "error"
             traj.metadata["error"] = f"{type(e).__name__}: {e}"
+            traj.metadata["service_down"] = is_global(e)  # a service unavailable, not this request's fault
             traj.reward, traj.verdict = 0.0, rule_verdict(None, traj.golden_answers) | {"format_ok": False}
     return traj
 

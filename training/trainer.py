@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from agent.loop import run_episodes
 from agent.trajectory import Trajectory, save_trajectories
 from corpora.formats import QAExample, json_records
 from retrieval.base import Retriever
@@ -72,6 +71,7 @@ from training.distributed import (
     sync_rollout_weights,
     world,
 )
+from training.faults import FAULT_COUNTS, drop_failed, run_episodes_retrying
 from training.gpu_health import check_gpu_memory
 from training.monitors import Alarms, health_stats
 from training.rewards import gold_answer_probs, information_gain_rewards, kl_penalty, turn_table
@@ -415,6 +415,9 @@ def rollout(questions: list[QAExample], llm: Any, retriever: Retriever, cfg: Any
     """Sample ``train.group_size`` episodes per question. With ``train.dynamic_sampling`` (DAPO), groups
     whose rewards are all equal (no learning signal) are dropped and up to ``dynamic_sampling_max_tries``
     extra rounds of fresh questions from ``data`` refill the batch to ``len(questions)`` groups.
+    Episodes that ended on an error (a retrieval server or backend that went away) are run again and, when
+    they still fail, left out (:mod:`training.faults`; counted in ``stats``' ``rollout_errors`` and
+    ``rollout_dropped``; ``RuntimeError`` when every episode failed).
     Returns ``(trajectories, stats)``; group ids are renumbered 0..G-1.
 
     Under torchrun every rank calls it with its own questions and the same ``data`` (the same stream at the
@@ -427,7 +430,7 @@ def rollout(questions: list[QAExample], llm: Any, retriever: Retriever, cfg: Any
     kw = {"n_samples": tc.group_size, "top_k": cfg.retrieval.top_k}
     if judge is not None:
         kw["judge"] = judge
-    trajs = run_episodes(questions, llm, retriever, cfg.agent, **kw)
+    trajs = run_episodes_retrying(questions, llm, retriever, cfg.agent, **kw)  # failed episodes run again
     stats: dict[str, float] = {}
     if tc.dynamic_sampling and data is not None:
         want = len(questions)
@@ -446,7 +449,7 @@ def rollout(questions: list[QAExample], llm: Any, retriever: Retriever, cfg: Any
             fresh = data.next(need_all * W)[rank::W][:need]
             if not fresh:
                 continue
-            more = run_episodes(fresh, llm, retriever, cfg.agent, **kw)
+            more = run_episodes_retrying(fresh, llm, retriever, cfg.agent, **kw)
             for t in more:
                 t.group += offset
             offset += len(more) // tc.group_size
@@ -464,6 +467,8 @@ def rollout(questions: list[QAExample], llm: Any, retriever: Retriever, cfg: Any
         kept = [t for t in kept if t.group in keep_set]
         stats = {"ds_dropped_groups": float(dropped), "ds_rounds": float(rounds), "ds_kept_groups": float(n_signal)}
         trajs = kept
+    trajs, fault_stats = drop_failed(trajs)  # episodes that still failed: left out of the update, counted
+    stats.update(fault_stats)
     remap = {g: i for i, g in enumerate(sorted({t.group for t in trajs}))}
     for t in trajs:
         t.group = remap[t.group]
@@ -479,7 +484,8 @@ def merge_rank_records(records: list[tuple[dict[str, Any], int]], loss_keys: set
     means over every rank's trajectories (a rank without the key had no such episode: rate 0); other numbers
     (rollout and health statistics) are means weighted by each rank's trajectory count, over the ranks that
     have the key (per-dataset splits are therefore approximate); anything else is rank 0's."""
-    summed = {k for k in loss_keys if k not in ("grad_norm", "lr", "skipped")} | {"ds_dropped_groups", "ds_kept_groups"}
+    summed = {k for k in loss_keys if k not in ("grad_norm", "lr", "skipped")} | {"ds_dropped_groups", "ds_kept_groups",
+                                                                                  *FAULT_COUNTS}
     maxed = {"rollout_s", "step_s", "ds_rounds"}
     first = {"grad_norm", "lr", "skipped"}
     out: dict[str, Any] = {}
