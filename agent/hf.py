@@ -6,7 +6,8 @@ first stop string (``</search>``, ``</answer>``) or EOS, and the returned ids ar
 (no re-tokenisation). Stop strings that are single tokens in the vocabulary (as in the tiny policy) are
 passed as extra EOS ids; others are matched by :class:`StopOnNewText` on the *generated* text only
 (transformers' own ``stop_strings`` also match text that straddles the prompt, which would end a turn
-before the action is written).
+before the action is written). Each sampled token comes with its log-probability under the distribution it
+was drawn from (:class:`SampledLogprobs`), as vLLM's ``processed_logprobs`` reports it.
 """
 
 from __future__ import annotations
@@ -60,6 +61,51 @@ def load_model_and_tokenizer(path: str, dtype: str = "float32", device: str = "a
         tok.pad_token = tok.eos_token
     model.to(resolve_device(device)).eval()
     return model, tok
+
+
+class SampledLogprobs:
+    """A logits processor placed last in the chain: it keeps the log-softmax of the step's processed scores
+    (``[B, V]`` float32, one step at a time) and, at the next step, reads off the log-probability of the token
+    that step sampled (the last column of ``input_ids``); :meth:`finish` reads the last step's from the
+    returned sequences. ``steps`` is then a list of ``[B]`` float32 tensors, one per generated position."""
+
+    def __init__(self) -> None:
+        self.last: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last is not None:
+            self.steps.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.last = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, sequences: torch.Tensor, width: int) -> list[list[float]]:
+        """Per row, the log-probabilities of the tokens generated after the first ``width`` columns of
+        ``sequences`` (``[B, width + n]`` int64), as lists of floats of length ``n``."""
+        n = sequences.shape[1] - width
+        if self.last is not None and len(self.steps) < n:
+            self.steps.append(self.last.gather(1, sequences[:, width + len(self.steps)][:, None]).squeeze(1))
+            self.last = None
+        if not n:
+            return [[] for _ in range(sequences.shape[0])]
+        return torch.stack(self.steps[:n], dim=1).cpu().tolist()
+
+
+def sampling_processors(params: SamplingParams) -> list[Any]:
+    """Transformers' own temperature, top-k and top-p warpers for ``params``, in the order ``generate`` applies
+    them (none when greedy); passed explicitly so that :class:`SampledLogprobs` can follow them."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    if params.temperature <= 0:
+        return []
+    out: list[Any] = []
+    if params.temperature != 1.0:
+        out.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k > 0:
+        out.append(TopKLogitsWarper(top_k=params.top_k, min_tokens_to_keep=1))
+    if params.top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=params.top_p, min_tokens_to_keep=1))
+    return out
 
 
 class StopOnNewText:
@@ -132,7 +178,9 @@ class TransformersLLM:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """Sample one continuation per prompt (see :class:`agent.llm.LLM`)."""
+        """Sample one continuation per prompt (see :class:`agent.llm.LLM`); ``logprobs`` are the sampled
+        tokens' log-probabilities (natural log) under ``softmax(logits / temperature)`` restricted to
+        top-k/top-p, the plain softmax when greedy (:class:`SampledLogprobs`)."""
         if not prompts:
             return []
         device = next(self.model.parameters()).device
@@ -154,8 +202,13 @@ class TransformersLLM:
             "return_dict_in_generate": False,
             **_plain_sampling(),
         }
+        from transformers import LogitsProcessorList
+
+        # the warpers are passed here (the built-in ones off) so that the recorder sees what is sampled from
+        recorder = SampledLogprobs()
+        kw["logits_processor"] = LogitsProcessorList([*sampling_processors(params), recorder])
         if params.temperature > 0:
-            kw.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+            kw.update(do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
         else:
             kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         if stop_strings:
@@ -166,9 +219,10 @@ class TransformersLLM:
             torch.manual_seed(params.seed)
         out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), **kw)
         new = out[:, width:].tolist()
+        lps = recorder.finish(out, width)
         gens = []
-        for row in new:
+        for row, lp in zip(new, lps, strict=True):
             # EOS is kept in the ids (the policy produced it) but not in the text; padding after it is dropped
             ids, text, reason = truncate_at_stop(self.tokenizer, row, params.stop, self.eos_ids)
-            gens.append(Generation(token_ids=ids, text=text, finish_reason=reason))
+            gens.append(Generation(token_ids=ids, text=text, finish_reason=reason, logprobs=lp[: len(ids)]))
         return gens

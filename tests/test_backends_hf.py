@@ -204,3 +204,46 @@ def test_loads_on_a_transformers_that_names_the_dtype_torch_dtype(tiny_policy_di
     monkeypatch.setattr(transformers, "PretrainedConfig", Config451)
     model, _ = load_model_and_tokenizer(str(tiny_policy_dir), "bfloat16", "cpu")
     assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def _forward_logprobs(model, prompt: list[int], gen: list[int], temperature: float = 1.0, top_k: int = 0) -> list[float]:
+    """Log-probabilities of ``gen`` after ``prompt`` under softmax(logits / T) restricted to the top k."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + gen])).logits[0].float() / (temperature or 1.0)
+    if top_k:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    logp = torch.log_softmax(logits, -1)
+    return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(gen)]
+
+
+def test_logprobs_are_those_of_the_distribution_sampled_from(tiny_llm):
+    """Each generation carries one log-probability per kept token: of the plain softmax when greedy, of
+    softmax(logits / T) within the top k when sampling (what vLLM's processed log-probs report), batched
+    or not; sampling draws the same tokens as transformers' own warpers for the same seed."""
+    import pytest
+    import torch
+
+    tok = tiny_llm.tokenizer
+    prompts = [encode(tok, "Question: What is the capital of France?\n"), encode(tok, "Paris")]
+    greedy = tiny_llm.generate(prompts, SamplingParams(max_new_tokens=7, temperature=0.0, stop=()))
+    for p, g in zip(prompts, greedy, strict=True):
+        assert len(g.logprobs) == len(g.token_ids) == 7
+        assert g.logprobs == pytest.approx(_forward_logprobs(tiny_llm.model, p, g.token_ids), abs=1e-4)
+    params = SamplingParams(max_new_tokens=9, temperature=0.7, top_k=50, stop=("</answer>",), seed=5)
+    sampled = tiny_llm.generate(prompts, params)
+    for p, g in zip(prompts, sampled, strict=True):
+        assert len(g.logprobs) == len(g.token_ids)
+        want = _forward_logprobs(tiny_llm.model, p, g.token_ids, 0.7, 50)
+        assert g.logprobs == pytest.approx(want, abs=1e-4)
+    # the same draws as transformers' built-in warpers (no change to what the policy samples)
+    torch.manual_seed(5)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+    attn = (torch.arange(width)[None] >= torch.tensor([[width - len(p)] for p in prompts])).long()
+    ref = tiny_llm.model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=0.7, top_k=50,
+                                  top_p=1.0, max_new_tokens=9, pad_token_id=tok.pad_token_id, eos_token_id=[-1])
+    for row, g in zip(ref[:, width:].tolist(), sampled, strict=True):
+        assert row[: len(g.token_ids)] == g.token_ids
