@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import http.client
 import math
+import os
 import select
 import threading
 import time
@@ -39,6 +40,10 @@ from orjson import dumps as _dumps
 from orjson import loads as _loads
 
 from retrieval.base import REPLY_FORMAT_HEADER, ROWS_REPLY_HEADER, Hit, check_queries
+
+API_KEY_ENV = "SLEUTH_RETRIEVAL_API_KEY"
+"""The environment variable holding the retrieval server's API key, read by the client and by
+``sleuth serve-retrieval``."""
 
 
 class RetrievalServerError(ConnectionError):
@@ -109,8 +114,10 @@ class RemoteRetriever:
     ``Retry-After`` asks it (at most 60 s; a kept-alive connection the server closed meanwhile is replaced at
     once, without using up an attempt); ``max_connections`` idle connections are
     kept for reuse. ``reply_format`` is the reply format asked for (``columns-stream``; set ``columns`` or
-    ``search-r1`` to compare them).
-    Raises :class:`RetrievalServerError` when the server is down and ``ValueError`` on a rejected request.
+    ``search-r1`` to compare them). ``api_key`` (default: ``$SLEUTH_RETRIEVAL_API_KEY``, the variable
+    ``sleuth serve-retrieval --api-key`` reads too; unset or empty: none) is sent as ``Authorization: Bearer``.
+    Raises :class:`RetrievalServerError` when the server is down and ``ValueError`` on a rejected request
+    (a 401 among them: a missing or wrong key).
     ``search`` may be called from several threads at once (the connection pool is shared under a lock), so
     ``concurrent_calls`` is true (see :class:`agent.scheduler.Scheduler`).
     """
@@ -125,8 +132,11 @@ class RemoteRetriever:
         backoff: float = 0.5,
         max_batch: int = 1024,
         max_connections: int = 32,
+        api_key: str | None = None,
     ):
         url = url.rstrip("/")
+        key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
+        self._auth = {"Authorization": f"Bearer {key}"} if key else {}
         self.endpoint = url if url.endswith("/retrieve") else url + "/retrieve"
         self.base = self.endpoint[: -len("/retrieve")]
         self.retries, self.backoff, self.max_batch = retries, backoff, max_batch
@@ -149,9 +159,9 @@ class RemoteRetriever:
         errors): its body, or what ``read(response)`` makes of a response with a status below 400 (called
         before the connection goes back to the pool; an ``OSError`` or ``HTTPException`` it raises is retried
         like a failed request; a :class:`RetrievalServerError` or any other exception is raised at once)."""
-        headers = {}
+        headers = dict(self._auth)
         if body is not None:
-            headers = {"Content-Type": "application/json", REPLY_FORMAT_HEADER: self.reply_format}
+            headers |= {"Content-Type": "application/json", REPLY_FORMAT_HEADER: self.reply_format}
         last: Exception | None = None
         failures = 0
         while True:
@@ -180,7 +190,8 @@ class RemoteRetriever:
                 if r.status < 400:
                     return data
                 if r.status != 429 and r.status < 500:
-                    raise ValueError(f"retrieval server rejected the request (HTTP {r.status}): {_message(data)}")
+                    hint = f" (set ${API_KEY_ENV} to the server's --api-key)" if r.status == 401 else ""
+                    raise ValueError(f"retrieval server rejected the request (HTTP {r.status}): {_message(data)}{hint}")
                 last = _ServerFailed(f"HTTP {r.status}: {_message(data)}")
                 wait = retry_after_s(r.getheader("retry-after"))
             failures += 1

@@ -23,11 +23,15 @@ if a search of several requests fails, each is searched alone, so a bad request 
 one search runs, the next requests pile up and form the next batch, so concurrent rollout workers share
 index passes without a fixed wait (``max_wait_ms`` adds one if wanted).
 
-Limits (each violation is a 4xx whose ``error`` names the limit): body bytes (413), queries per request,
-query characters, empty or non-Unicode queries, ``topk`` range, queries x ``topk`` (400). Queries waiting or
-being searched are bounded too (``max_pending_queries``): a request that would pass that is refused at once
-with 503 and ``Retry-After: 1`` (:data:`BUSY_RETRY_AFTER_S`), so an overload sheds requests instead of piling
-them up. A failing search answers 500 and the server keeps serving. Binds 127.0.0.1 unless told otherwise.
+Limits (each violation is a 4xx whose ``error`` names the limit): body bytes (413), a body that is not JSON
+or nests too deeply (400), queries per request, query characters, empty or non-Unicode queries, ``topk``
+range, queries x ``topk`` (400), and the reply's estimated bytes (queries x ``topk`` x the index's mean bytes
+per hit, :func:`reply_bytes_per_hit`; 413 over ``max_reply_bytes``). Overload is shed, not piled up: a
+request that would take the queries waiting or being searched past ``max_pending_queries``, or the
+estimated bytes of the replies being searched or sent past ``max_reply_bytes``, is refused at once with 503
+and ``Retry-After: 1`` (:data:`BUSY_RETRY_AFTER_S`). With an API key, ``/retrieve`` answers 401 without
+``Authorization: Bearer <key>``. A failing search answers 500 and the server keeps serving. Binds 127.0.0.1
+unless told otherwise.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import asyncio
 import json
 import logging
 import math
+import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -57,6 +62,9 @@ class ServerLimits:
     """Request bounds. ``max_hits`` bounds queries x ``topk`` of one request, and with it the reply's size
     (about 0.7 KB per hit for wiki-18 passages); ``max_pending_queries`` bounds the queries of all requests
     waiting or being searched (503 past it; at least ``max_queries``, else ``ValueError``);
+    ``max_reply_bytes`` bounds the estimated reply bytes of all requests being searched or answered
+    (queries x ``topk`` x the index's mean bytes per hit, :func:`reply_bytes_per_hit`): a request whose own
+    estimate is over it gets 413, one that would take the total over it 503 with ``Retry-After``;
     ``allow_empty_queries`` answers an empty query with no hits instead of a 400."""
 
     max_queries: int = 4096
@@ -66,6 +74,7 @@ class ServerLimits:
     default_topk: int = 3
     max_body_bytes: int = 16 << 20
     max_pending_queries: int = 1 << 16
+    max_reply_bytes: int = 1 << 30
     allow_empty_queries: bool = False
 
     def __post_init__(self):
@@ -75,7 +84,24 @@ class ServerLimits:
 
 
 BUSY_RETRY_AFTER_S = 1
-"""``Retry-After`` (seconds) of the 503 a request gets past ``max_pending_queries``."""
+"""``Retry-After`` (seconds) of the 503 a request gets past ``max_pending_queries`` or ``max_reply_bytes``."""
+
+HIT_FRAME_BYTES = 48
+"""Reply bytes of one hit besides its stored passage JSON (Search-R1's ``{"document": ..., "score": s}``
+wrapper, the comma), in :func:`reply_bytes_per_hit`'s estimate."""
+
+DEFAULT_BYTES_PER_HIT = 1024
+"""The estimate of reply bytes per hit for a retriever without a passage store to measure."""
+
+
+def reply_bytes_per_hit(retriever) -> int:
+    """Estimated reply bytes per hit of ``retriever``: the mean stored passage JSON of its index's passage
+    store (``store.offsets``, BM25, dense, Lucene, hybrid, behind a cache too) plus :data:`HIT_FRAME_BYTES`;
+    :data:`DEFAULT_BYTES_PER_HIT` without a store."""
+    offsets = getattr(getattr(retriever, "store", None), "offsets", None)
+    if offsets is None or len(offsets) < 2:
+        return DEFAULT_BYTES_PER_HIT
+    return int(offsets[-1]) // (len(offsets) - 1) + HIT_FRAME_BYTES
 
 
 class RequestError(ValueError):
@@ -95,6 +121,8 @@ def parse_request(body: bytes, limits: ServerLimits) -> tuple[list[str], int, bo
         obj = json.loads(body)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's 4,300-digit limit
         raise RequestError(f"request body is not valid JSON ({e})") from None
+    except RecursionError:  # valid JSON nested deeper than the decoder's recursion limit ([[[...]]])
+        raise RequestError("request body is JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise RequestError("request body must be a JSON object with 'queries'")
     queries = obj.get("queries")
@@ -277,27 +305,79 @@ class Batcher:
 
 
 class RetrieveEndpoint:
-    """``POST /retrieve`` as a plain ASGI app: reads the body (at most ``limits.max_body_bytes``, else 413),
-    validates it (:func:`parse_request`), searches through the :class:`Batcher` and sends the reply
-    (:meth:`Batcher.encode_reply`, or frames of ``frame_docs`` documents for ``columns-stream``). Errors
-    answer ``{"error": msg, "detail": msg}``: 4xx for the request, 400 for a ``ValueError``/``TypeError`` of
-    the search, 500 for any other failure; the server keeps serving.
+    """``POST /retrieve`` as a plain ASGI app: checks the API key (``api_key``; 401 without it), reads the
+    body (at most ``limits.max_body_bytes``, else 413), validates it (:func:`parse_request`), admits it
+    within ``max_pending_queries`` and ``max_reply_bytes`` (:meth:`admit`), searches through the
+    :class:`Batcher` and sends the reply (:meth:`Batcher.encode_reply`, or frames of ``frame_docs`` documents
+    for ``columns-stream``). Errors answer ``{"error": msg, "detail": msg}``: 4xx for the request, 400 for a
+    ``ValueError``/``TypeError`` of the search, 500 for any other failure; the server keeps serving.
+    ``reply_bytes`` is the estimated reply bytes of the requests admitted and not yet answered.
     """
 
-    def __init__(self, batcher: Batcher, limits: ServerLimits, frame_docs: int = 320):
+    def __init__(self, batcher: Batcher, limits: ServerLimits, frame_docs: int = 320, api_key: str | None = None):
         self.batcher, self.limits, self.frame_docs = batcher, limits, frame_docs
+        self.auth = b"Bearer " + api_key.encode() if api_key else None
+        self.bytes_per_hit = reply_bytes_per_hit(batcher.retriever)
+        self.reply_bytes = 0
 
     async def __call__(self, scope, receive, send) -> None:
-        asked = next((value for name, value in scope["headers"] if name == _FORMAT), b"").decode("latin-1")
+        started = False
+
+        async def tracked(msg) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self._handle(scope, receive, tracked)
+        except Exception as e:  # a bug: a JSON 500 with its reason, logged with its traceback
+            log.exception("/retrieve failed")
+            if not started:
+                await _send(send, 500, _error_body(f"internal server error ({type(e).__name__}: {e})"))
+
+    def admit(self, n_queries: int, topk: int) -> tuple[int, bytes | None, int]:
+        """``(reply bytes estimate, error body or None, status)`` of a request of ``n_queries`` x ``topk``:
+        413 when its estimate alone is over ``max_reply_bytes``, 503 when it would take the queries pending
+        over ``max_pending_queries`` or the reply bytes in flight over ``max_reply_bytes``."""
+        lim, pending = self.limits, self.batcher.pending
+        est = n_queries * topk * self.bytes_per_hit
+        if est > lim.max_reply_bytes:
+            return est, _error_body(
+                f"the reply to {n_queries} queries x topk {topk} is estimated at {est} bytes ({self.bytes_per_hit} "
+                f"per hit); the limit is {lim.max_reply_bytes} (max_reply_bytes): send fewer queries or a smaller "
+                "topk"), 413
+        if pending + n_queries > lim.max_pending_queries:
+            return est, _error_body(
+                f"server busy: {pending} queries pending, {n_queries} more would pass the limit of "
+                f"{lim.max_pending_queries} (max_pending_queries); retry shortly"), 503
+        if self.reply_bytes + est > lim.max_reply_bytes:
+            return est, _error_body(
+                f"server busy: replies of about {self.reply_bytes} bytes in flight, this one's {est} more would "
+                f"pass the limit of {lim.max_reply_bytes} (max_reply_bytes); retry shortly"), 503
+        return est, None, 200
+
+    async def _handle(self, scope, receive, send) -> None:
+        headers = dict(scope["headers"])
+        asked = headers.get(_FORMAT, b"").decode("latin-1")
+        if self.auth is not None and not secrets.compare_digest(headers.get(b"authorization", b""), self.auth):
+            msg = "missing or wrong API key (Authorization: Bearer <key>)"
+            return await _send(send, 401, _error_body(msg), [(b"www-authenticate", b"Bearer")])
         try:
             body = await self._body(scope, receive)
             queries, topk, return_scores = parse_request(body, self.limits)
         except RequestError as e:
             return await _send(send, e.status, _error_body(str(e)))
-        if self.batcher.pending + len(queries) > self.limits.max_pending_queries:
-            msg = (f"server busy: {self.batcher.pending} queries pending, {len(queries)} more would pass the "
-                   f"limit of {self.limits.max_pending_queries} (max_pending_queries); retry shortly")
-            return await _send(send, 503, _error_body(msg), [(b"retry-after", b"%d" % BUSY_RETRY_AFTER_S)])
+        est, refusal, status = self.admit(len(queries), topk)
+        if refusal is not None:
+            extra = [(b"retry-after", b"%d" % BUSY_RETRY_AFTER_S)] if status == 503 else None
+            return await _send(send, status, refusal, extra)
+        self.reply_bytes += est
+        try:
+            await self._answer(send, queries, topk, return_scores, asked)
+        finally:
+            self.reply_bytes -= est
+
+    async def _answer(self, send, queries: list[str], topk: int, return_scores: bool, asked: str) -> None:
         try:
             hits = await self.batcher.search(queries, topk)
         except (ValueError, TypeError) as e:
@@ -385,10 +465,13 @@ def create_app(
     info: dict | None = None,
     max_wait_ms: float = 0.0,
     frame_docs: int = 320,
+    api_key: str | None = None,
 ):
     """The FastAPI app serving ``retriever``. ``info`` is echoed by ``/health`` (index path, method);
     ``max_wait_ms`` goes to the :class:`Batcher`; ``frame_docs`` is the size of a ``columns-stream`` frame in
-    documents (``frame_docs // topk`` queries, at least one; see :class:`RetrieveEndpoint`)."""
+    documents (``frame_docs // topk`` queries, at least one; see :class:`RetrieveEndpoint`). With ``api_key``
+    (not empty), ``/retrieve`` needs ``Authorization: Bearer <api_key>`` (401 otherwise); ``/health`` stays
+    open."""
     limits = limits or ServerLimits()
     batcher = Batcher(retriever, max_batch_queries=max(limits.max_queries, 8192), max_wait_ms=max_wait_ms)
 
@@ -404,7 +487,7 @@ def create_app(
 
     # /retrieve is a plain ASGI endpoint ahead of FastAPI's routes: FastAPI's request/response layer cost
     # ~0.1 ms per request, about 1% of a batch of 256 at 10k passages (bench/retrieval.py)
-    endpoint = RetrieveEndpoint(batcher, limits, frame_docs)
+    endpoint = RetrieveEndpoint(batcher, limits, frame_docs, api_key)
     app.router.routes.insert(0, Route("/retrieve", endpoint, methods=["POST"]))
 
     @app.get("/health")
@@ -415,6 +498,10 @@ def create_app(
             "batches": batcher.batches,
             "queries": batcher.queries,
             "reply_path": "rows" if batcher.rows else "hits",
+            "pending_queries": batcher.pending,
+            "reply_bytes_in_flight": endpoint.reply_bytes,
+            "reply_bytes_per_hit": endpoint.bytes_per_hit,
+            "auth": endpoint.auth is not None,
             "limits": limits.__dict__,
             **(info or {}),
         }

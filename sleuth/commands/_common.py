@@ -69,6 +69,39 @@ def check_port_free(host: str, port: int) -> None:
         raise OSError(f"cannot listen on {host}:{port} ({e.strerror or e}); check --host and --port") from None
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a ``--host`` value) is a loopback address: ``localhost`` or an IP address in
+    127.0.0.0/8 or ``::1``. Any other name or address (``0.0.0.0``, a LAN address) may be reachable from
+    other machines."""
+    import ipaddress
+
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_exposed(host: str, api_key: str | None, key_option: str) -> str | None:
+    """Print (to stderr) and return a warning when a server binds ``host`` that is not loopback
+    (:func:`is_loopback`): without ``api_key`` anyone who reaches the address may use it; with one, the key
+    and the requests still travel unencrypted (plain HTTP). ``key_option`` names the option that sets the
+    key. Returns ``None`` on a loopback address."""
+    import sys
+
+    if is_loopback(host):
+        return None
+    if api_key:
+        msg = (f"warning: serving on {host}, reachable from other machines: requests and the API key travel as "
+               "plain HTTP; put a TLS proxy in front of it on a network you do not trust")
+    else:
+        msg = (f"warning: serving on {host}, reachable from other machines, without an API key: anyone who can "
+               f"reach it can use it; set {key_option}")
+    print(msg, file=sys.stderr)
+    return msg
+
+
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", default=None, help="YAML config (default: built-in defaults)")
     p.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",

@@ -10,6 +10,7 @@ from sleuth.commands._common import (
     config_from_args,
     port_number,
     positive_int,
+    warn_if_exposed,
 )
 
 HELP = "serve the agent over HTTP: POST /ask and OpenAI-compatible /v1/chat/completions (127.0.0.1 by default)"
@@ -60,8 +61,7 @@ def run(args) -> int:
     )
 
     cfg = config_from_args(args)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        print(f"warning: serving on {args.host} without an API key")
+    warn_if_exposed(args.host, args.api_key, "--api-key or $SLEUTH_API_KEY")
     check_port_free(args.host, args.port)  # before the index and the model load
     retriever = open_retriever(cfg, args.index)  # first to load: a missing index is the commonest mistake
     model = resolve_model_path(args.model or cfg.policy.model or tiny_policy_path(cfg))

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from retrieval.bm25 import BACKENDS
+from retrieval.client import API_KEY_ENV
 from sleuth.commands._common import (
     check_port_free,
     non_negative_int,
     non_negative_number,
     port_number,
     positive_int,
+    warn_if_exposed,
 )
 
 HELP = "Serve an index over HTTP, Search-R1 compatible: POST /retrieve {queries, topk, return_scores}; GET /health."
@@ -38,6 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pending-queries", type=positive_int, default=1 << 16,
                    help="most queries waiting or being searched, over all requests (default 65536; a request "
                         "past it: HTTP 503 with Retry-After); at least --max-queries")
+    p.add_argument("--max-reply-bytes", type=positive_int, default=1 << 30,
+                   help="most estimated reply bytes (queries x topk x the index's mean bytes per hit) of all requests "
+                        "being searched or answered (default 1 GiB); a request over it alone: HTTP 413; one that "
+                        "would pass it: HTTP 503 with Retry-After")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on /retrieve (default: ${API_KEY_ENV}, which Sleuth's "
+                        "client sends too; unset or empty: no key, open)")
     p.add_argument("--cache-size", type=non_negative_int, default=0, help="LRU query cache entries (0 = off)")
     p.add_argument("--max-wait-ms", type=non_negative_number, default=0.0,
                    help="extra wait to gather a batch, in milliseconds (a finite number >= 0; default 0)")
@@ -64,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
         allow_empty_queries=args.allow_empty_queries,
         max_body_bytes=args.max_body_bytes,
         max_pending_queries=args.max_pending_queries,
+        max_reply_bytes=args.max_reply_bytes,
     )
+    warn_if_exposed(args.host, args.api_key, f"--api-key or ${API_KEY_ENV}")
     check_port_free(args.host, args.port)  # before the index loads (minutes for a large one)
     retriever = load_retriever(args.index, args.method, cache_size=args.cache_size, mmap=args.mmap,
                                bm25_backend=args.bm25_backend)
@@ -73,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     bm25 = getattr(retriever, "bm25", None)
     if bm25 is not None:
         info["bm25_backend"] = bm25.backend
-    app = create_app(retriever, limits, info, max_wait_ms=args.max_wait_ms)
+    app = create_app(retriever, limits, info, max_wait_ms=args.max_wait_ms, api_key=args.api_key)
     print(
         f"serving {args.method} over {man['num_passages']} passages at http://{args.host}:{args.port}/retrieve"
     )
