@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "eval": "evaluate",
     "report": "report",
     "serve-retrieval": "serve_retrieval",
+    "serve-mcp": "serve_mcp",
     "corpus": "corpus",
     "simulator-data": "simulator_data",
     "serve": "serve",

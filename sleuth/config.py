@@ -39,7 +39,8 @@ class RetrievalConfig(Section):
     # it over HTTP (retrieval.client.RemoteRetriever) instead of opening index_dir; the server picks the method
     url: str | None = None
     # simulated: ZeroSearch (agent.simulator); lucene: pyserini BM25 (lucene extra), faster from ~1M passages
-    method: Literal["bm25", "dense", "hybrid", "lucene", "simulated"] = "bm25"
+    # mcp: the search tool of the MCP server at mcp_server (retrieval.mcp.MCPRetriever)
+    method: Literal["bm25", "dense", "hybrid", "lucene", "simulated", "mcp"] = "bm25"
     top_k: int = Field(3, ge=1, le=100)
     # the model `sleuth index`/ensure_index embed with; an index is searched with the model it was built with,
     # and setting another one here is an error (see chosen_dense_model)
@@ -52,6 +53,10 @@ class RetrievalConfig(Section):
     # an LRU of (query, top-k) results in front of the index or server, shared by every rollout of a run (GRPO's
     # G rollouts of a question often search the question itself); 0 turns it off; never for simulated search
     cache_size: int = Field(10_000, ge=0)
+    # method mcp: a streamable-HTTP URL (http://127.0.0.1:8765/mcp) or the command of a stdio server
+    # (e.g. "sleuth serve-mcp --index runs/index"), and the name of its search tool (arguments query and k)
+    mcp_server: str | None = None
+    mcp_tool: str = "search"
 
     def chosen_dense_model(self) -> str | None:
         """``dense_model`` when the config sets it (a YAML key or an override, also to the default's value),

@@ -19,6 +19,9 @@ def data_paths(cfg: Config) -> dict[str, Path]:
     return {k: Path(getattr(cfg.data, k) or sample[k]) for k in ("corpus", "train", "test")}
 
 
+#: retrieval methods that search no local index (nothing to build or check)
+INDEXLESS_METHODS = ("simulated", "mcp")
+
 #: seconds per socket operation of the start-up ``/health`` probe of ``retrieval.url`` (two attempts)
 HEALTH_PROBE_TIMEOUT_S = 10.0
 
@@ -52,7 +55,15 @@ def open_retriever(cfg: Config, index_dir: str | None = None, method: str | None
 
 
 def _index_or_server(cfg: Config, index_dir: str | None, method: str):
-    """:func:`open_retriever`'s retriever before its cache: the server at ``retrieval.url`` or the index."""
+    """:func:`open_retriever`'s retriever before its cache: an MCP server's search tool (``retrieval.method:
+    mcp``, ``retrieval.mcp_server``), the server at ``retrieval.url`` or the index."""
+    if method == "mcp":
+        from retrieval.mcp import MCPRetriever
+
+        if not cfg.retrieval.mcp_server:
+            raise ValueError("retrieval.method=mcp needs retrieval.mcp_server: a streamable-HTTP URL or the command "
+                             "of a stdio MCP server (e.g. 'sleuth serve-mcp --index runs/index')")
+        return MCPRetriever(cfg.retrieval.mcp_server, cfg.retrieval.mcp_tool)
     if cfg.retrieval.url and index_dir is None:
         from retrieval.client import RemoteRetriever
 
@@ -90,7 +101,7 @@ def check_index_corpus(cfg: Config) -> None:
 
     from retrieval.index import build_command, file_fingerprint, read_manifest
 
-    if cfg.retrieval.method == "simulated" or cfg.retrieval.url:
+    if cfg.retrieval.method in INDEXLESS_METHODS or cfg.retrieval.url:
         return
     corpus = data_paths(cfg)["corpus"]
     man = read_manifest(cfg.retrieval.index_dir)
@@ -108,7 +119,7 @@ def ensure_index(cfg: Config, log=print) -> None:
     the agent searches a server, ``retrieval.url``, or the simulated engine, whose LLM is not loaded here)."""
     from retrieval.base import IndexNotFoundError
 
-    if cfg.retrieval.url or cfg.retrieval.method == "simulated":
+    if cfg.retrieval.url or cfg.retrieval.method in INDEXLESS_METHODS:
         return
 
     try:
