@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.sleuth-installed
 
-.PHONY: install quickstart test test-slow test-vllm test-all lint clean
+.PHONY: install chromium quickstart test test-slow test-vllm test-all lint clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,10 +16,17 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The browser tests (tests/test_serve_page.py) drive Debian's chromium through Playwright's Python package:
+# installed here when missing (never `playwright install`, which downloads a browser build of its own).
+CHROMIUM ?= /usr/bin/chromium
+SUDO     := $(shell test "$$(id -u)" = 0 || echo sudo)
+chromium:
+	@test -x $(CHROMIUM) || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
+
 quickstart: install
 	$(BIN)/sleuth quickstart
 
-test: install
+test: install chromium
 	$(BIN)/pytest -q -m "not slow"
 
 test-slow: install
@@ -37,7 +44,7 @@ $(VLLM_VENV)/.sleuth-installed: pyproject.toml
 test-vllm: $(VLLM_VENV)/.sleuth-installed
 	$(VLLM_VENV)/bin/pytest -q -m slow tests/test_backends_vllm.py
 
-test-all: install
+test-all: install chromium
 	$(BIN)/pytest -q
 
 lint: install

@@ -63,6 +63,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from agent.llm import LLM
 from agent.loop import EventSink, Judge, make_context, prompt_ids, rule_judge, run_episode
 from agent.trajectory import Trajectory
+from agent.webui import add_page_routes
 from corpora.formats import QAExample
 from retrieval.base import Hit, Retriever
 
@@ -323,6 +324,8 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
                 "batches": s.stats["generate_batches"], "prompts": s.stats["generate_prompts"],
                 "limits": {"top_k": ctx.top_k, "max_top_k": limits.max_top_k, "max_turns": agent_cfg.max_turns,
                            "max_question_chars": limits.max_question_chars}}
+
+    add_page_routes(app)  # GET /: the browser page (no key needed to load it; it asks for the key)
 
     @app.post("/ask")
     async def ask(request: Request):
