@@ -38,8 +38,8 @@ the episode ends; the ``openai`` client and httpx retry loops wait that long), a
 ``request_timeout_s`` 504, a backend failure 502 (only the episodes whose own call failed: the scheduler
 retries a failed batch's calls one by one), an unknown route 404 or method 405, anything unexpected 500 -
 each with the reason in ``{"error": {"message", "type"}}``; the server keeps serving.
-With ``api_key`` set (not empty), every route but ``/health`` needs ``Authorization: Bearer <key>`` (401
-otherwise).
+With ``api_key`` set (not empty), every route but ``/health`` and the page (``/``, ``/static/*``) needs
+``Authorization: Bearer <key>`` (401 otherwise).
 A client that disconnects before its answer (streamed or not) cancels its episode. Binds 127.0.0.1 by
 default (see ``sleuth serve``).
 """
