@@ -40,7 +40,8 @@ class RetrievalConfig(Section):
     url: str | None = None
     # simulated: ZeroSearch (agent.simulator); lucene: pyserini BM25 (lucene extra), faster from ~1M passages
     # mcp: the search tool of the MCP server at mcp_server (retrieval.mcp.MCPRetriever)
-    method: Literal["bm25", "dense", "hybrid", "lucene", "simulated", "mcp"] = "bm25"
+    # web: a web search API (retrieval.web.WebSearch; web_provider, its key from the environment)
+    method: Literal["bm25", "dense", "hybrid", "lucene", "simulated", "mcp", "web"] = "bm25"
     top_k: int = Field(3, ge=1, le=100)
     # the model `sleuth index`/ensure_index embed with; an index is searched with the model it was built with,
     # and setting another one here is an error (see chosen_dense_model)
@@ -57,6 +58,12 @@ class RetrievalConfig(Section):
     # (e.g. "sleuth serve-mcp --index runs/index"), and the name of its search tool (arguments query and k)
     mcp_server: str | None = None
     mcp_tool: str = "search"
+    # method web: tavily (key in $TAVILY_API_KEY) or a SearXNG instance at web_url; answers are kept on disk in
+    # web_cache_dir, keyed by (provider, query, k), so no query is paid for twice; at most web_rate_per_s requests/s
+    web_provider: Literal["tavily", "searxng"] = "tavily"
+    web_url: str | None = None
+    web_cache_dir: str = "runs/web_cache"
+    web_rate_per_s: float = Field(1.0, ge=0)
 
     def chosen_dense_model(self) -> str | None:
         """``dense_model`` when the config sets it (a YAML key or an override, also to the default's value),

@@ -20,7 +20,7 @@ def data_paths(cfg: Config) -> dict[str, Path]:
 
 
 #: retrieval methods that search no local index (nothing to build or check)
-INDEXLESS_METHODS = ("simulated", "mcp")
+INDEXLESS_METHODS = ("simulated", "mcp", "web")
 
 #: seconds per socket operation of the start-up ``/health`` probe of ``retrieval.url`` (two attempts)
 HEALTH_PROBE_TIMEOUT_S = 10.0
@@ -56,7 +56,7 @@ def open_retriever(cfg: Config, index_dir: str | None = None, method: str | None
 
 def _index_or_server(cfg: Config, index_dir: str | None, method: str):
     """:func:`open_retriever`'s retriever before its cache: an MCP server's search tool (``retrieval.method:
-    mcp``, ``retrieval.mcp_server``), the server at ``retrieval.url`` or the index."""
+    mcp``, ``retrieval.mcp_server``), a web search API (``web``), the server at ``retrieval.url`` or the index."""
     if method == "mcp":
         from retrieval.mcp import MCPRetriever
 
@@ -64,6 +64,11 @@ def _index_or_server(cfg: Config, index_dir: str | None, method: str):
             raise ValueError("retrieval.method=mcp needs retrieval.mcp_server: a streamable-HTTP URL or the command "
                              "of a stdio MCP server (e.g. 'sleuth serve-mcp --index runs/index')")
         return MCPRetriever(cfg.retrieval.mcp_server, cfg.retrieval.mcp_tool)
+    if method == "web":
+        from retrieval.web import WebSearch
+
+        r = cfg.retrieval
+        return WebSearch(r.web_provider, r.web_url, r.web_cache_dir, rate_per_s=r.web_rate_per_s)
     if cfg.retrieval.url and index_dir is None:
         from retrieval.client import RemoteRetriever
 
