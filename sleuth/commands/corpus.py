@@ -1,4 +1,5 @@
-"""``sleuth corpus``: pool, deduplicate and chunk passages from QA files or corpora into one corpus JSONL."""
+"""``sleuth corpus``: pool, deduplicate and chunk passages from QA files or corpora into one corpus JSONL; convert
+the public wiki-18 passages (``--wiki18``) or a QA file of any supported format (``--qa-from``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import argparse
 
 from sleuth.commands._common import non_negative_int, positive_int
 
-HELP = "Pool the context paragraphs of multi-hop QA files into a deduplicated (title+text) corpus JSONL."
+HELP = ("Pool the context paragraphs of multi-hop QA files into a deduplicated (title+text) corpus JSONL; convert "
+        "wiki-18 (--wiki18) or a QA file (--qa-from)")
 
 EPILOG = """inputs (streamed, auto-detected per line):
   IRCoT-processed QA (contexts[].paragraph_text), e.g. ../shared/data/hotpotqa/dev_400_with_contexts.ircot.jsonl
@@ -19,17 +21,26 @@ answers only, no paragraphs), so only HotpotQA can be pooled from there; bring t
 example:
   sleuth corpus --from ../shared/data/hotpotqa/dev_400_with_contexts.ircot.jsonl \\
       --out runs/corpora/hotpotqa.jsonl --qa-out runs/corpora/hotpotqa_qa.jsonl
-  sleuth index --corpus runs/corpora/hotpotqa.jsonl --out runs/index_hotpotqa"""
+  sleuth index --corpus runs/corpora/hotpotqa.jsonl --out runs/index_hotpotqa
+  sleuth corpus --wiki18 wiki-18.jsonl.gz --out runs/wiki18/corpus.jsonl   # Search-R1's 21M passages, ids kept
+  sleuth corpus --qa-from nq_hotpotqa_train/train.parquet --qa-out runs/search_r1/train.jsonl"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
-    p.add_argument(
-        "--from", dest="sources", nargs="+", required=True, metavar="FILE", help="input JSONL files (or JSON array files)"
-    )
-    p.add_argument("--out", required=True, help="corpus JSONL to write {id, title, contents}")
-    p.add_argument("--qa-out", default=None, help="also write the questions as QA JSONL with supporting_ids")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from", dest="sources", nargs="+", metavar="FILE",
+                     help="input JSONL files (or JSON array files) to pool")
+    src.add_argument("--wiki18", metavar="FILE", help="convert Search-R1's wiki-18 passages (wiki-18.jsonl or .gz) "
+                     "to --out as they are: ids, order and contents kept, the title beside them")
+    src.add_argument("--qa-from", metavar="FILE", help="convert a QA file of any format sleuth eval reads "
+                     "(Search-R1 parquet/JSONL, FlashRAG, HotpotQA, 2Wiki, MuSiQue, IRCoT) to FlashRAG QA JSONL "
+                     "at --qa-out (data.train / data.test)")
+    p.add_argument("--out", default=None, help="corpus JSONL to write {id, title, contents} (--from, --wiki18)")
+    p.add_argument("--qa-out", default=None, help="also write the questions as QA JSONL with supporting_ids "
+                   "(--from); the converted questions (--qa-from)")
+    p.add_argument("--limit", type=positive_int, default=None, help="--wiki18: only the first N passages")
     p.add_argument("--chunk-words", type=positive_int, default=None,
                    help="split passages longer than this many words (>= 1; default: no chunking)")
     p.add_argument("--overlap", type=non_negative_int, default=0,
@@ -39,6 +50,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.qa_from:
+        return _convert_qa(args)
+    if not args.out:
+        raise ValueError("--out is needed: the corpus JSONL to write")
+    if args.wiki18:
+        return _convert_wiki18(args)
+    if args.limit is not None:
+        raise ValueError("--limit goes with --wiki18")
     from corpora.pool import pool_corpus
 
     if args.overlap and args.chunk_words is None:
@@ -61,4 +80,31 @@ def run(args: argparse.Namespace) -> int:
         + (f"; {stats['questions']} questions -> {args.qa_out} ({stats['duplicate_questions']} repeated ids and "
            f"{stats['unanswerable']} unanswerable left out)" if args.qa_out else "")
     )
+    return 0
+
+
+def _convert_wiki18(args: argparse.Namespace) -> int:
+    from corpora.wiki18 import WIKI18_PASSAGES, convert_wiki18
+
+    if args.qa_out or args.chunk_words or args.overlap:
+        raise ValueError("--wiki18 converts the passages as they are: --qa-out, --chunk-words and --overlap go "
+                         "with --from")
+    total = args.limit or WIKI18_PASSAGES
+    stats = convert_wiki18(args.wiki18, args.out, limit=args.limit,
+                           progress=lambda n: print(f"  {n:,} of ~{total:,} passages", flush=True))
+    print(f"{stats['passages']:,} wiki-18 passages -> {args.out} ({stats['untitled']} without a title line; ids "
+          + ("are the row numbers, as in Search-R1's e5 index)" if stats["ids_are_rows"] else
+             "are not all row numbers: an index built by Search-R1 over another file will not line up)"))
+    return 0
+
+
+def _convert_qa(args: argparse.Namespace) -> int:
+    from corpora.formats import write_jsonl
+    from eval.datasets import read_qa_file
+
+    if not args.qa_out or args.out or args.limit:
+        raise ValueError("--qa-from writes the questions to --qa-out (and takes no --out or --limit)")
+    examples = read_qa_file(args.qa_from, dataset=args.dataset)
+    n = write_jsonl(args.qa_out, examples)
+    print(f"{n} questions from {args.qa_from} -> {args.qa_out}")
     return 0
