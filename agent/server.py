@@ -20,9 +20,13 @@
   ``delta: {"content": answer}``, the finish chunk with the ``sleuth`` evidence, and ``data: [DONE]``. A
   request over ``max_inflight`` gets the plain 503 before any stream starts (so clients retry it); a
   failure of the episode (504, 502) arrives as one ``data: {"error": {...}}`` event; a client that
-  disconnects cancels its episode. Sampling fields of the request (``max_tokens``, ``temperature``,
-  ``top_p``, ``n``, ...) are ignored: an answer is a whole multi-turn episode, sampled with the server's
-  ``agent`` config; ``model`` is echoed back as given.
+  disconnects cancels its episode. The OpenAI fields are honoured or refused with an error naming them
+  (:mod:`agent.chat_params`): ``model`` must be the served name (404 ``model_not_found``); ``n`` runs that
+  many episodes (at most ``max_n``; one choice each, with its own ``sleuth`` field; the top-level one is the
+  first choice's; streamed, each event carries its choice's index); ``max_tokens`` (or
+  ``max_completion_tokens``) caps the tokens the episode adds after the prompt; ``temperature`` and
+  ``top_p`` sample every turn; ``stream_options.include_usage`` adds OpenAI's usage chunk; ``stop``,
+  ``seed``, ``logprobs``, penalties, ``tools`` and JSON ``response_format`` get 400.
 * ``GET /health``: status, counters (``inflight``: episodes running now) and the per-request ``limits`` a
   client may choose within (``top_k``/``max_top_k``, ``max_turns``, ``max_question_chars``).
 * ``GET /``: a browser page over the streaming endpoint (:mod:`agent.webui`; no key needed to load it).
@@ -47,6 +51,7 @@ default (see ``sleuth serve``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import secrets
 import time
@@ -60,6 +65,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from agent.chat_params import MAX_N, ChatParams, ParamError, parse_chat_params
 from agent.llm import LLM
 from agent.loop import EventSink, Judge, make_context, prompt_ids, rule_judge, run_episode
 from agent.trajectory import Trajectory
@@ -71,13 +77,14 @@ from retrieval.base import Hit, Retriever
 @dataclass
 class ServeLimits:
     """Request limits: bytes of a request body, characters of a question, seconds per episode, episodes
-    in flight at once, top-k documents per search."""
+    in flight at once, top-k documents per search, episodes (choices, ``n``) per chat request."""
 
     max_body_bytes: int = 64_000
     max_question_chars: int = 4_000
     request_timeout_s: float = 120.0
     max_inflight: int = 512
     max_top_k: int = 20
+    max_n: int = MAX_N
 
 
 BUSY_RETRY_AFTER_S = 1
@@ -86,12 +93,14 @@ BUSY_RETRY_AFTER_S = 1
 
 class HTTPError(Exception):
     """An error reply: HTTP ``status``, ``message`` and OpenAI error ``kind``; ``retry_after`` (seconds, or
-    ``None``) becomes a ``Retry-After`` header."""
+    ``None``) becomes a ``Retry-After`` header; ``param`` and ``code`` are OpenAI's error fields (the request
+    field at fault, ``model_not_found``...)."""
 
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 retry_after: int | None = None):
+                 retry_after: int | None = None, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.retry_after = status, message, kind, retry_after
+        self.param, self.code = param, code
 
 
 class _EvidenceRetriever:
@@ -147,10 +156,11 @@ def _int_in(v: Any, lo: int, hi: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error",
-           retry_after: int | None = None) -> JSONResponse:
+def _error(status: int, message: str, kind: str = "invalid_request_error", retry_after: int | None = None,
+           param: str | None = None, code: str | None = None) -> JSONResponse:
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
 
 
 def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3, temperature: float = 0.0,
@@ -228,6 +238,17 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
                                  "(the server's agent.max_turns)")
         return golds, k, turns
 
+    def sampling_update(question: str, p: ChatParams) -> dict[str, Any]:
+        """The ``agent_cfg`` fields a chat request sets: ``top_p``, and for ``max_tokens`` the episode's token
+        budget cut to the prompt plus ``max_tokens`` (never above ``agent.max_total_tokens``)."""
+        update: dict[str, Any] = {}
+        if p.top_p is not None:
+            update["top_p"] = p.top_p
+        if p.max_tokens is not None:
+            n_prompt = len(prompt_ids(ctx.tokenizer, question, agent_cfg))
+            update["max_total_tokens"] = min(agent_cfg.max_total_tokens, n_prompt + p.max_tokens)
+        return update
+
     def take_slot() -> Callable[[], None]:
         """Take one of the ``max_inflight`` episode slots, or raise a 503 :class:`HTTPError` when all are
         taken (with ``Retry-After:`` :data:`BUSY_RETRY_AFTER_S`). The check and the taking are one step (no
@@ -248,20 +269,27 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
         return release
 
     async def episode(question: str, golds: list[str], k: int | None, on_event: EventSink | None = None,
-                      release: Callable[[], None] | None = None, turns: int | None = None) -> Trajectory:
-        """Run one episode (``k`` documents per search and at most ``turns`` turns; ``None``: the server's
-        own) in a slot of ``max_inflight`` (``release``: one the caller took with :func:`take_slot`; by
-        default it is taken here) and free the slot when it ends, however it ends.
+                      release: Callable[[], None] | None = None, turns: int | None = None,
+                      temp: float | None = None, cfg_update: dict[str, Any] | None = None) -> Trajectory:
+        """Run one episode (``k`` documents per search, at most ``turns`` turns, sampled at ``temp``, with
+        ``cfg_update`` over ``agent_cfg``; ``None``: the server's own) in a slot of ``max_inflight``
+        (``release``: one the caller took with :func:`take_slot`; by default it is taken here) and free the
+        slot when it ends, however it ends.
         Raises :class:`HTTPError` 503 (no slot), 504 (over ``request_timeout_s``) or 502 (backend failure)."""
         release = release or take_slot()
         try:
             ex = QAExample(id=f"req-{uuid.uuid4().hex[:12]}", question=question, golden_answers=golds or [""])
             # no gold: nothing to judge, and no verdict is returned, so an LLM judge would only cost a generation
             plain = not golds and getattr(agent_cfg, "judge", "rule") == "llm"
-            cfg = agent_cfg if turns in (None, agent_cfg.max_turns) else agent_cfg.model_copy(update={"max_turns": turns})
-            run_ctx = ctx if (k is None or k == ctx.top_k) and cfg is agent_cfg and not plain else make_context(
-                llm, evidence, cfg, temperature=temperature, top_k=k or ctx.top_k,
-                judge=rule_judge() if plain else ctx.judge, scheduler=ctx.scheduler)
+            update = dict(cfg_update or {})
+            if turns not in (None, agent_cfg.max_turns):
+                update["max_turns"] = turns
+            cfg = agent_cfg.model_copy(update=update) if update else agent_cfg
+            t = temperature if temp is None else temp
+            same = (k is None or k == ctx.top_k) and cfg is agent_cfg and t == temperature and not plain
+            run_ctx = ctx if same else make_context(llm, evidence, cfg, temperature=t, top_k=k or ctx.top_k,
+                                                    judge=rule_judge() if plain else ctx.judge,
+                                                    scheduler=ctx.scheduler)
             traj = await asyncio.wait_for(run_episode(run_ctx, ex, on_event=on_event), limits.request_timeout_s)
         except TimeoutError:
             raise HTTPError(504, f"the episode took longer than {limits.request_timeout_s} s", "timeout") from None
@@ -271,6 +299,33 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
             raise HTTPError(502, f"the episode failed: {traj.metadata.get('error')}", "backend_error")
         app.state.served += 1
         return traj
+
+    def take_slots(n: int) -> list[Callable[[], None]]:
+        """:func:`take_slot` ``n`` times, all or none (a 503 :class:`HTTPError` frees those taken)."""
+        releases: list[Callable[[], None]] = []
+        try:
+            for _ in range(n):
+                releases.append(take_slot())
+        except HTTPError:
+            for r in releases:
+                r()
+            raise
+        return releases
+
+    async def episodes(run: Callable[..., Awaitable[Trajectory]], n: int) -> list[Trajectory]:
+        """``n`` episodes ``run(release=...)`` at once, each in a slot taken here (all or none: 503); the
+        first failure fails the request and cancels the others; every slot is freed however it ends."""
+        releases = take_slots(n)
+        tasks = [asyncio.ensure_future(run(release=r)) for r in releases]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for r in releases:
+                r()
 
     async def unless_hung_up(request: Request, coro: Awaitable[Trajectory]) -> Trajectory:
         """Await ``coro`` (an :func:`episode`) unless the client disconnects first: then the episode is
@@ -306,7 +361,7 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, exc: HTTPError):
-        return _error(exc.status, exc.message, exc.kind, exc.retry_after)
+        return _error(exc.status, exc.message, exc.kind, exc.retry_after, exc.param, exc.code)
 
     @app.exception_handler(StarletteHTTPException)  # an unknown route (404), a wrong method (405)
     async def _route_error(request: Request, exc: StarletteHTTPException):
@@ -363,14 +418,13 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
             raise HTTPError(422, "message content must be a string or a list of content parts")
         q = check_question(content)
         golds, k, turns = episode_options(obj)
+        try:
+            p = parse_chat_params(obj, model_name, limits.max_n)
+        except ParamError as e:
+            raise HTTPError(e.status, e.message, param=e.param, code=e.code) from None
         cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        model = obj.get("model") or model_name
-        if not isinstance(model, str):
-            raise HTTPError(422, "model must be a string")
-        _check_unicode(model, "the model name")  # echoed in the reply
-        stream = obj.get("stream", False)
-        if stream is not None and not isinstance(stream, bool):
-            raise HTTPError(422, "stream must be true or false")
+        run = functools.partial(episode, q, golds, k, turns=turns, temp=p.temperature,
+                                cfg_update=sampling_update(q, p))
 
         def reply(traj: Trajectory) -> tuple[str, str, dict[str, Any]]:
             finish = "stop" if traj.answer is not None else "length"
@@ -378,62 +432,84 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
                      "evidence": evidence_of(traj), "verdict": traj.verdict if golds else None}
             return traj.answer or "", finish, extra
 
-        if not stream:
-            traj = await unless_hung_up(request, episode(q, golds, k, turns=turns))
-            text, finish, extra = reply(traj)
-            n_prompt, n_gen = traj.prompt_len, traj.num_policy_tokens
-            return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "finish_reason": finish}],
-                    "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen},
-                    "sleuth": extra}
+        def usage(trajs: list[Trajectory]) -> dict[str, int]:  # the prompt once, the policy's tokens of every choice
+            n_prompt, n_gen = trajs[0].prompt_len, sum(t.num_policy_tokens for t in trajs)
+            return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
 
-        def chunk(delta: dict[str, Any], finish: str | None = None, **more: Any) -> str:
-            c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **more}
+        if not p.stream:
+            trajs = await unless_hung_up(request, episodes(run, p.n))
+            choices = []
+            for i, traj in enumerate(trajs):
+                text, finish, extra = reply(traj)
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "finish_reason": finish, "sleuth": extra})
+            return {"id": cid, "object": "chat.completion", "created": created, "model": p.model,
+                    "choices": choices, "usage": usage(trajs), "sleuth": choices[0]["sleuth"]}
+
+        def chunk(i: int, delta: dict[str, Any], finish: str | None = None, **more: Any) -> str:
+            c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": p.model,
+                 "choices": [{"index": i, "delta": delta, "finish_reason": finish}], **more}
+            if p.include_usage:
+                c["usage"] = None
             return f"data: {json.dumps(c, ensure_ascii=False)}\n\n"
 
-        def progress(event: dict[str, Any], first_turn: bool) -> str:
+        def progress(i: int, event: dict[str, Any], first_turn: bool) -> str:
             if event["type"] == "turn":
                 text = event["text"] if first_turn else "\n\n" + event["text"]
                 more = {f: event[f] for f in ("error", "judgement") if event.get(f) is not None}
-                return chunk({"reasoning_content": text},
+                return chunk(i, {"reasoning_content": text},
                              sleuth={"event": "turn", "turn": event["turn"], "action": event["action"], **more})
             hits = [{"id": h.id, "title": h.title, "text": h.text, "score": float(h.score)} for h in event["hits"]]
-            return chunk({}, sleuth={"event": "search", "turn": event["turn"], "query": event["query"],
-                                     "doc_ids": event["doc_ids"], "hits": hits})
+            return chunk(i, {}, sleuth={"event": "search", "turn": event["turn"], "query": event["query"],
+                                        "doc_ids": event["doc_ids"], "hits": hits})
 
-        # the slot is taken before the stream starts: a client over max_inflight gets a plain 503 (OpenAI
+        # the slots are taken before the stream starts: a client over max_inflight gets a plain 503 (OpenAI
         # clients retry it), not a 200 whose stream then carries the error
-        release = take_slot()
+        releases = take_slots(p.n)
 
         async def events():
-            # the episode runs as its own task and hands its progress events over a queue; None = it ended
-            queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-            task = asyncio.create_task(episode(q, golds, k, on_event=queue.put, release=release, turns=turns))
-            task.add_done_callback(lambda _: queue.put_nowait(None))
-            try:
-                yield chunk({"role": "assistant", "content": ""})
-                first_turn = True
-                while (event := await queue.get()) is not None:
-                    yield progress(event, first_turn)
-                    first_turn = first_turn and event["type"] != "turn"
-                try:
-                    traj = task.result()
-                except HTTPError as e:
-                    yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind, 'code': e.status}})}\n\n"
-                    return
-                text, finish, extra = reply(traj)
-                if text:
-                    yield chunk({"content": text})
-                yield chunk({}, finish, sleuth=extra)
-                yield "data: [DONE]\n\n"
-            finally:  # the client went away (or the stream ended): never leave the episode running
-                if not task.done():
-                    task.cancel()
-                elif not task.cancelled():
-                    task.exception()  # retrieved: no "exception was never retrieved" after a disconnect
+            # each episode runs as its own task and hands its progress events over one queue, tagged with its
+            # choice index; (i, None) = episode i ended
+            queue: asyncio.Queue[tuple[int, dict[str, Any] | None]] = asyncio.Queue()
+            tasks = []
+            for i, rel in enumerate(releases):
+                async def sink(event: dict[str, Any], i: int = i) -> None:
+                    await queue.put((i, event))
 
-        return _SlotStream(events(), release, media_type="text/event-stream")
+                tasks.append(asyncio.create_task(run(on_event=sink, release=rel)))
+                tasks[-1].add_done_callback(lambda _, i=i: queue.put_nowait((i, None)))
+            try:
+                for i in range(p.n):
+                    yield chunk(i, {"role": "assistant", "content": ""})
+                first_turn, running = [True] * p.n, p.n
+                while running:
+                    i, event = await queue.get()
+                    if event is None:
+                        running -= 1
+                        if isinstance(e := tasks[i].exception(), HTTPError):
+                            yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind, 'code': e.status}})}\n\n"
+                            return
+                        continue
+                    yield progress(i, event, first_turn[i])
+                    first_turn[i] = first_turn[i] and event["type"] != "turn"
+                trajs = [t.result() for t in tasks]
+                for i, traj in enumerate(trajs):
+                    text, finish, extra = reply(traj)
+                    if text:
+                        yield chunk(i, {"content": text})
+                    yield chunk(i, {}, finish, sleuth=extra)
+                if p.include_usage:  # as OpenAI: a last chunk without choices, carrying the request's usage
+                    last = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": p.model,
+                            "choices": [], "usage": usage(trajs)}
+                    yield f"data: {json.dumps(last)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:  # the client went away (or the stream ended): never leave an episode running
+                for t in tasks:
+                    if not t.done():
+                        t.cancel()
+                    elif not t.cancelled():
+                        t.exception()  # retrieved: no "exception was never retrieved" after a disconnect
+
+        return _SlotStream(events(), lambda: [r() for r in releases], media_type="text/event-stream")
 
     return app

@@ -4,6 +4,7 @@ bodies that must never get a 5xx or a traceback in the log."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 
@@ -186,3 +187,91 @@ def test_the_estimate_per_hit_is_the_index_passages_mean(retriever):
 
     offsets = retriever.store.offsets
     assert reply_bytes_per_hit(retriever) == int(offsets[-1]) // (len(offsets) - 1) + HIT_FRAME_BYTES
+
+
+# -- fuzz: malformed bodies never get a 5xx or a traceback --------------------------------------------------------
+HOSTILE = [None, True, False, 0, -1, 1.5, 1e308, -1e308, 10**30, "", " ", "x" * 5000, [], {}, [[]], [None], {"a": 1},
+           ["a", 1], [""] * 3, "\u0000", "😀" * 10, "\u202e rtl", -(2**63), 2**64]
+RAW = [b"", b" ", b"null", b"[]", b"{}", b'"str"', b"1", b"{", b"}", b'{"a":', b"\xff\xfe\x00", b"\xef\xbb\xbf{}",
+       b"NaN", b'{"queries": [NaN], "topk": Infinity}', b'{"question": "\\ud800"}', b'{"question": "\\u0000?"}',
+       b'{"messages": [{"role": "user", "content": "\\udfff"}]}', b"{" * 5000, b'{"a": 1, "a": 2}',
+       b'{"topk": 1' + b"0" * 5000 + b"}", b"\x00" * 100, b'{"queries": ["a"], "topk": -0}', b"[" * 5000 + b"]" * 5000,
+       b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}']
+
+
+def _mutations(valid: dict, seed: int, count: int) -> list[bytes]:
+    """``valid`` with each field set to each :data:`HOSTILE` value, then ``count`` seeded byte-level mutations
+    of its JSON (bytes flipped, dropped, repeated), then :data:`RAW`."""
+    import random
+
+    out = [json.dumps({**valid, key: v}).encode() for key in valid for v in HOSTILE]
+    out += [json.dumps({k: v for k, v in valid.items() if k != key}).encode() for key in valid]
+    rnd, text = random.Random(seed), json.dumps(valid).encode()
+    for _ in range(count):
+        b = bytearray(text)
+        for _ in range(rnd.randint(1, 4)):
+            i = rnd.randrange(len(b))
+            op = rnd.random()
+            if op < 0.4:
+                b[i] = rnd.randrange(256)
+            elif op < 0.7:
+                del b[i]
+            else:
+                b[i:i] = b[i : i + rnd.randint(1, 8)] * rnd.randint(1, 3)
+        out.append(bytes(b))
+    return out + RAW
+
+
+def _fuzz(url: str, path: str, bodies: list[bytes], headers: dict | None = None) -> list[tuple[int, bytes]]:
+    """POST each body; the (status, body) pairs of the answers at or above 500."""
+    bad = []
+    with httpx2.Client(base_url=url, timeout=60, headers=headers) as c:
+        for i, body in enumerate(bodies):
+            r = c.post(path, content=body, headers={"content-type": "text/plain" if i % 7 == 0 else "application/json"})
+            if r.status_code >= 500:
+                bad.append((r.status_code, body[:200], r.text[:200]))
+            if i % 10 == 0:
+                bad += [(r.status_code, b"GET", r.text[:200]) for r in [c.get(path)] if r.status_code >= 500]
+    return bad
+
+
+def test_fuzzed_retrieval_requests_never_get_a_5xx_or_a_traceback(retrieval_server):
+    bodies = _mutations({"queries": ["capital of France", "Rhine"], "topk": 3, "return_scores": True}, 0, 150)
+    with LogRecords() as logs:
+        bad = _fuzz(retrieval_server.url, "/retrieve", bodies)
+        bad += _fuzz(retrieval_server.url, "/retrieve", bodies[:40], {"x-sleuth-reply-format": "columns-stream"})
+        bad += _fuzz(retrieval_server.url, "/nope", RAW)
+    assert bad == [] and logs.tracebacks() == []
+    assert httpx2.get(retrieval_server.url + "/health").json()["pending_queries"] == 0
+
+
+class AnswerLLM:
+    """A policy that answers every prompt at once (so every episode a valid request starts ends well)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def generate(self, prompts, params):
+        from agent.llm import Generation, decode, encode
+
+        ids = encode(self.tokenizer, "<answer> Paris </answer>")[: params.max_new_tokens]
+        return [Generation(ids, decode(self.tokenizer, ids), "stop") for _ in prompts]
+
+
+def test_fuzzed_agent_requests_never_get_a_5xx_or_a_traceback(tiny_llm, retriever, agent_cfg):
+    from agent.server import create_app as agent_app
+    from tests.test_agent_fakes import ServerThread
+
+    app = agent_app(AnswerLLM(tiny_llm.tokenizer), retriever, agent_cfg, api_key="k")
+    ask = {"question": "What is the capital of France?", "golden_answers": ["Paris"], "top_k": 2, "max_turns": 2}
+    chat = {"model": "sleuth-agent", "messages": [{"role": "user", "content": "capital of France?"}], "n": 1,
+            "max_tokens": 20, "temperature": 0.5, "top_p": 0.9, "stream": False, "top_k": 2}
+    with ServerThread(app) as srv, LogRecords() as logs:
+        bad = _fuzz(srv.url, "/ask", _mutations(ask, 1, 40), {"Authorization": "Bearer k"})
+        bad += _fuzz(srv.url, "/v1/chat/completions", _mutations(chat, 2, 40), {"Authorization": "Bearer k"})
+        bad += _fuzz(srv.url, "/v1/chat/completions", _mutations({**chat, "stream": True}, 3, 20),
+                     {"Authorization": "Bearer k"})
+        bad += _fuzz(srv.url, "/ask", RAW[:5], {"Authorization": b"Bearer \xed\xa0\x80\xff"})  # not UTF-8
+        health = httpx2.get(srv.url + "/health").json()
+    assert bad == [] and logs.tracebacks() == [], (bad[:5], logs.tracebacks()[:2])
+    assert health["inflight"] == 0
