@@ -1,0 +1,154 @@
+"""External agents as rollouts: an agent written against the OpenAI API, run over the training proxy.
+
+An external agent is an async function ``agent(question: str, base_url: str) -> str`` (named
+``module:function``, :func:`load_entry`): it talks to "the model" at ``base_url`` with any OpenAI-compatible
+client (LangChain's ``ChatOpenAI``, the ``openai`` package) and returns its answer. :class:`ExternalRunner`
+serves the policy backend through a :class:`agent.proxy.Proxy` on 127.0.0.1, hands each episode its own base
+URL (``.../ep/<episode>/v1``), and turns what the proxy recorded into the same
+:class:`~agent.trajectory.Trajectory` records the built-in loop writes (:mod:`agent.stitch`), judged by the
+same judge (:func:`agent.loop.rule_judge` by default, or the configured one) with the answer the agent
+returned, grouped as :func:`agent.loop.run_episodes` groups them. An episode the template split gives
+several sequences of one episode (``metadata["episode"]``/``["segment"]``), each with the episode's reward.
+An agent that raises, or runs past ``timeout_s``, gives an episode with ``stop_reason == "error"`` and the
+reason in ``metadata["error"]`` (what the trainer's fault handling reruns and leaves out), never an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import re
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, Self
+
+from agent.judges import rule_verdict
+from agent.llm import LLM, run_sync
+from agent.loop import Judge, rule_judge
+from agent.proxy import Proxy, ProxyServer, ProxySettings
+from agent.trajectory import Trajectory
+from corpora.formats import QAExample
+
+ExternalAgent = Callable[[str, str], Awaitable[str]]
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def load_entry(spec: str) -> ExternalAgent:
+    """The async function named by ``spec`` (``package.module:function``), imported with the working directory
+    on ``sys.path`` (as ``uvicorn module:app`` does: ``examples.react_agent:answer`` from a checkout). Raises
+    ``ValueError`` for a spec without ``:`` or a function that is not async, ``ImportError`` /
+    ``AttributeError`` naming what is missing."""
+    import os
+    import sys
+
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"agent.entry must be 'module:function', got {spec!r}")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except AttributeError:
+        raise AttributeError(f"agent.entry {spec!r}: module {module!r} has no {name!r}") from None
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"agent.entry {spec!r} must be an async function (question, base_url) -> answer")
+    return fn
+
+
+def final_answer(text: Any) -> str | None:
+    """The answer in an agent's reply: the text inside ``<answer>...</answer>`` when there is one, else the
+    whole reply, stripped; ``None`` for an empty or non-string reply."""
+    if not isinstance(text, str):
+        return None
+    m = _ANSWER_RE.search(text)
+    text = (m.group(1) if m else text).strip()
+    return text or None
+
+
+class ExternalRunner:
+    """Runs an external agent's episodes over a proxy it serves (see the module docstring).
+
+    Args:
+        llm: the policy backend (:class:`agent.llm.LLM`); the proxy batches concurrent calls.
+        agent: the external agent (:func:`load_entry`). agent_cfg: the agent config (``max_new_tokens``,
+            ``max_total_tokens``, ``temperature``, ``top_p``, ``reward``, ``format_reward``).
+        temperature: overrides ``agent_cfg.temperature`` (0 = greedy); every call samples with it.
+        judge: scores an episode (default: the rule judge of ``agent_cfg``). timeout_s: seconds per episode.
+
+    Use as a context manager, or call :meth:`close`. ``stats``: the proxy's counters (``calls``, ``splits``...).
+    """
+
+    def __init__(self, llm: LLM, agent: ExternalAgent, agent_cfg: Any, *, temperature: float | None = None,
+                 judge: Judge | None = None, timeout_s: float = 600.0, max_concurrency: int = 256):
+        temp = agent_cfg.temperature if temperature is None else temperature
+        settings = ProxySettings(max_new_tokens=agent_cfg.max_new_tokens, max_total_tokens=agent_cfg.max_total_tokens,
+                                 temperature=temp, top_p=agent_cfg.top_p if temp > 0 else 1.0)
+        self.agent, self.timeout_s, self.max_concurrency = agent, timeout_s, max_concurrency
+        self.judge = judge or rule_judge(agent_cfg.reward, agent_cfg.format_reward)
+        self.proxy = Proxy(llm, settings, max_batch=getattr(agent_cfg, "max_batch", 256))
+        self.server = ProxyServer(self.proxy).start()
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return dict(self.proxy.stats)
+
+    async def run_episode(self, example: QAExample, group: int = 0) -> list[Trajectory]:
+        """One episode of ``example``: its sequences (one unless the template split it), judged."""
+        eid = f"{example.id}-{uuid.uuid4().hex[:12]}"
+        error = None
+        try:
+            reply = await asyncio.wait_for(self.agent(example.question, self.server.base_url(eid)), self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - the episode fails with its reason, the run goes on
+            reply, error = None, f"{type(e).__name__}: {e}" if not isinstance(e, TimeoutError) \
+                else f"the agent took longer than {self.timeout_s} s"
+        answer = final_answer(reply)
+        meta = {k: v for k, v in example.metadata.items() if k in ("hops", "dataset", "supporting_ids")}
+        seqs = self.proxy.take(eid).trajectories(example.id, example.question, example.golden_answers, group, answer)
+        if not seqs:  # the agent never called the model: nothing to train, an episode all the same
+            seqs = [Trajectory(example.id, example.question, list(example.golden_answers), group=group, answer=answer,
+                               metadata={"episode": eid, "segment": 0, "segments": 1})]
+            error = error or "the agent never called the model"
+        whole = Trajectory(example.id, example.question, list(example.golden_answers), answer=answer,
+                           turns=[t for s in seqs for t in s.turns])
+        if error is None:
+            stop = "answer" if answer is not None else "max_turns"
+            reward, verdict = await (asyncio.to_thread(self.judge, whole) if getattr(self.judge, "blocking", False)
+                                     else _now(self.judge, whole))
+        else:
+            stop, reward, verdict = "error", 0.0, rule_verdict(None, example.golden_answers) | {"format_ok": False}
+        for s in seqs:
+            s.metadata.update(meta)
+            s.stop_reason, s.reward, s.verdict = stop, reward, dict(verdict)
+            if error is not None:
+                s.metadata["error"] = error
+        return seqs
+
+    async def arun_episodes(self, examples: list[QAExample], n_samples: int = 1) -> list[Trajectory]:
+        """``n_samples`` episodes per example, concurrently (at most ``max_concurrency`` at once); sequences
+        come back grouped by example (group id = example index), episodes in order."""
+        gate = asyncio.Semaphore(self.max_concurrency)
+
+        async def one(ex: QAExample, g: int) -> list[Trajectory]:
+            async with gate:
+                return await self.run_episode(ex, g)
+
+        runs = await asyncio.gather(*(one(ex, g) for g, ex in enumerate(examples) for _ in range(n_samples)))
+        return [t for seqs in runs for t in seqs]
+
+    def run_episodes(self, examples: list[QAExample], n_samples: int = 1) -> list[Trajectory]:
+        """Synchronous :meth:`arun_episodes` (in a fresh loop on a helper thread when one already runs)."""
+        return run_sync(self.arun_episodes(examples, n_samples))
+
+    def close(self) -> None:
+        self.server.stop()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _now(fn: Judge, traj: Trajectory) -> tuple[float, dict[str, Any]]:
+    return fn(traj)

@@ -1,0 +1,100 @@
+"""External agents as rollouts: the shipped LangGraph ReAct example (``create_react_agent`` + ``ChatOpenAI`` + a
+search tool over Sleuth's retriever) runs over the training proxy, unchanged but for its base URL; its
+episodes come back as judged, grouped trajectories whose trained tokens are exactly the sampled ones, and an
+agent that fails or hangs fails its own episode only."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from agent.external import ExternalRunner, final_answer, load_entry
+from corpora.formats import QAExample
+from tests.chat_templates import CALLS, CHATML_TOOLS, Recording, ScriptedSampler
+from tests.test_proxy_templates import assert_every_trained_token_was_sampled
+
+FRANCE = QAExample("q0", "What is the capital of France?", ["Paris"], {"hops": 1})
+GERMANY = QAExample("q2", "What is the capital of Germany?", ["Berlin"])
+
+
+@pytest.fixture()
+def react(bm25_index, monkeypatch):
+    monkeypatch.setenv("SLEUTH_INDEX", str(bm25_index))
+    return load_entry("examples.react_agent:answer")
+
+
+@pytest.fixture()
+def cfg(agent_cfg):
+    return agent_cfg.model_copy(update={"max_new_tokens": 64, "max_total_tokens": 2000})
+
+
+def test_the_react_example_trains_through_the_proxy(tiny_llm, react, cfg):
+    tiny_llm.tokenizer.chat_template = CHATML_TOOLS
+    backend = Recording(ScriptedSampler(tiny_llm.tokenizer, [CALLS["chatml"], "<answer> Paris </answer>"]))
+    with ExternalRunner(backend, react, cfg) as runner:
+        trajs = runner.run_episodes([FRANCE, GERMANY], n_samples=2)
+        stats = runner.stats
+    assert [t.group for t in trajs] == [0, 0, 1, 1] and stats["splits"] == 0 and stats["calls"] == 8
+    assert [t.reward for t in trajs] == [1.0, 1.0, 0.0, 0.0] and all(t.stop_reason == "answer" for t in trajs)
+    assert all([x.action for x in t.turns] == ["search", "answer"] for t in trajs)
+    assert trajs[0].turns[0].query == "capital of France" and trajs[0].metadata["hops"] == 1
+    assert trajs[0].verdict["em"] == 1.0 and trajs[0].verdict["format_ok"]
+    assert_every_trained_token_was_sampled(trajs, backend.calls)
+    # the tool's result (Sleuth's retriever, through LangChain's tool message) is a masked tool span
+    from agent.llm import decode
+    from agent.trajectory import Role
+    tool = decode(tiny_llm.tokenizer, [i for i, r in zip(trajs[0].token_ids, trajs[0].roles) if r == Role.TOOL])
+    assert "Doc 1(Title: Paris)" in tool
+
+
+def test_the_react_example_with_a_real_sampling_policy_is_exact(tiny_llm, react, cfg):
+    tiny_llm.tokenizer.chat_template = CHATML_TOOLS
+    backend = Recording(tiny_llm)
+    with ExternalRunner(backend, react, cfg.model_copy(update={"max_new_tokens": 16}), temperature=1.0) as runner:
+        trajs = runner.run_episodes([FRANCE, GERMANY], n_samples=2)
+    assert len(trajs) >= 4 and all(t.stop_reason in ("answer", "max_turns") for t in trajs)
+    assert_every_trained_token_was_sampled(trajs, backend.calls)
+
+
+def test_failing_hanging_and_silent_agents_fail_their_own_episodes(tiny_llm, cfg):
+    from openai import AsyncOpenAI
+
+    tiny_llm.tokenizer.chat_template = CHATML_TOOLS
+
+    async def agent(question: str, base_url: str) -> str:
+        client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": question}])
+        if "Germany" in question:
+            raise RuntimeError("the agent's own bug")
+        if "river" in question:
+            await asyncio.sleep(30)
+        return r.choices[0].message.content
+
+    async def silent(question: str, base_url: str) -> str:
+        return "Paris"
+
+    river = QAExample("q3", "Which river flows through the Netherlands?", ["Rhine"])
+    with ExternalRunner(tiny_llm, agent, cfg, timeout_s=3) as runner:
+        ok, bug, hang = runner.run_episodes([FRANCE, QAExample("q2", "Capital of Germany?", ["Berlin"]), river])
+    assert ok.stop_reason in ("answer", "max_turns") and len(ok) > 0
+    assert bug.stop_reason == "error" and "the agent's own bug" in bug.metadata["error"] and bug.reward == 0.0
+    assert hang.stop_reason == "error" and "longer than 3 s" in hang.metadata["error"]
+    assert len(bug) > 0  # its calls are recorded (and the trainer leaves the episode out)
+    with ExternalRunner(tiny_llm, silent, cfg) as runner:
+        (t,) = runner.run_episodes([FRANCE])
+    assert t.stop_reason == "error" and "never called the model" in t.metadata["error"] and len(t) == 0
+
+
+def test_entry_points_and_answers():
+    assert load_entry("examples.react_agent:answer").__name__ == "answer"
+    with pytest.raises(ValueError, match="must be 'module:function'"):
+        load_entry("examples.react_agent")
+    with pytest.raises(ValueError, match="must be an async function"):
+        load_entry("examples.react_agent:retriever")
+    with pytest.raises(AttributeError, match="has no 'nope'"):
+        load_entry("examples.react_agent:nope")
+    with pytest.raises(ImportError):
+        load_entry("no_such_module_here:f")
+    assert final_answer("I think <answer> Paris </answer>") == "Paris"
+    assert final_answer(" Paris ") == "Paris" and final_answer("  ") is None and final_answer(None) is None
