@@ -208,11 +208,12 @@ def test_settings_and_the_judges_verdict_reach_the_server(page):
     _ask(page, "What is the capital of France?")
     page.locator("#verdict").wait_for(timeout=20_000)
     assert page.locator(".step.search .passage").count() == 1
-    verdict = page.locator("#verdict").inner_text()
-    assert "em" in verdict and "1" in verdict
+    verdict = dict(zip(page.locator("#verdict dt").all_inner_texts(), page.locator("#verdict dd").all_inner_texts(),
+                       strict=True))
+    assert verdict["em"] == "1" and verdict["f1"] == "1"
     # one turn only: the episode ends at the turn limit, without an answer
     page.locator("#max-turns").fill("1")
-    _ask(page, " again")
+    _ask(page, " again")  # typed after the question still in the box: a new question
     page.locator("#stop-reason").get_by_text("turn limit").wait_for(timeout=20_000)
     assert page.locator("#steps > li").count() == 1 and page.locator("#answer").inner_text() == "(no answer)"
     # the last questions of the session, newest first
