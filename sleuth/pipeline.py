@@ -405,13 +405,14 @@ def run_rl_stage(cfg: Config, init_path: str | Path, resume: bool = False, log=p
     Under torchrun every rank calls it (after rank 0 has prepared ``init_path``; the run directory must be
     on a file system all ranks see): each loads the same weights, :func:`training.trainer.rl_train` shards
     them, and only rank 0 shows progress and logs. Raises ``ValueError`` if the run directory already has
-    checkpoints and ``resume`` is False (so a new run never overwrites an old one); ``resume`` on a run with no
-    checkpoint yet starts at step 0 and logs so.
+    checkpoints and ``resume`` is False (so a new run never overwrites an old one), and
+    :class:`training.checkpoint.CorruptCheckpointError` (a ``ValueError`` naming the previous checkpoint) if its
+    latest checkpoint is damaged; ``resume`` on a run with no checkpoint yet starts at step 0 and logs so.
     """
     from tqdm import tqdm
 
     from agent.hf import TransformersLLM
-    from training.checkpoint import latest_checkpoint
+    from training.checkpoint import check_checkpoint, latest_checkpoint
     from training.distributed import world
     from training.trainer import rl_train
 
@@ -424,6 +425,8 @@ def run_rl_stage(cfg: Config, init_path: str | Path, resume: bool = False, log=p
     if ckpt is not None and not resume:
         raise ValueError(f"{run_dir} already has checkpoints (latest {ckpt.name}); pass --resume to continue "
                          "it, or set out_dir=... for a new run")
+    if ckpt is not None:  # a damaged checkpoint (cut short by a crash or a full disk): refused, the previous offered
+        check_checkpoint(ckpt)
     start_from = ckpt if ckpt is not None else Path(init_path)
     check_context_length(cfg, start_from)
     llm = TransformersLLM.from_pretrained(str(start_from), cfg.policy.dtype, cfg.policy.device)

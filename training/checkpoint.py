@@ -41,6 +41,16 @@ class RunDirBusyError(BlockingIOError, RuntimeError):
     ``BlockingIOError`` (an ``OSError``: the resource is busy), which the CLI reports in one line."""
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a quota, an I/O error); the message names the path
+    and the checkpoint that is still the latest. An ``OSError``, which the CLI reports in one line."""
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint's files are damaged (cut short, not what their headers say); the message names the file
+    and the previous checkpoint to resume from instead."""
+
+
 @contextmanager
 def run_dir_lock(run_dir: str | Path) -> Iterator[Path]:
     """Hold ``run_dir`` (created if missing) for one training: an exclusive ``flock`` on
@@ -150,29 +160,34 @@ def save_checkpoint(run_dir: str | Path, step: int, model: Any, tokenizer: Any, 
     on one rank only.
 
     Returns the checkpoint directory. The model is saved with ``save_pretrained`` so any checkpoint is also
-    a loadable Hugging Face model directory (``sleuth eval --model <ckpt>``).
+    a loadable Hugging Face model directory (``sleuth eval --model <ckpt>``). A write that fails (a full disk,
+    a quota) raises :class:`CheckpointWriteError` naming the path, after removing its partial files; the
+    previous checkpoint stays the latest and loadable.
     """
     ckpt_root = Path(run_dir) / "checkpoints"
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:06d}"
     tmp = ckpt_root / f".tmp_step_{step:06d}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if optimizer_state is not None:
-        torch.save(optimizer_state, tmp / "optimizer.pt")
-    if write_files is not None:
-        write_files(tmp)
-    rngs = rng_states or [rng_state()]
-    torch.save({"optimizer": optimizer.state_dict() if optimizer else None,
-                "scheduler": scheduler.state_dict() if scheduler else None,
-                "rng": rngs[0], "rng_per_rank": rngs, "extra": extra or {}}, tmp / "trainer.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(trainer_state or {})}, indent=1))
-    commit_directory(tmp, final)  # durable contents before the rename that commits them
     latest_tmp = ckpt_root / ".latest.tmp"
-    _write_durably(latest_tmp, final.name)
-    os.replace(latest_tmp, ckpt_root / "latest")
-    _fsync(ckpt_root)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if optimizer_state is not None:
+            torch.save(optimizer_state, tmp / "optimizer.pt")
+        if write_files is not None:
+            write_files(tmp)
+        rngs = rng_states or [rng_state()]
+        torch.save({"optimizer": optimizer.state_dict() if optimizer else None,
+                    "scheduler": scheduler.state_dict() if scheduler else None,
+                    "rng": rngs[0], "rng_per_rank": rngs, "extra": extra or {}}, tmp / "trainer.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(trainer_state or {})}, indent=1))
+        commit_directory(tmp, final)  # durable contents before the rename that commits them
+        _write_durably(latest_tmp, final.name)
+        os.replace(latest_tmp, ckpt_root / "latest")
+        _fsync(ckpt_root)
+    except Exception as e:  # torch.save reports a full disk as RuntimeError("... iostream error"), safetensors
+        raise _write_failed(ckpt_root, step, tmp, latest_tmp, e) from e  # as SafetensorError: no path either way
     # a checkpoint after this step is of a timeline the run left when it resumed from an earlier one (killed
     # between committing it and moving ``latest``): gone, so it can neither push this one out nor be resumed
     stale = [p for p in ckpt_root.glob("step_*") if _step_number(p) > step]
@@ -180,6 +195,83 @@ def save_checkpoint(run_dir: str | Path, step: int, model: Any, tokenizer: Any, 
     for old in stale + kept[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _write_failed(ckpt_root: Path, step: int, tmp: Path, latest_tmp: Path, e: BaseException) -> CheckpointWriteError:
+    """The :class:`CheckpointWriteError` of a checkpoint write that raised ``e``, after removing its partial
+    files (a full disk gets its space back; the run's earlier checkpoints are untouched)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    latest_tmp.unlink(missing_ok=True)
+    try:
+        free = f"{shutil.disk_usage(ckpt_root).free} bytes free there now"
+    except OSError:
+        free = "free space unknown"
+    prev = latest_checkpoint(ckpt_root.parent)
+    keep = f"{prev} is still the latest checkpoint" if prev is not None else "no earlier checkpoint exists"
+    err = CheckpointWriteError(f"could not write checkpoint step {step} to {tmp} ({type(e).__name__}: {e}; {free}); "
+                               f"the partial files are removed and {keep}")
+    err.errno = getattr(e, "errno", None)  # ENOSPC, EDQUOT, EIO... when the write said so
+    return err
+
+
+def check_checkpoint(ckpt: str | Path) -> None:
+    """Raise :class:`CorruptCheckpointError` when a file of checkpoint ``ckpt`` is damaged: a
+    ``.safetensors`` file whose size is not the one its header gives (cut short by a crash or a full disk,
+    or with a header that does not parse), a ``.pt`` file that is no complete zip archive (``torch.save``'s
+    format: its directory sits at the end), a shard a ``*.index.json`` lists but that is missing, or a
+    ``trainer_state.json`` that does not parse. Reads headers and sizes only, not the tensors. The message
+    names the file and the previous intact checkpoint of the run (or says there is none) and how to resume
+    from it."""
+    ckpt = Path(ckpt)
+    why = _damage(ckpt)
+    if why is None:
+        return
+    prev = [p for p in sorted(ckpt.parent.glob("step_*"), key=_step_number, reverse=True)
+            if _step_number(p) < _step_number(ckpt) and (p / "trainer_state.json").exists() and _damage(p) is None]
+    if prev:
+        hint = (f"the previous checkpoint {prev[0]} is intact: move the damaged one aside (mv {ckpt} "
+                f"{ckpt.parent / ('damaged_' + ckpt.name)}) and resume again to continue from {prev[0].name}")
+    else:
+        hint = "no intact earlier checkpoint is left: start a new run in another out_dir"
+    raise CorruptCheckpointError(f"checkpoint {ckpt} is damaged: {why}; {hint}")
+
+
+def _damage(ckpt: Path) -> str | None:
+    """What is wrong with checkpoint directory ``ckpt`` (see :func:`check_checkpoint`), or ``None``."""
+    import struct
+    import zipfile
+
+    try:
+        json.loads((ckpt / "trainer_state.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"trainer_state.json does not parse ({e})"
+    for f in sorted(ckpt.rglob("*.safetensors")):
+        size = f.stat().st_size
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                if n > size:
+                    raise ValueError(f"a header of {n} bytes")
+                header = json.loads(fh.read(n))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (struct.error, ValueError, KeyError, TypeError, IndexError) as e:
+            return f"{f.relative_to(ckpt)} has no valid safetensors header ({e})"
+        if size != 8 + n + end:
+            return f"{f.relative_to(ckpt)} is {size} bytes, its header says {8 + n + end} (cut short?)"
+    for f in sorted(ckpt.rglob("*.safetensors.index.json")):
+        try:
+            shards = set(json.loads(f.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            return f"{f.relative_to(ckpt)} does not parse ({e})"
+        missing = sorted(s for s in shards if not (f.parent / s).exists())
+        if missing:
+            return f"{f.relative_to(ckpt)} lists missing shards {missing[:3]}"
+    for f in sorted(ckpt.rglob("*.pt")):
+        try:
+            zipfile.ZipFile(f).close()
+        except (zipfile.BadZipFile, OSError) as e:
+            return f"{f.relative_to(ckpt)} is no complete torch.save archive ({e})"
+    return None
 
 
 def _step_number(path: Path) -> int:
