@@ -27,8 +27,9 @@
   ``max_completion_tokens``) caps the tokens the episode adds after the prompt; ``temperature`` and
   ``top_p`` sample every turn; ``stream_options.include_usage`` adds OpenAI's usage chunk; ``stop``,
   ``seed``, ``logprobs``, penalties, ``tools`` and JSON ``response_format`` get 400.
-* ``GET /health``: status, counters (``inflight``: episodes running now) and the per-request ``limits`` a
-  client may choose within (``top_k``/``max_top_k``, ``max_turns``, ``max_question_chars``).
+* ``GET /health``: status, counters (``inflight``: episode slots taken; ``running_episodes``: episodes the
+  scheduler runs now; ``tasks``: the event loop's tasks, for spotting a leak) and the per-request ``limits``
+  a client may choose within (``top_k``/``max_top_k``, ``max_turns``, ``max_question_chars``).
 * ``GET /``: a browser page over the streaming endpoint (:mod:`agent.webui`; no key needed to load it).
 
 All requests share one :class:`agent.scheduler.Scheduler` living in the server's event loop, so concurrent
@@ -376,6 +377,7 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
     async def health():
         s = ctx.scheduler
         return {"status": "ok", "model": model_name, "inflight": app.state.inflight, "served": app.state.served,
+                "running_episodes": s.active, "tasks": len(asyncio.all_tasks()),
                 "batches": s.stats["generate_batches"], "prompts": s.stats["generate_prompts"],
                 "limits": {"top_k": ctx.top_k, "max_top_k": limits.max_top_k, "max_turns": agent_cfg.max_turns,
                            "max_question_chars": limits.max_question_chars}}
