@@ -2,13 +2,14 @@
 
 External agents (LangGraph's ``create_react_agent`` with ``ChatOpenAI``, any code that speaks the OpenAI
 API) run unchanged against it, pointed at its base URL; the proxy renders each conversation with the policy's
-own chat template, samples through the project's backend interface (:class:`agent.llm.LLM`: transformers,
-vLLM or an OpenAI-compatible server, batched across concurrent calls by :class:`agent.scheduler.Scheduler`)
-and keeps, per call, the exact prompt ids and the sampled ids with their log-probabilities
-(:mod:`agent.stitch`), grouped by episode. As in AReaL's, Agent Lightning's and ART's proxies, the episode of
-a call is named by the URL (``/ep/<episode>/v1/...``: a base URL is all an unchanged agent lets one set), an
-``X-Sleuth-Episode`` header or the request's ``user`` field, in that order; calls with none are served and
-counted but not recorded. The trainer takes an episode's record with :meth:`Proxy.take`.
+own chat template (Sleuth's ChatML one, :mod:`agent.chat_template`, for a tokenizer without one), samples
+through the project's backend interface (:class:`agent.llm.LLM`: transformers, vLLM or an OpenAI-compatible
+server, batched across concurrent calls by :class:`agent.scheduler.Scheduler`) and keeps, per call, the exact
+prompt ids and the sampled ids with their log-probabilities (:mod:`agent.stitch`), grouped by episode. As in
+AReaL's, Agent Lightning's and ART's proxies, the episode of a call is named by the URL
+(``/ep/<episode>/v1/...``: a base URL is all an unchanged agent lets one set), an ``X-Sleuth-Episode`` header
+or the request's ``user`` field, in that order; calls with none are served and counted but not recorded. The
+trainer takes an episode's record with :meth:`Proxy.take`.
 
 Routes (also under ``/ep/<episode>``):
 
@@ -49,6 +50,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from agent.chat_template import CHATML_TOOLS
 from agent.llm import LLM, SamplingParams, decode, encode
 from agent.scheduler import Scheduler
 from agent.stitch import Call, EpisodeLog, parse_tool_calls, render_prompt, turn_action
@@ -61,7 +63,8 @@ class ProxySettings:
     """Sampling of every call: ``max_new_tokens`` caps a call's tokens, ``max_total_tokens`` one training
     sequence (prompt + output); ``temperature`` / ``top_p``, when set, replace the request's (``None``: the
     request's, else 1.0); ``stop`` strings are added to the request's; ``search_tool`` names the tool whose
-    calls are recorded as searches (``Turn.action == "search"``)."""
+    calls are recorded as searches (``Turn.action == "search"``); ``chat_template`` renders the conversations
+    (``None``: the tokenizer's own, else :data:`agent.chat_template.CHATML_TOOLS` for a tokenizer without one)."""
 
     max_new_tokens: int = 1024
     max_total_tokens: int = 32_768
@@ -69,6 +72,7 @@ class ProxySettings:
     top_p: float | None = None
     stop: tuple[str, ...] = ()
     search_tool: str = "search"
+    chat_template: str | None = None
 
 
 @dataclass
@@ -273,7 +277,9 @@ class Proxy:
         async with await self._locked(episode):
             log = self._log(episode) if episode is not None else None
             try:
-                prompt, text = render_prompt(self.tokenizer, log, msgs, tools)
+                template = self.settings.chat_template or (
+                    None if getattr(self.tokenizer, "chat_template", None) else CHATML_TOOLS)
+                prompt, text = render_prompt(self.tokenizer, log, msgs, tools, template)
             except Exception as e:  # noqa: BLE001 - jinja errors, a template that raises on these messages
                 raise ProxyError(422, f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
             params = self._params(body, len(prompt))

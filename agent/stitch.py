@@ -163,13 +163,13 @@ def encode_delta(tokenizer: Any, delta: str, contents: list[str]) -> list[int]:
 
 
 def render_prompt(tokenizer: Any, log: EpisodeLog | None, messages: list[dict[str, Any]],
-                  tools: list[dict[str, Any]] | None) -> tuple[list[int], str]:
+                  tools: list[dict[str, Any]] | None, chat_template: str | None = None) -> tuple[list[int], str]:
     """The prompt ids and rendered text of a chat call (``add_generation_prompt=True``). When ``log``'s last
     call was a chat call whose prompt text and sampled text the new rendering starts with, the ids are that
     call's prompt and output ids plus the new text's ids (:func:`encode_delta`); otherwise the whole rendering
-    is tokenised (a first call, or a template that rewrote history). Raises what the chat template raises
-    (``jinja2`` errors, ``ValueError`` without a template)."""
-    rendered = tokenizer.apply_chat_template(chat_messages(messages), tools=tools or None,
+    is tokenised (a first call, or a template that rewrote history). ``chat_template`` replaces the
+    tokenizer's. Raises what the chat template raises (``jinja2`` errors, ``ValueError`` without a template)."""
+    rendered = tokenizer.apply_chat_template(chat_messages(messages), tools=tools or None, chat_template=chat_template,
                                              add_generation_prompt=True, tokenize=False)
     if log is not None and log.calls and log.calls[-1].text is not None:
         last = log.calls[-1]

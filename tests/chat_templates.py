@@ -2,7 +2,8 @@
 
 The templates, written here for the tiny test tokenizer (no download), with tools:
 
-* ``CHATML_TOOLS``: Qwen2.5's shape: tools listed in the system turn, ``<|im_start|>role\\n...`` turns closed
+* ``CHATML_TOOLS`` (the one the proxy uses for a tokenizer without a template, :mod:`agent.chat_template`):
+  Qwen2.5's shape: tools listed in the system turn, ``<|im_start|>role\\n...`` turns closed
   by the EOS token, an assistant's ``tool_calls`` written as ``<tool_call>{"name", "arguments"}</tool_call>``
   after its content, consecutive tool results in one user turn inside ``<tool_response>``;
 * ``QWEN3_TOOLS``: the same with Qwen3's reasoning rule: an assistant message's ``<think>`` block is kept only
@@ -14,44 +15,13 @@ The templates, written here for the tiny test tokenizer (no download), with tool
 
 from __future__ import annotations
 
+from agent.chat_template import CHATML_HEAD, CHATML_TOOL_RESULT, CHATML_TOOLS
 from agent.llm import Generation, decode, encode
 
-_TOOL_CALLS = (
-    "{%- for tc in m.tool_calls or [] %}{%- set f = tc.function if tc.function is defined else tc %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' + (f.arguments | tojson) + '}\\n</tool_call>' }}"
-    "{%- endfor %}"
-)
-
-_CHATML_HEAD = (
-    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n<tools>' }}{%- for t in tools %}{{- '\\n' + (t | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\nCall a tool inside <tool_call></tool_call> tags.' + eos_token + '\\n' }}"
-    "{%- elif messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + eos_token + '\\n' }}"
-    "{%- endif %}"
-)
-
-_CHATML_TOOL_RESULT = (
-    "{%- elif m.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- eos_token + '\\n' }}{%- endif %}"
-)
-
-CHATML_TOOLS = (
-    _CHATML_HEAD
-    + "{%- for m in messages %}"
-    "{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}"
-    "{{- '<|im_start|>' + m.role + '\\n' + m.content + eos_token + '\\n' }}"
-    "{%- elif m.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
-    "{%- if m.content %}{{- '\\n' + m.content }}{%- endif %}" + _TOOL_CALLS + "{{- eos_token + '\\n' }}"
-    + _CHATML_TOOL_RESULT
-    + "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+__all__ = ["CHATML_TOOLS", "FAMILIES", "LLAMA3_TOOLS", "QWEN3_TOOLS", "Recording", "ScriptedSampler"]
 
 QWEN3_TOOLS = (
-    _CHATML_HEAD
+    CHATML_HEAD
     + "{%- set ns = namespace(last_user=-1) %}"
     "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
     "{%- for m in messages %}"
@@ -65,7 +35,7 @@ QWEN3_TOOLS = (
     "{%- for tc in m.tool_calls or [] %}{%- set f = tc.function %}{%- if c or not loop.first %}{{- '\\n' }}{%- endif %}"
     "{{- '<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' + (f.arguments | tojson) + '}\\n</tool_call>' }}"
     "{%- endfor %}{{- eos_token + '\\n' }}"
-    + _CHATML_TOOL_RESULT
+    + CHATML_TOOL_RESULT
     + "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )

@@ -98,3 +98,20 @@ def test_entry_points_and_answers():
         load_entry("no_such_module_here:f")
     assert final_answer("I think <answer> Paris </answer>") == "Paris"
     assert final_answer(" Paris ") == "Paris" and final_answer("  ") is None and final_answer(None) is None
+
+
+def test_a_tokenizer_without_a_chat_template_renders_with_sleuths_chatml(tiny_llm, react, cfg):
+    """The tiny policy Sleuth builds has no chat template: the proxy renders with agent.chat_template's ChatML
+    (tools and tool calls included), so the ReAct example trains on it as on an instruct model."""
+    from agent.chat_template import CHATML_TOOLS
+    from agent.llm import decode
+
+    tiny_llm.tokenizer.chat_template = None
+    backend = Recording(ScriptedSampler(tiny_llm.tokenizer, [CALLS["chatml"], "<answer> Paris </answer>"]))
+    with ExternalRunner(backend, react, cfg) as runner:
+        (t,) = runner.run_episodes([FRANCE])
+        assert runner.stats["splits"] == 0
+    assert t.reward == 1.0 and [x.action for x in t.turns] == ["search", "answer"]
+    prompt = decode(tiny_llm.tokenizer, t.token_ids[: t.prompt_len])
+    assert prompt.startswith("<|im_start|>system\n") and '"name": "search"' in prompt
+    assert prompt.endswith("<|im_start|>assistant\n") and CHATML_TOOLS.startswith("{%- if tools %}")
