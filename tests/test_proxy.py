@@ -127,8 +127,9 @@ def test_forced_sampling_budget_and_request_errors(tiny_llm):
 
 def test_the_built_in_loop_through_the_proxy_is_token_identical(tiny_llm, retriever, agent_cfg):
     """The same loop with an OpenAI-compatible client (the completions endpoint, token ids in and out) in place
-    of the in-process backend: greedy, the trajectories equal the native ones token for token, and the
-    proxy's own stitched record of each episode equals the loop's."""
+    of the in-process backend: greedy, the trajectories equal the native ones token for token (rewards too),
+    the proxy's own stitched record of each episode equals the loop's, and one policy update on either gives
+    the same loss statistics and weights."""
     from agent.llm import run_sync
     from agent.loop import make_context, run_episode, run_episodes
     from agent.openai_backend import OpenAICompatibleLLM
@@ -156,3 +157,24 @@ def test_the_built_in_loop_through_the_proxy_is_token_identical(tiny_llm, retrie
         assert (rec.token_ids, rec.roles, rec.turn_ids) == (n.token_ids, n.roles, n.turn_ids)
         assert r.logprobs == pytest.approx(rec.logprobs) and n.logprobs == pytest.approx(rec.logprobs, abs=1e-5)
     assert proxy.stats["splits"] == 0 and proxy.stats["calls"] == sum(t.num_turns for t in native)
+    # one training step on each record: the same batch, hence the same loss and the same updated weights
+    import copy
+
+    import torch
+
+    from sleuth.config import TrainConfig
+    from training.batch import collate
+    from training.trainer import update_policy
+
+    def step(trajs):
+        model = copy.deepcopy(tiny_llm.model).train()
+        batch = collate(trajs, tiny_llm.tokenizer.pad_token_id, agent_cfg.max_total_tokens)
+        batch.advantages = torch.tensor([1.0, -0.5])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        stats = update_policy(model, None, opt, batch, TrainConfig(micro_batch=2, bf16=False))
+        return stats, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    (s_native, w_native), (s_remote, w_remote) = step(native), step(remote)
+    assert s_native == s_remote and s_native["grad_norm"] > 0  # every loss statistic, exactly
+    assert torch.equal(w_native, w_remote) and not torch.equal(w_native, torch.cat(
+        [p.detach().flatten() for p in tiny_llm.model.parameters()]))
