@@ -93,8 +93,9 @@ class ExternalRunner:
     def stats(self) -> dict[str, int]:
         return dict(self.proxy.stats)
 
-    async def run_episode(self, example: QAExample, group: int = 0) -> list[Trajectory]:
-        """One episode of ``example``: its sequences (one unless the template split it), judged."""
+    async def run_episode(self, example: QAExample, group: int = 0, judge: Judge | None = None) -> list[Trajectory]:
+        """One episode of ``example``: its sequences (one unless the template split it), judged by ``judge``
+        (default: the runner's)."""
         eid = f"{example.id}-{uuid.uuid4().hex[:12]}"
         error = None
         try:
@@ -111,10 +112,11 @@ class ExternalRunner:
             error = error or "the agent never called the model"
         whole = Trajectory(example.id, example.question, list(example.golden_answers), answer=answer,
                            turns=[t for s in seqs for t in s.turns])
+        judge = judge or self.judge
         if error is None:
             stop = "answer" if answer is not None else "max_turns"
-            reward, verdict = await (asyncio.to_thread(self.judge, whole) if getattr(self.judge, "blocking", False)
-                                     else _now(self.judge, whole))
+            reward, verdict = await (asyncio.to_thread(judge, whole) if getattr(judge, "blocking", False)
+                                     else _now(judge, whole))
         else:
             stop, reward, verdict = "error", 0.0, rule_verdict(None, example.golden_answers) | {"format_ok": False}
         for s in seqs:
@@ -124,21 +126,40 @@ class ExternalRunner:
                 s.metadata["error"] = error
         return seqs
 
-    async def arun_episodes(self, examples: list[QAExample], n_samples: int = 1) -> list[Trajectory]:
+    async def arun_episodes(self, examples: list[QAExample], n_samples: int = 1, judge: Judge | None = None,
+                            merge: bool = False) -> list[Trajectory]:
         """``n_samples`` episodes per example, concurrently (at most ``max_concurrency`` at once); sequences
-        come back grouped by example (group id = example index), episodes in order."""
+        come back grouped by example (group id = example index), episodes in order. ``merge``: one record per
+        episode (:func:`merged`, for evaluation) instead of its training sequences."""
         gate = asyncio.Semaphore(self.max_concurrency)
 
         async def one(ex: QAExample, g: int) -> list[Trajectory]:
             async with gate:
-                return await self.run_episode(ex, g)
+                seqs = await self.run_episode(ex, g, judge)
+                return [merged(seqs)] if merge else seqs
 
         runs = await asyncio.gather(*(one(ex, g) for g, ex in enumerate(examples) for _ in range(n_samples)))
         return [t for seqs in runs for t in seqs]
 
-    def run_episodes(self, examples: list[QAExample], n_samples: int = 1) -> list[Trajectory]:
+    def run_episodes(self, examples: list[QAExample], n_samples: int = 1, judge: Judge | None = None,
+                     merge: bool = False) -> list[Trajectory]:
         """Synchronous :meth:`arun_episodes` (in a fresh loop on a helper thread when one already runs)."""
-        return run_sync(self.arun_episodes(examples, n_samples))
+        return run_sync(self.arun_episodes(examples, n_samples, judge, merge))
+
+    def loop_episodes(self, examples: list[QAExample], llm: Any = None, retriever: Any = None, cfg: Any = None, *,
+                      n_samples: int = 1, temperature: float | None = None, top_k: int | None = None,
+                      seed: int | None = None, judge: Judge | None = None, merge: bool = True) -> list[Trajectory]:
+        """:func:`agent.loop.run_episodes`'s signature over the external agent (``llm``, ``retriever``, ``cfg``,
+        ``top_k`` and ``seed`` are the runner's own and ignored), e.g. for ``eval.run.run_benchmarks``'s
+        ``run_episodes``: one record per episode by default. ``temperature`` applies to this call only."""
+        settings = self.proxy.settings
+        saved = (settings.temperature, settings.top_p)
+        if temperature is not None:
+            settings.temperature, settings.top_p = temperature, settings.top_p if temperature > 0 else 1.0
+        try:
+            return self.run_episodes(examples, n_samples, judge, merge)
+        finally:
+            settings.temperature, settings.top_p = saved
 
     def close(self) -> None:
         self.server.stop()
@@ -148,6 +169,23 @@ class ExternalRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def merged(seqs: list[Trajectory]) -> Trajectory:
+    """One record of an episode from its training sequences: the first one with every sequence's turns and
+    tokens (in order; a split episode's record is then no training sequence) and ``metadata["segments"]``."""
+    if len(seqs) == 1:
+        return seqs[0]
+    first = seqs[0]
+    out = Trajectory(first.question_id, first.question, list(first.golden_answers), answer=first.answer,
+                     reward=first.reward, verdict=dict(first.verdict), stop_reason=first.stop_reason, group=first.group,
+                     metadata=dict(first.metadata))
+    for s in seqs:
+        out.token_ids += s.token_ids
+        out.roles += s.roles
+        out.turn_ids += s.turn_ids
+        out.turns += s.turns
+    return out
 
 
 async def _now(fn: Judge, traj: Trajectory) -> tuple[float, dict[str, Any]]:

@@ -115,3 +115,38 @@ def test_a_tokenizer_without_a_chat_template_renders_with_sleuths_chatml(tiny_ll
     prompt = decode(tiny_llm.tokenizer, t.token_ids[: t.prompt_len])
     assert prompt.startswith("<|im_start|>system\n") and '"name": "search"' in prompt
     assert prompt.endswith("<|im_start|>assistant\n") and CHATML_TOOLS.startswith("{%- if tools %}")
+
+
+def test_evaluation_runs_the_external_agent_with_one_record_per_episode(tiny_llm, react, cfg):
+    """``eval``'s agent method takes the runner's ``loop_episodes`` in place of the built-in loop: one scored
+    record per question, also for an episode the template split into two training sequences."""
+    from eval.methods import METHODS
+    from tests.chat_templates import QWEN3_TOOLS
+
+    tiny_llm.tokenizer.chat_template = CHATML_TOOLS
+    backend = Recording(ScriptedSampler(tiny_llm.tokenizer, [CALLS["chatml"], "<answer> Paris </answer>"]))
+    with ExternalRunner(backend, react, cfg, temperature=1.0) as runner:
+        recs = METHODS["agent"]([FRANCE, GERMANY], None, None, cfg, run_episodes=runner.loop_episodes)
+        assert runner.proxy.settings.temperature == 1.0  # the evaluation's 0.0 held for its call only
+    assert [r["prediction"] for r in recs] == ["Paris", "Paris"] and recs[0]["verdict"]["em"] == 1.0
+    assert [r["search_calls"] for r in recs] == [1, 1] and recs[1]["verdict"]["em"] == 0.0
+
+    async def two_rounds(question: str, base_url: str) -> str:  # a user follow-up: Qwen3 drops the reasoning
+        from openai import AsyncOpenAI
+
+        client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        msgs = [{"role": "user", "content": question}]
+        for follow_up in ("And in French?", None):
+            r = await client.chat.completions.create(model="m", messages=msgs)
+            msgs.append(r.choices[0].message.model_dump(exclude_none=True))
+            if follow_up:
+                msgs.append({"role": "user", "content": follow_up})
+        return msgs[-1]["content"]
+
+    tiny_llm.tokenizer.chat_template = QWEN3_TOOLS
+    backend = ScriptedSampler(tiny_llm.tokenizer, ["<think>\nhm\n</think>\n\n<answer> Paris </answer>"])
+    with ExternalRunner(backend, two_rounds, cfg) as runner:
+        seqs = runner.run_episodes([FRANCE])
+        (rec,) = METHODS["agent"]([FRANCE], None, None, cfg, run_episodes=runner.loop_episodes)
+    assert [s.metadata["segment"] for s in seqs] == [0, 1] and all(s.reward == 1.0 for s in seqs)
+    assert rec["prediction"] == "Paris" and rec["turns"] == 2
