@@ -75,16 +75,18 @@ class ExternalRunner:
             ``max_total_tokens``, ``temperature``, ``top_p``, ``reward``, ``format_reward``).
         temperature: overrides ``agent_cfg.temperature`` (0 = greedy); every call samples with it.
         judge: scores an episode (default: the rule judge of ``agent_cfg``). timeout_s: seconds per episode.
+        reruns: runs again of an episode that failed (:meth:`arun_episodes`).
 
     Use as a context manager, or call :meth:`close`. ``stats``: the proxy's counters (``calls``, ``splits``...).
     """
 
     def __init__(self, llm: LLM, agent: ExternalAgent, agent_cfg: Any, *, temperature: float | None = None,
-                 judge: Judge | None = None, timeout_s: float = 600.0, max_concurrency: int = 256):
+                 judge: Judge | None = None, timeout_s: float = 600.0, max_concurrency: int = 256,
+                 reruns: int = 1):
         temp = agent_cfg.temperature if temperature is None else temperature
         settings = ProxySettings(max_new_tokens=agent_cfg.max_new_tokens, max_total_tokens=agent_cfg.max_total_tokens,
                                  temperature=temp, top_p=agent_cfg.top_p if temp > 0 else 1.0)
-        self.agent, self.timeout_s, self.max_concurrency = agent, timeout_s, max_concurrency
+        self.agent, self.timeout_s, self.max_concurrency, self.reruns = agent, timeout_s, max_concurrency, reruns
         self.judge = judge or rule_judge(agent_cfg.reward, agent_cfg.format_reward)
         self.proxy = Proxy(llm, settings, max_batch=getattr(agent_cfg, "max_batch", 256))
         self.server = ProxyServer(self.proxy).start()
@@ -130,13 +132,22 @@ class ExternalRunner:
                             merge: bool = False) -> list[Trajectory]:
         """``n_samples`` episodes per example, concurrently (at most ``max_concurrency`` at once); sequences
         come back grouped by example (group id = example index), episodes in order. ``merge``: one record per
-        episode (:func:`merged`, for evaluation) instead of its training sequences."""
+        episode (:func:`merged`, for evaluation) instead of its training sequences. An episode that failed is
+        run again, at most ``reruns`` times (a fresh sample of its question in its group); the failed runs are
+        counted in ``metadata["failed_attempts"]`` (the trainer leaves one that still failed out)."""
         gate = asyncio.Semaphore(self.max_concurrency)
 
         async def one(ex: QAExample, g: int) -> list[Trajectory]:
-            async with gate:
-                seqs = await self.run_episode(ex, g, judge)
-                return [merged(seqs)] if merge else seqs
+            attempts = 0
+            while True:
+                async with gate:
+                    seqs = await self.run_episode(ex, g, judge)
+                attempts += int(seqs[0].stop_reason == "error")
+                if seqs[0].stop_reason != "error" or attempts > self.reruns:
+                    break
+            for t in seqs:  # what training.faults.drop_failed counts
+                t.metadata["failed_attempts"] = attempts
+            return [merged(seqs)] if merge else seqs
 
         runs = await asyncio.gather(*(one(ex, g) for g, ex in enumerate(examples) for _ in range(n_samples)))
         return [t for seqs in runs for t in seqs]

@@ -75,13 +75,17 @@ def test_failing_hanging_and_silent_agents_fail_their_own_episodes(tiny_llm, cfg
         return "Paris"
 
     river = QAExample("q3", "Which river flows through the Netherlands?", ["Rhine"])
-    with ExternalRunner(tiny_llm, agent, cfg, timeout_s=3) as runner:
+    with ExternalRunner(tiny_llm, agent, cfg, timeout_s=3, reruns=1) as runner:
         ok, bug, hang = runner.run_episodes([FRANCE, QAExample("q2", "Capital of Germany?", ["Berlin"]), river])
+        assert runner.stats["episodes"] == 5  # the two failed ones were run again, and failed again
     assert ok.stop_reason in ("answer", "max_turns") and len(ok) > 0
+    assert [t.metadata["failed_attempts"] for t in (ok, bug, hang)] == [0, 2, 2]
+    from training.faults import drop_failed
+    assert drop_failed([ok, bug, hang]) == ([ok], {"rollout_errors": 4.0, "rollout_dropped": 2.0})
     assert bug.stop_reason == "error" and "the agent's own bug" in bug.metadata["error"] and bug.reward == 0.0
     assert hang.stop_reason == "error" and "longer than 3 s" in hang.metadata["error"]
     assert len(bug) > 0  # its calls are recorded (and the trainer leaves the episode out)
-    with ExternalRunner(tiny_llm, silent, cfg) as runner:
+    with ExternalRunner(tiny_llm, silent, cfg, reruns=0) as runner:
         (t,) = runner.run_episodes([FRANCE])
     assert t.stop_reason == "error" and "never called the model" in t.metadata["error"] and len(t) == 0
 
