@@ -301,3 +301,34 @@ def test_gpu_scale_batch_masks_policy_turns_and_picks_the_largest_fitting_shape(
               "1.5b": {"params": 15, "rollout": fit, "update": fit}}
     assert gs.largest_fitting(shapes, "update") == "1.5b"
     assert gs.largest_fitting(shapes, "update_lora") is None
+
+
+def test_index_plan_extrapolates_by_its_cost_model():
+    ip = _load("index_plan")
+    gib = 1024**3
+    measured = {"flat_fp32": {"bytes": 4 * 768 * 10**6, "build_s": 10.0, "search_s": 6.4},
+                "flat_fp16": {"bytes": 2 * 768 * 10**6, "build_s": 5.0, "search_s": 3.2},
+                "ivfpq": {"train_s": 100.0, "add_s": 50.0, "search_s": 0.64, "nlist": 1024, "train_size": 39 * 1024,
+                          "nprobe": 32}}
+    x = ip.extrapolate(measured, 10**6, 21 * 10**6, 3, 64)
+    assert abs(x["flat_fp32"]["gib"] - 21 * 4 * 768 * 10**6 / gib) < 1e-6  # linear in N
+    assert abs(x["flat_fp32"]["ms_per_query"] - 21 * 100.0) < 1e-6  # 6.4 s / 64 queries, times 21
+    iv = x["ivfpq"]
+    assert iv["shards"] == 3 and iv["nlist_per_shard"] == int(4 * (7 * 10**6) ** 0.5)  # Sleuth's defaults
+    assert iv["train_s"] > 100.0 * 3 * 10 and iv["add_s"] > 50.0 * 21  # more points x more lists per shard
+    assert x["gpu_sharded"]["8 GPUs"]["fp16_gib_per_gpu"] * 8 == x["gpu_sharded"]["1 GPU"]["fp16_gib_per_gpu"]
+
+
+@pytest.mark.slow
+def test_index_plan_cpu_smoke(tmp_path):
+    import json
+
+    ip = _load("index_plan")
+    ip.main(["--cpu-smoke", "--encode-passages", "16", "--out", str(tmp_path / "plan.json"),
+             "--work", str(tmp_path / "work")])
+    res = json.loads((tmp_path / "plan.json").read_text())
+    m = res["measured"]
+    assert m["flat_fp32"]["recall"] == 1.0 and m["flat_fp16"]["recall"] > 0.9
+    assert m["flat_fp16"]["bytes"] * 2 == m["flat_fp32"]["bytes"] - 45  # the flat file's 45-byte header
+    assert m["ivfpq"]["bytes"] < m["flat_fp16"]["bytes"] and res["encoding"]["minilm_cpu_passages_per_s"] > 0
+    assert not (tmp_path / "work").exists()
