@@ -332,3 +332,33 @@ def test_index_plan_cpu_smoke(tmp_path):
     assert m["flat_fp16"]["bytes"] * 2 == m["flat_fp32"]["bytes"] - 45  # the flat file's 45-byte header
     assert m["ivfpq"]["bytes"] < m["flat_fp16"]["bytes"] and res["encoding"]["minilm_cpu_passages_per_s"] > 0
     assert not (tmp_path / "work").exists()
+
+
+def test_serve_load_cpu_smoke_loads_both_servers(tiny_data, tiny_policy_dir, tmp_path, capsys):
+    """bench/serve_load.py --smoke: both servers started as their commands start them, loaded by 1 and 2
+    clients; every request answered, the table printed and the JSON written with latency and memory."""
+    import json
+
+    sl = _load("serve_load")
+    out = tmp_path / "serve_load.json"
+    assert sl.main(["--smoke", "--corpus", str(tiny_data / "corpus.jsonl"), "--qa", str(tiny_data / "test.jsonl"),
+                    "--model", str(tiny_policy_dir), "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for name, per_client in (("serve-retrieval", 3), ("serve", 1)):
+        rows = res["servers"][name]
+        assert list(rows) == ["1", "2"]
+        for c, r in rows.items():
+            assert r["requests"] == int(c) * per_client and r["errors"] == {}, (name, r)
+            assert 0 < r["p50_ms"] <= r["p99_ms"] and r["requests_per_s"] > 0
+            assert 0 < r["rss_mb_before"] <= r["rss_mb_peak"]
+    assert res["passages"] == 6
+    text = capsys.readouterr().out
+    assert "| serve-retrieval | POST /retrieve | 2 | 6 | 0 |" in text and "| serve | POST /ask | 1 | 1 | 0 |" in text
+
+
+def test_serve_load_percentiles_and_counts_must_be_positive(capsys):
+    sl = _load("serve_load")
+    assert sl.percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and sl.percentile([1.0] * 98 + [9.0] * 2, 0.99) == 9.0
+    with pytest.raises(SystemExit) as e:
+        sl.main(["--clients", "0"])
+    assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
