@@ -387,11 +387,8 @@ async def run_episode(ctx: AgentContext, example: QAExample, group: int = 0,
     after each policy turn and each search, with the events of :func:`step_event`, while the episode
     runs. The trajectory is the same either way; an exception raised by ``on_event`` fails the episode
     like a backend error."""
-    traj = Trajectory(question_id=example.id, question=example.question,
-                      golden_answers=list(example.golden_answers), group=group,
-                      metadata={k: v for k, v in example.metadata.items() if k in ("hops", "dataset", "supporting_ids")})
-    traj.append(prompt_ids(ctx.tokenizer, example.question, ctx.agent_cfg), Role.PROMPT, 0)
-    state: EpisodeState = {"traj": traj, "turn": 1, "finish": ""}
+    state = new_episode(ctx, example, group)
+    traj = state["traj"]
     config: RunnableConfig = {"configurable": {"ctx": ctx}, "recursion_limit": 2 * ctx.agent_cfg.max_turns + 8}
     async with ctx.scheduler.episode():
         try:
@@ -404,18 +401,37 @@ async def run_episode(ctx: AgentContext, example: QAExample, group: int = 0,
                         if event is not None:
                             await on_event(event)
         except Exception as e:  # noqa: BLE001 - an episode fails cleanly with its reason
-            traj.stop_reason = "error"
-            traj.metadata["error"] = f"{type(e).__name__}: {e}"
-            traj.metadata["service_down"] = is_global(e)  # a service unavailable, not this request's fault
-            traj.reward, traj.verdict = 0.0, rule_verdict(None, traj.golden_answers) | {"format_ok": False}
+            fail_episode(traj, e)
     return traj
+
+
+def new_episode(ctx: AgentContext, example: QAExample, group: int = 0) -> EpisodeState:
+    """The start state of an episode of ``example``: its trajectory holding the prompt (raises what the
+    tokenizer or chat template raises on it), at turn 1."""
+    traj = Trajectory(question_id=example.id, question=example.question,
+                      golden_answers=list(example.golden_answers), group=group,
+                      metadata={k: v for k, v in example.metadata.items() if k in ("hops", "dataset", "supporting_ids")})
+    traj.append(prompt_ids(ctx.tokenizer, example.question, ctx.agent_cfg), Role.PROMPT, 0)
+    return {"traj": traj, "turn": 1, "finish": ""}
+
+
+def fail_episode(traj: Trajectory, e: BaseException) -> None:
+    """End an episode on a backend or tool failure ``e``: ``stop_reason="error"``, the reason in
+    ``metadata["error"]``, ``metadata["service_down"]`` from :func:`agent.scheduler.is_global`, reward 0."""
+    traj.stop_reason = "error"
+    traj.metadata["error"] = f"{type(e).__name__}: {e}"
+    traj.metadata["service_down"] = is_global(e)  # a service unavailable, not this request's fault
+    traj.reward, traj.verdict = 0.0, rule_verdict(None, traj.golden_answers) | {"format_ok": False}
 
 
 async def arun_episodes(ctx: AgentContext, examples: list[QAExample], n_samples: int = 1) -> list[Trajectory]:
     """Run ``n_samples`` episodes per example concurrently; trajectories come back grouped by example
-    (group id = example index), in order."""
-    coros = [run_episode(ctx, ex, group=i) for i, ex in enumerate(examples) for _ in range(n_samples)]
-    return list(await asyncio.gather(*coros))
+    (group id = example index), in order. The episodes run as one LangGraph graph over the whole batch
+    (:func:`agent.batch_graph.arun_batch`), with the same steps and the same trajectories as
+    :func:`run_episode` gives each of them."""
+    from agent.batch_graph import arun_batch
+
+    return await arun_batch(ctx, [(ex, i) for i, ex in enumerate(examples) for _ in range(n_samples)])
 
 
 def stop_strings(cfg: Any) -> tuple[str, ...]:

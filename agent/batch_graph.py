@@ -1,0 +1,120 @@
+"""Many episodes as one LangGraph run: the rollout graph whose state is the whole batch.
+
+:func:`agent.loop.run_episode` runs one graph per episode, which a server streaming one request needs. At
+rollout scale (Search-R1's step: 512 prompts x 5 episodes) LangGraph's bookkeeping, paid per graph run and
+per step of every episode, cost more than the loop's own work: about 2.4 ms per episode-turn at 32
+episodes, and more per episode-turn as the batch grows (``bench/rollout.py``). This graph has the same
+nodes, ``policy`` (generate, parse), ``tool`` (search, observe) and ``judge``, but one step runs that node
+for every episode waiting for it, concurrently: the scheduler still gathers one batched backend call per
+turn, and LangGraph's cost is paid once per step of the batch instead of once per step of each episode.
+
+Each episode takes the path the per-episode graph's edges give it (:func:`agent.loop.after_policy`,
+:func:`agent.loop.after_tool`) through the same node functions, so its trajectory is the one
+:func:`agent.loop.run_episode` gives it. A backend or tool failure ends that episode alone
+(:func:`agent.loop.fail_episode`). An episode counts as live for the scheduler
+(:meth:`agent.scheduler.Scheduler.episode`) only while its node runs, so the ones done with a step never hold
+back the batches of the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypedDict
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.graph import END, START, StateGraph
+
+from agent.loop import (
+    AgentContext,
+    EpisodeState,
+    after_policy,
+    after_tool,
+    fail_episode,
+    judge,
+    new_episode,
+    policy,
+    tool,
+)
+from agent.trajectory import Trajectory
+from corpora.formats import QAExample
+
+NEXT = "next"  # an episode's key: the node it waits for ("policy", "tool", "judge"), or "done"
+
+
+class BatchState(TypedDict):
+    """The graph's state: every episode's :class:`agent.loop.EpisodeState` (in order; updated in place)."""
+    episodes: list[EpisodeState]
+
+
+async def _run_each(name: str, fn: Callable, route: Callable | None, state: BatchState,
+                    config: RunnableConfig) -> BatchState:
+    """Run node ``fn`` for every episode waiting for ``name``, concurrently, each registered with the
+    scheduler for the length of its own call; then send each on by ``route`` (``None``: done). A failure
+    ends its episode alone."""
+    sched = config["configurable"]["ctx"].scheduler
+    waiting = [st for st in state["episodes"] if st[NEXT] == name]
+    slots = [sched.episode() for _ in waiting]
+    for slot in slots:  # all registered before any request is made: a batch waits for all of them
+        await slot.__aenter__()
+
+    async def one(st: EpisodeState, slot: Any) -> None:
+        try:
+            st.update(await fn(st, config))
+            st[NEXT] = route(st, config) if route is not None else "done"
+        except Exception as e:  # noqa: BLE001 - an episode fails cleanly with its reason
+            fail_episode(st["traj"], e)
+            st[NEXT] = "done"
+        finally:
+            await slot.__aexit__(None, None, None)
+
+    await asyncio.gather(*(one(st, slot) for st, slot in zip(waiting, slots, strict=True)))
+    return {"episodes": state["episodes"]}
+
+
+async def policy_step(state: BatchState, config: RunnableConfig) -> BatchState:
+    """:func:`agent.loop.policy` for every episode at a policy turn."""
+    return await _run_each("policy", policy, after_policy, state, config)
+
+
+async def tool_step(state: BatchState, config: RunnableConfig) -> BatchState:
+    """:func:`agent.loop.tool` for every episode whose turn called the tool (or was invalid)."""
+    return await _run_each("tool", tool, after_tool, state, config)
+
+
+async def judge_step(state: BatchState, config: RunnableConfig) -> BatchState:
+    """:func:`agent.loop.judge` for every episode that ended (the failed ones were scored already)."""
+    return await _run_each("judge", judge, None, state, config)
+
+
+def _next_step(state: BatchState) -> str:
+    waiting = {st[NEXT] for st in state["episodes"]}
+    return "policy" if "policy" in waiting else "tool" if "tool" in waiting else "judge"
+
+
+def build_batch_graph():
+    """Compile the batch graph: ``policy`` and ``tool`` steps alternate while an episode waits for one
+    (``policy`` first), then one ``judge`` step."""
+    g = StateGraph(BatchState)
+    for name, fn in [("policy", policy_step), ("tool", tool_step), ("judge", judge_step)]:
+        g.add_node(name, fn)
+    g.add_edge(START, "policy")
+    g.add_conditional_edges("policy", _next_step, ["policy", "tool", "judge"])
+    g.add_conditional_edges("tool", _next_step, ["policy", "tool", "judge"])
+    g.add_edge("judge", END)
+    return g.compile()
+
+
+BATCH_GRAPH = build_batch_graph()
+
+
+async def arun_batch(ctx: AgentContext, episodes: list[tuple[QAExample, int]]) -> list[Trajectory]:
+    """Run one episode per ``(example, group)`` in ``episodes`` to its end, as one graph run; trajectories
+    in the same order. Raises what building a prompt raises (a setup error that would fail every episode),
+    before any episode runs."""
+    states = [new_episode(ctx, ex, group) | {NEXT: "policy"} for ex, group in episodes]
+    if states:
+        config: RunnableConfig = {"configurable": {"ctx": ctx},
+                                  "recursion_limit": 2 * ctx.agent_cfg.max_turns + 8}
+        await BATCH_GRAPH.ainvoke({"episodes": states}, config=config)
+    return [st["traj"] for st in states]
