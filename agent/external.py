@@ -6,7 +6,7 @@ client (LangChain's ``ChatOpenAI``, the ``openai`` package) and returns its answ
 serves the policy backend through a :class:`agent.proxy.Proxy` on 127.0.0.1, hands each episode its own base
 URL (``.../ep/<episode>/v1``), and turns what the proxy recorded into the same
 :class:`~agent.trajectory.Trajectory` records the built-in loop writes (:mod:`agent.stitch`), judged by the
-same judge (:func:`agent.loop.rule_judge` by default, or the configured one) with the answer the agent
+same judge (:func:`agent.judges.rule_judge` by default, or the configured one) with the answer the agent
 returned, grouped as :func:`agent.loop.run_episodes` groups them. An episode the template split gives
 several sequences of one episode (``metadata["episode"]``/``["segment"]``), each with the episode's reward.
 An agent that raises, or runs past ``timeout_s``, gives an episode with ``stop_reason == "error"`` and the
@@ -23,9 +23,9 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, Self
 
-from agent.judges import rule_verdict
+from agent.judges import Judge, rule_judge
 from agent.llm import LLM, run_sync
-from agent.loop import Judge, rule_judge
+from agent.metrics import rule_verdict
 from agent.proxy import Proxy, ProxyServer, ProxySettings
 from agent.trajectory import Trajectory
 from corpora.formats import QAExample

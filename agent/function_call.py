@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.llm import encode
-from agent.protocol import JUDGE_INSTRUCTION, Action
+from agent.protocol import JUDGE_INSTRUCTION, Action, ToolProtocol
 
 STOP_STRINGS = ("</tool_call>",)
 SEARCH_TOOL = {
@@ -175,3 +175,35 @@ class ToolTemplate:
         if ended_with_eos and eos_text and close.startswith(eos_text):
             close = close[len(eos_text):]
         return close + self.before
+
+
+INVALID_HINT = ("Error: invalid action ({reason}). Call the search tool with a JSON object "
+                '{{"name": "search", "arguments": {{"query": ...}}}} or reply with <answer>...</answer>.')
+
+
+class FunctionCalling(ToolProtocol):
+    """Native function calling as a :class:`agent.protocol.ToolProtocol`: the prompt declares the search tool
+    through the chat template, a turn is parsed by :func:`parse_action`, and a tool result is framed by the
+    template's own tool message (:class:`ToolTemplate`, found on first use). Raises ``ValueError`` (naming
+    ``agent.protocol=search_r1``) when the tokenizer has no chat template."""
+
+    name = "function_call"
+    stop_strings = STOP_STRINGS
+
+    def __init__(self, tokenizer: Any, agent_cfg: Any):
+        super().__init__(tokenizer, agent_cfg)
+        self._template: ToolTemplate | None = None
+
+    def prompt_ids(self, question: str) -> list[int]:
+        return prompt_ids(self.tokenizer, question, getattr(self.cfg, "self_judge", False))
+
+    def parse(self, text: str, finish_reason: str = "stop") -> Action:
+        return parse_action(text, finish_reason, self.cfg.max_query_chars)
+
+    def observation_frame(self, eos_text: str | None) -> tuple[str, str]:
+        if self._template is None:
+            self._template = ToolTemplate.of(self.tokenizer)
+        return self._template.head(eos_text, eos_text is not None), self._template.after
+
+    def invalid_hint(self, reason: str) -> str:
+        return INVALID_HINT.format(reason=reason)

@@ -1,49 +1,29 @@
-"""The Search-R1 tag protocol: prompt, action parser and tool observations.
+"""The tool protocol: how the policy calls the search tool and how the tool's answer is written back.
 
-The policy writes ``<think>...</think>`` (optional), then exactly one action per turn:
-``<search>query</search>`` or ``<answer>text</answer>``. The search tool answers with
-``<information>Doc 1(Title: ...) ...</information>``, written as tool tokens. Follows Search-R1
-(Jin et al., 2025, ``search_r1/llm_agent/generation.py``), with stricter, explicit handling of malformed
-turns: every malformed action becomes an :class:`Action` of kind ``"invalid"`` whose ``error`` is shown to
-the policy as an observation, never an exception.
+One :class:`ToolProtocol` object is chosen per run from ``agent.protocol`` (:func:`make_protocol`) and the
+agent loop asks it for everything protocol-specific: the task prompt, the parse of a policy turn into an
+:class:`Action`, the text framing a tool observation, the hint after an invalid action and the stop strings.
+Two protocols ship:
+
+* ``search_r1`` (:class:`agent.search_r1.SearchR1`): ``<search>``/``<answer>`` tags and ``<information>``
+  observations, as Search-R1 (Jin et al., 2025);
+* ``function_call`` (:class:`agent.function_call.FunctionCalling`): native ``<tool_call>`` JSON through the
+  model's chat template, the tool result a ``tool`` message rendered by that template.
+
+What both share lives here: the parsed :class:`Action`, ReSeek's self-judge tag (:func:`split_judgement`),
+the rendering of retrieved documents (:func:`format_docs`) and the plain-or-chat-template user prompt.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
+from agent.llm import encode
 from retrieval.base import Hit
 
-ACTION_TAGS = ("search", "answer")
-STOP_STRINGS = ("</search>", "</answer>")
-SPECIAL_TAGS = (
-    "<think>", "</think>", "<search>", "</search>", "<answer>", "</answer>", "<information>", "</information>",
-)
-
-INSTRUCTION = (
-    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
-    "get new information. After reasoning, if you find you lack some knowledge, you can call a search engine "
-    "by <search> query </search> and it will return the top searched results between <information> and "
-    "</information>. You can search as many times as you want. If you find no further external knowledge "
-    "needed, you can directly provide the answer inside <answer> and </answer>, without detailed "
-    "illustrations. For example, <answer> Beijing </answer>. Question: {question}\n"
-)
-SHORT_INSTRUCTION = "Question: {question}\n"
-
-INVALID_HINT = (
-    "My previous action is invalid ({reason}). If I want to search, I should put the query between "
-    "<search> and </search>. If I want to give the final answer, I should put the answer between <answer> "
-    "and </answer>. Let me try again."
-)
-
-_TAG_RE = re.compile(r"<(/?)(" + "|".join(ACTION_TAGS) + r")>")
-_JUDGE_RE = re.compile(r"<judge>(.*?)</judge>", re.DOTALL)
-JUDGEMENTS = ("useful", "not useful")
-JUDGE_INSTRUCTION = (
-    "After you get new information, first rate it inside <judge> and </judge> as useful or not useful for "
-    "the question; if it is not useful, plan a different search. "
-)
+PROTOCOLS = ("search_r1", "function_call")
 
 
 @dataclass(frozen=True)
@@ -65,34 +45,87 @@ class Action:
         return self.kind != "invalid" and not self.trailing.strip()
 
 
-def parse_action(text: str, max_query_chars: int = 2000) -> Action:
-    """Parse one policy turn.
+class ToolProtocol:
+    """The interface the agent loop talks to (one instance per run, bound to the policy's tokenizer and the
+    :class:`agent.config.AgentConfig`). Subclasses set ``name`` and ``stop_strings`` and implement the
+    four methods; none of them raises on a malformed turn (that is an ``invalid`` :class:`Action`)."""
 
-    Rules (each pinned by a test): the first action tag opens the action and must be closed by its own
-    closing tag; a second action tag in the same turn, an unclosed tag, a stray closing tag, an empty
-    action, no action at all, and a query longer than ``max_query_chars`` characters are invalid; text
-    after ``</answer>`` or ``</search>`` is ignored and reported in ``trailing``.
-    """
-    tags = list(_TAG_RE.finditer(text))
-    if not tags:
-        return Action("invalid", error="no <search> or <answer> action")
-    first = tags[0]
-    if first.group(1) == "/":
-        return Action("invalid", error=f"</{first.group(2)}> without an opening tag")
-    kind = first.group(2)
-    if len(tags) < 2 or tags[1].group(2) != kind or tags[1].group(1) != "/":
-        if len(tags) >= 2 and tags[1].group(1) == "":
-            return Action("invalid", error=f"two actions in one turn (<{kind}> then <{tags[1].group(2)}>)")
-        return Action("invalid", error=f"unclosed <{kind}> tag")
-    content = text[first.end() : tags[1].start()].strip()
-    trailing = text[tags[1].end() :]
-    if any(t.group(1) == "" for t in tags[2:]):
-        return Action("invalid", error="two actions in one turn")
-    if not content:
-        return Action("invalid", error=f"empty <{kind}>")
-    if kind == "search" and len(content) > max_query_chars:
-        return Action("invalid", error=f"query of {len(content)} characters exceeds {max_query_chars}")
-    return Action(kind, content=content, trailing=trailing)
+    name: str = ""
+    stop_strings: tuple[str, ...] = ()
+
+    def __init__(self, tokenizer: Any, agent_cfg: Any):
+        self.tokenizer, self.cfg = tokenizer, agent_cfg
+
+    def prompt_ids(self, question: str) -> list[int]:
+        """Token ids of the task prompt for ``question``, ready for the policy's first turn."""
+        raise NotImplementedError
+
+    def parse(self, text: str, finish_reason: str = "stop") -> Action:
+        """The action of one policy turn (``finish_reason``: the backend's, ``"stop"`` or ``"length"``)."""
+        raise NotImplementedError
+
+    def observation_frame(self, eos_text: str | None) -> tuple[str, str]:
+        """The text written before and after a tool result. ``eos_text`` is the text of the end-of-turn token
+        the policy's turn ended with (``None`` if it ended otherwise)."""
+        raise NotImplementedError
+
+    def invalid_hint(self, reason: str) -> str:
+        """The tool observation after an invalid action (the reason, and how to call the tool)."""
+        raise NotImplementedError
+
+
+def make_protocol(tokenizer: Any, agent_cfg: Any) -> ToolProtocol:
+    """The :class:`ToolProtocol` of ``agent_cfg.protocol`` (default ``search_r1``) for ``tokenizer``. Raises
+    ``ValueError`` for an unknown name."""
+    from agent.function_call import FunctionCalling
+    from agent.search_r1 import SearchR1
+
+    name = getattr(agent_cfg, "protocol", "search_r1")
+    kinds = {"search_r1": SearchR1, "function_call": FunctionCalling}
+    if name not in kinds:
+        raise ValueError(f"unknown agent.protocol {name!r}; expected one of {PROTOCOLS}")
+    return kinds[name](tokenizer, agent_cfg)
+
+
+def prompt_ids(tokenizer: Any, question: str, agent_cfg: Any) -> list[int]:
+    """Token ids of the task prompt of ``agent_cfg``'s protocol (:meth:`ToolProtocol.prompt_ids`)."""
+    return make_protocol(tokenizer, agent_cfg).prompt_ids(question)
+
+
+# -- the user prompt ----------------------------------------------------------------------------------
+def check_chat_template(tokenizer: Any, agent_cfg: Any) -> None:
+    """Raise ``ValueError`` when ``agent_cfg.chat_template`` is ``on`` but ``tokenizer`` has no chat
+    template (``auto`` uses one only when it is there)."""
+    if getattr(agent_cfg, "chat_template", "auto") == "on" and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("agent.chat_template=on, but the model's tokenizer has no chat template; use "
+                         "agent.chat_template=auto (the template when there is one) or off")
+
+
+def user_message_ids(tokenizer: Any, text: str, agent_cfg: Any) -> list[int]:
+    """Token ids of a one-message user prompt ``text``, ready for generation: through the model's chat
+    template (with the generation prompt) when ``agent_cfg.chat_template`` is ``on``, or ``auto`` and the
+    tokenizer has one; else BOS (when the tokenizer has one) and the plain text. Raises ``ValueError`` for
+    ``on`` without a template (:func:`check_chat_template`)."""
+    check_chat_template(tokenizer, agent_cfg)
+    use_chat = agent_cfg.chat_template == "on" or (
+        agent_cfg.chat_template == "auto" and getattr(tokenizer, "chat_template", None)
+    )
+    if use_chat:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None else []
+    return bos + encode(tokenizer, text)
+
+
+# -- ReSeek's self-judge (both protocols) ----------------------------------------------------------------
+_JUDGE_RE = re.compile(r"<judge>(.*?)</judge>", re.DOTALL)
+JUDGEMENTS = ("useful", "not useful")
+JUDGE_INSTRUCTION = (
+    "After you get new information, first rate it inside <judge> and </judge> as useful or not useful for "
+    "the question; if it is not useful, plan a different search. "
+)
 
 
 def split_judgement(text: str) -> tuple[str | None, str | None, str]:
@@ -114,8 +147,10 @@ def split_judgement(text: str) -> tuple[str | None, str | None, str]:
     return verdict, None, rest
 
 
+# -- retrieved documents --------------------------------------------------------------------------------
 def format_docs(hits: list[Hit], max_doc_chars: int | None = None) -> str:
-    """Render hits as Search-R1 does: ``Doc i(Title: <title>) <text>`` one per line."""
+    """Render hits as Search-R1 does: ``Doc i(Title: <title>) <text>`` one per line (the body of an
+    observation under either protocol)."""
     lines = []
     for i, h in enumerate(hits, start=1):
         text = h.text if max_doc_chars is None else h.text[:max_doc_chars]
@@ -130,12 +165,3 @@ def docs_content(block: str) -> str:
     """The text of a :func:`format_docs` block without its ``Doc i(Title: `` labels (titles and passage
     texts kept): what the documents say, e.g. to look for a golden answer in it."""
     return _DOC_LABEL_RE.sub("", block)
-
-
-def build_prompt(question: str, short: bool = False, self_judge: bool = False) -> str:
-    """The task prompt. ``short`` uses a one-line prompt (for the tiny from-scratch policy); ``self_judge``
-    adds ReSeek's instruction to rate each retrieved block with ``<judge>``."""
-    if short:
-        return SHORT_INSTRUCTION.format(question=question.strip())
-    instruction = INSTRUCTION.replace("Question: {question}", (JUDGE_INSTRUCTION if self_judge else "") + "Question: {question}")
-    return instruction.format(question=question.strip())

@@ -67,8 +67,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent.chat_params import MAX_N, ChatParams, ParamError, parse_chat_params
+from agent.judges import Judge, rule_judge
 from agent.llm import LLM
-from agent.loop import EventSink, Judge, make_context, prompt_ids, rule_judge, run_episode
+from agent.loop import EventSink, make_context, run_episode
+from agent.protocol import prompt_ids
 from agent.trajectory import Trajectory
 from agent.webui import add_page_routes
 from corpora.formats import QAExample

@@ -39,9 +39,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent import protocol
+from agent import search_r1
 from agent.llm import SamplingParams, decode, encode
-from agent.loop import prompt_ids, run_episodes
+from agent.loop import run_episodes
+from agent.protocol import format_docs, prompt_ids
 from agent.trajectory import Role, Trajectory
 
 
@@ -61,21 +62,21 @@ def handwritten_rollout(examples, llm, retriever, cfg, top_k: int) -> list[Traje
         if not live:
             break
         params = SamplingParams(max_new_tokens=max(budgets[i] for i in live), temperature=0.0,
-                                top_p=cfg.top_p, stop=protocol.STOP_STRINGS)
+                                top_p=cfg.top_p, stop=search_r1.STOP_STRINGS)
         gens = llm.generate([trajs[i].token_ids for i in live], params)
         searches, errors, nxt = [], [], []
         for i, g in zip(live, gens, strict=True):
             ids = g.token_ids[: budgets[i]]
             text = g.text if len(ids) == len(g.token_ids) else decode(tok, ids)
             trajs[i].append(ids, Role.POLICY, turn)
-            a = protocol.parse_action(text, max_query_chars=cfg.max_query_chars)
+            a = search_r1.parse_action(text, max_query_chars=cfg.max_query_chars)
             if a.kind == "answer":
                 trajs[i].answer = a.content
             elif turn < cfg.max_turns:
                 (searches if a.kind == "search" else errors).append((i, a))
         hits = retriever.search([a.content for _, a in searches], top_k) if searches else []
-        bodies = [(i, protocol.format_docs(h, cfg.max_doc_chars)) for (i, _), h in zip(searches, hits, strict=True)]
-        bodies += [(i, protocol.INVALID_HINT.format(reason=a.error)) for i, a in errors]
+        bodies = [(i, format_docs(h, cfg.max_doc_chars)) for (i, _), h in zip(searches, hits, strict=True)]
+        bodies += [(i, search_r1.INVALID_HINT.format(reason=a.error)) for i, a in errors]
         for i, body in sorted(bodies):
             room = min(cfg.max_obs_tokens, cfg.max_total_tokens - len(trajs[i])) - len(head) - len(tail)
             if room <= 0:

@@ -13,7 +13,7 @@
   the helpful information, and only that is inserted into the reasoning chain.
 * ``agent``: the Sleuth agent (:func:`agent.loop.run_episodes`): the policy decides when and what to search.
 
-All methods speak the agent's Search-R1 tag protocol and use its prompt (:func:`agent.loop.prompt_ids`), so
+All methods speak the agent's Search-R1 tag protocol and use its prompt (:func:`agent.protocol.prompt_ids`), so
 the same checkpoint is compared fairly: ``direct`` forces ``<answer>`` right after the prompt; ``rag`` writes
 the agent's first turn for it (``<search> question </search>`` and the ``<information>`` block) and forces
 ``<answer>``; ``ircot`` puts all retrieved passages in one ``<information>`` block and lets the model reason
@@ -35,9 +35,10 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from agent import protocol
+from agent import search_r1
 from agent.config import AgentConfig
 from agent.llm import LLM, Generation, SamplingParams, decode, encode, generate_requests
+from agent.protocol import format_docs
 from corpora.formats import QAExample
 from retrieval.base import Hit, Retriever
 
@@ -46,7 +47,7 @@ RAW_CHARS = 500
 
 
 def _prompt(llm: LLM, question: str, cfg: AgentConfig) -> list[int]:
-    from agent.loop import prompt_ids  # the agent's own prompt (chat template or Search-R1 instruction)
+    from agent.protocol import prompt_ids  # the agent's own prompt (chat template or Search-R1 instruction)
 
     return prompt_ids(llm.tokenizer, question, cfg)
 
@@ -109,7 +110,7 @@ def _fit(llm: LLM, body: str, room: int) -> list[int]:
 def _info_ids(llm: LLM, docs: list[Hit], cfg: AgentConfig, room: int) -> list[int]:
     """``<information>`` block of ``docs`` (Search-R1 rendering) whose body fits ``room`` tokens."""
     head, tail = encode(llm.tokenizer, "\n\n<information>"), encode(llm.tokenizer, "</information>\n\n")
-    body = _fit(llm, protocol.format_docs(docs, cfg.max_doc_chars), room - len(head) - len(tail))
+    body = _fit(llm, format_docs(docs, cfg.max_doc_chars), room - len(head) - len(tail))
     return head + body + tail
 
 
@@ -407,8 +408,8 @@ _ACTION_OR_INFO = re.compile(r"</?(search|answer|information)>")  # <think> may 
 
 def _user_ids(llm: LLM, text: str, cfg: AgentConfig) -> list[int]:
     """Token ids of a one-message user prompt, through the chat template exactly when the agent prompt
-    uses one (:func:`agent.loop.user_message_ids`, as :func:`agent.loop.prompt_ids`)."""
-    from agent.loop import user_message_ids
+    uses one (:func:`agent.protocol.user_message_ids`, as :func:`agent.protocol.prompt_ids`)."""
+    from agent.protocol import user_message_ids
 
     return user_message_ids(llm.tokenizer, text, cfg)
 
@@ -424,7 +425,7 @@ def reason_in_documents_prompt(llm: LLM, reasoning: str, query: str, docs: list[
     limit = cfg.max_total_tokens - max_new
 
     def build(doc_room: int, reason_room: int) -> list[int]:
-        body = protocol.format_docs(docs, cfg.max_doc_chars)
+        body = format_docs(docs, cfg.max_doc_chars)
         reason = encode(tok, " ".join(reasoning.split()))
         text = REASON_IN_DOCUMENTS.format(
             reasoning=decode(tok, reason[max(len(reason) - reason_room, 0):] if reason_room > 0 else []) or "(none)",
@@ -531,7 +532,7 @@ def search_o1(
         active = [i for i in active if len(ctx[i]) + reserve <= cfg.max_total_tokens]
         if not active:
             break
-        gens = llm.generate([ctx[i] for i in active], _params(cfg, temperature, seed, protocol.STOP_STRINGS))
+        gens = llm.generate([ctx[i] for i in active], _params(cfg, temperature, seed, search_r1.STOP_STRINGS))
         queries: list[tuple[int, str]] = []
         going: list[int] = []
         for i, g in zip(active, gens, strict=True):
@@ -541,7 +542,7 @@ def search_o1(
             if ids and eos is not None and ids[-1] == eos:
                 ids = ids[:-1]
             ctx[i] += ids
-            act = protocol.parse_action(g.text, cfg.max_query_chars)
+            act = search_r1.parse_action(g.text, cfg.max_query_chars)
             if act.kind == "answer":
                 answer[i] = act.content
             elif act.kind == "search":

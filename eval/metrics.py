@@ -9,7 +9,7 @@ a dict with at least ``id``, ``prediction`` (str or None), ``golden_answers`` (l
 ``retrieved_ids`` (list[str], in retrieval order), ``search_calls``, ``turns``, ``generated_tokens`` (ints)
 and ``wall_s`` (float, seconds); the runner adds ``supporting_ids`` (list[str] or None) and ``hops``
 (int or None) from the example's metadata. A record judged by an LLM (:func:`eval.run.judge_records`,
-:func:`agent.llm_judge.judge_answers`) also has ``llm_correct`` (float), ``llm_verdict`` and ``llm_raw``.
+:func:`agent.judges.judge_answers`) also has ``llm_correct`` (float), ``llm_verdict`` and ``llm_raw``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from agent.judges import (  # noqa: F401  (re-exported)
+from agent.metrics import (  # noqa: F401  (re-exported)
     METRICS,
     cover_exact_match,
     exact_match,

@@ -6,7 +6,7 @@ appended to the cache as soon as it is done), shows a progress bar with the live
 ``RUN_DIR/<method>-<fingerprint>/summary.json`` with the metrics of :func:`eval.metrics.aggregate`.
 
 With a judge LLM (``judge_llm``), every computed batch is also scored by LLM-as-judge
-(:func:`judge_records`, through :func:`agent.llm_judge.judge_answers`) before it is cached, and the judge
+(:func:`judge_records`, through :func:`agent.judges.judge_answers`) before it is cached, and the judge
 model and its options are part of the fingerprint: judged and unjudged records, or records of two judges,
 never share a cache; judging a config that already has unjudged predictions reuses them (judged, not recomputed).
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from agent.llm_judge import check_judge_options, judge_answers
+from agent.judges import check_judge_options, judge_answers
 from corpora.formats import QAExample
 from eval.cache import PredictionCache, describe_llm, describe_retriever, fingerprint, path_manifest
 from eval.datasets import REGISTRY, benchmark_path, expand_benchmarks, load_benchmark
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 def judge_records(records: list[dict[str, Any]], judge_llm: Any, unparseable: str = "zero",
                   fallback_metric: str = "em", max_new_tokens: int = 16) -> list[dict[str, Any]]:
     """Score prediction records by LLM-as-judge in one batched call of ``judge_llm``
-    (:func:`agent.llm_judge.judge_answers`): adds ``llm_correct``, ``llm_verdict`` and ``llm_raw`` to each
+    (:func:`agent.judges.judge_answers`): adds ``llm_correct``, ``llm_verdict`` and ``llm_raw`` to each
     record, in place, and returns ``records``. A record needs ``question`` (else ``KeyError`` naming it),
     ``golden_answers`` and ``prediction``."""
     for r in records:

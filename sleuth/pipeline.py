@@ -216,11 +216,11 @@ def answer_judge(cfg: Config):
     if a.judge != "llm" or not a.llm_judge.model:
         return None
     from agent.backends import make_llm
-    from agent.loop import configured_llm_judge
+    from agent.judges import configured_judge
 
     judge_llm = make_llm(other_model_backend(cfg), str(a.llm_judge.model), cfg.policy.dtype, cfg.policy.device,
                          cfg.seed)
-    return configured_llm_judge(judge_llm, a)
+    return configured_judge(a, judge_llm)
 
 
 def other_model_backend(cfg: Config):
@@ -242,7 +242,8 @@ def evaluate_agent(llm, retriever, examples: list[QAExample], cfg: Config) -> tu
     (seconds per question) and errors (episodes that stopped on an error, e.g. a failed search, scored 0;
     the error is in each one's ``metadata["error"]``).
     """
-    from agent.loop import rule_judge, run_episodes
+    from agent.judges import rule_judge
+    from agent.loop import run_episodes
     from eval.methods import trajectory_record
     from eval.metrics import aggregate
 

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
+from agent.judges import judge_answers
 from agent.llm import Generation
-from agent.llm_judge import judge_answers
 from eval.metrics import aggregate, judge_score
 from eval.report import write_report
 from eval.run import _live_postfix, format_summary, judge_records, run_benchmarks

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from agent.judges import judge_batch, judge_prompt, llm_judge, parse_verdict
 from agent.llm import Generation, encode
-from agent.llm_judge import judge_batch, judge_prompt, llm_judge, parse_verdict
 from agent.loop import run_episodes
 from agent.trajectory import Trajectory
 from tests.test_agent_exactness import FRANCE

@@ -1,6 +1,7 @@
 """The Search-R1 tag parser on well-formed and malformed turns."""
 
-from agent.protocol import Action, format_docs, parse_action
+from agent.protocol import Action, format_docs
+from agent.search_r1 import parse_action
 from retrieval.base import Hit
 
 

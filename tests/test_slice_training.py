@@ -208,7 +208,8 @@ def test_oracle_still_searches_after_an_invalid_turn():
     """The invalid-action hint names ``<search>`` itself, so after an invalid turn (a search cut by the
     turn budget) the oracle counted the cut search and the hint as two searches made and answered without
     any document; only searches that got documents count now."""
-    from agent.protocol import INVALID_HINT, format_docs
+    from agent.protocol import format_docs
+    from agent.search_r1 import INVALID_HINT
     from corpora.formats import QAExample
     from retrieval.base import Hit
     from training.oracle import OracleLLM

@@ -34,7 +34,7 @@ def add_arguments(p) -> None:
 def simulator_examples(examples: list[Any], retriever: Any, k: int, titles_by_id: dict[str, str] | None = None) -> list[dict]:
     """One record per (query, retrieved document): ``question_id``, ``query``, ``doc_id``, ``label``
     (``useful``/``noisy``), ``prompt`` and ``completion`` (title line + paragraph)."""
-    from agent.judges import normalize_answer
+    from agent.metrics import normalize_answer
     from retrieval.simulated import NOISY, USEFUL, document_completion, simulator_prompt
 
     titles_by_id = titles_by_id or {}
