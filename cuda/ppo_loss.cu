@@ -1,12 +1,13 @@
 // Masked PPO-clip loss: per-token clipped surrogate (DAPO clip-higher, optional dual-clip), KL-to-reference
 // (k1/k3) and entropy terms, reduced by the three aggregation modes, and the per-token backward.
 //
-// Spec: training.losses.ppo_clip_loss / aggregate / kl_estimate (PyTorch references). Three launches:
+// Spec: training.losses.policy_loss / aggregate / kl_estimate (PyTorch references). Three launches:
 //   1. row kernel (one block per sequence): weighted row sums over the mask of pg, clipped, -log_ratio,
 //      ratio, kl, entropy, dual-clipped and the token count n_b;
 //   2. finalize kernel (one block): loss and stats under the aggregation mode, and per-row gradient
-//      weights w_b (token-mean: 1/max(N,1); seq-mean-token-sum: 1/B; seq-mean-token-mean:
-//      [n_b>0]/max(n_b,1)/max(#rows with tokens,1)), so that agg(x) = sum_b w_b sum_t m_bt x_bt;
+//      weights w_b (token-mean: 1/max(N,1); seq-mean-token-sum: [n_b>0]/max(#rows with tokens,1);
+//      seq-mean-token-mean: [n_b>0]/max(n_b,1)/max(#rows with tokens,1)), so that
+//      agg(x) = sum_b w_b sum_t m_bt x_bt;
 //   3. backward kernel (elementwise): dL/dlp and dL/dentropy, with torch's subgradient conventions
 //      (clamp passes gradient on its closed interval; maximum splits a tie in half).
 // Masked positions use select, not multiply, so NaN/inf at masked positions never leak into the loss.
@@ -125,7 +126,7 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(const float* __restr
     const float* r = rows + (long long)b * kRowStats;
     float w;
     if (P.mode == 0) w = 1.f / fmaxf(total, 1.f);
-    else if (P.mode == 1) w = 1.f / (float)B;
+    else if (P.mode == 1) w = r[0] > 0.f ? 1.f / fmaxf(nseq, 1.f) : 0.f;  // rows that hold tokens, as mode 2
     else w = r[0] > 0.f ? 1.f / fmaxf(r[0], 1.f) / fmaxf(nseq, 1.f) : 0.f;
     row_w[b] = w;
     agg[0] += w * r[1];

@@ -14,10 +14,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-# the agent's own sections live beside the agent (agent/config.py); they are part of this schema
+# each layer's sections live beside it (agent/config.py, training/config.py); they are part of this schema
 from agent.config import AgentConfig, BackendConfig, LLMJudgeConfig, Section, SimulatorConfig
+from training.config import SFTConfig, TrainConfig
 
-__all__ = ["AgentConfig", "BackendConfig", "Config", "ConfigError", "LLMJudgeConfig", "Section", "SimulatorConfig"]
+__all__ = ["AgentConfig", "BackendConfig", "Config", "ConfigError", "LLMJudgeConfig", "SFTConfig", "Section",
+           "SimulatorConfig", "TrainConfig"]
 
 
 class ConfigError(ValueError):
@@ -109,96 +111,6 @@ class PolicyConfig(Section):
     device: str = "auto"
 
 
-class SFTConfig(Section):
-    """Warm start on oracle trajectories (search the question, read, answer with the gold answer)."""
-
-    enabled: bool = True
-    epochs: int = Field(6, ge=0)
-    lr: float = 1e-3
-    batch_size: int = Field(16, ge=1)
-    max_examples: int | None = None
-
-
-class TrainConfig(Section):
-    """Multi-turn policy-gradient training (GRPO by default); see :mod:`training.advantages` for the
-    estimators and :mod:`training.trainer` for the loop."""
-
-    algorithm: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "stratified_grpo", "ppo", "igpo"] = Field(
-        "grpo", description="advantage estimator (ppo needs train.critic)")
-    steps: int = Field(10, ge=0)
-    questions_per_step: int = Field(8, ge=1)
-    group_size: int = Field(4, ge=1)
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = Field(0, ge=0, description="linear LR warm-up (optimizer steps)")
-    clip_low: float = Field(0.2, ge=0.0)
-    clip_high: float = Field(0.2, ge=0.0, description="DAPO clip-higher when > clip_low")
-    clip_ratio_c: float | None = Field(None, gt=1.0, description="dual-clip bound for negative advantages "
-                                       "(Ye et al. 2020; verl's clip_ratio_c, 3 there); None = off")
-    ppo_epochs: int = Field(1, ge=1)
-    micro_batch: int = Field(16, ge=1, description="most trajectories per micro-batch")
-    micro_batch_tokens: int | None = Field(
-        None, ge=1, description="token budget per micro-batch (rows sorted by length, padding trimmed)")
-    packing: bool = Field(
-        False, description="sequence packing in the policy log-prob forward: real tokens of a micro-batch in one "
-                           "row with block-diagonal attention, no padding; micro_batch_tokens then budgets the "
-                           "sum of real lengths (same results as padded, see training.batch). Off by default: "
-                           "pays off with flash-attention varlen (policy attn_implementation=flash_attention_2); "
-                           "with sdpa/eager the packed row's dense L x L mask made the tiny policy 2-2.5x slower "
-                           "on CPU")
-    kl_coef: float = Field(0.0, ge=0.0)
-    kl_type: Literal["k1", "k3"] = "k3"
-    kl_mode: Literal["loss", "reward"] = Field("loss", description="KL to the reference in the loss or as a reward penalty")
-    entropy_coef: float = 0.0
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    max_grad_norm: float = 1.0
-    # estimator options
-    stratified_alpha: float = Field(0.5, ge=0.0, le=1.0, description="Stratified GRPO: weight of SAN vs global")
-    critic: Literal["none", "separate", "shared"] = Field(
-        "none", description="value model for PPO: separate (a copy of the policy backbone with a value head; "
-                            "also under torchrun) or shared (a head on the policy's own hidden states; one "
-                            "process only)")
-    critic_lr: float = 1e-3
-    vf_coef: float = Field(0.5, ge=0.0, description="value-loss weight (PPO's c1): scales the critic's loss before "
-                           "its own gradient clipping (max_grad_norm) and AdamW step at critic_lr, so it mostly "
-                           "sets how hard the clipping bites (verl's separate critic does not scale it)")
-    vf_clip: float = Field(0.2, ge=0.0, description="clip range of the value update around the rollout's values")
-    gamma: float = Field(1.0, ge=0.0, le=1.0)
-    lam: float = Field(1.0, ge=0.0, le=1.0)
-    ig_coef: float = Field(1.0, ge=0.0, description="IGPO: weight of the information gain turn reward")
-    search_cost: float = Field(0.0, ge=0.0, description="reward cost per search call, folded in by turn")
-    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal, refill")
-    dynamic_sampling_max_tries: int = Field(3, ge=1, description="extra rollout rounds to refill a batch")
-    # efficiency and scale
-    lora: bool = False
-    lora_rank: int = Field(8, ge=1)
-    lora_alpha: float = 16.0
-    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    lora_targets: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    gradient_checkpointing: bool = False
-    bf16: bool = Field(True, description="bf16 autocast for the update on GPU (ignored on CPU)")
-    dist_timeout_s: float = Field(
-        600.0, gt=0, description="torchrun: seconds a collective waits for the other ranks before the run fails")
-    # bookkeeping and health
-    save_every: int = Field(5, ge=1)
-    keep_checkpoints: int = Field(2, ge=1)
-    max_nonfinite_steps: int = Field(3, ge=1, description="stop after this many NaN/inf losses")
-    eval_every: int = Field(0, ge=0, description="evaluate on held-out questions (data.test, eval.limit) every n "
-                            "steps, logged as eval_*; the best eval_em is kept in checkpoints/best (0: never)")
-    alarm_min_format_ok: float | None = Field(None, ge=0.0, le=1.0, description="alarm when validity falls below")
-    alarm_min_entropy: float | None = Field(None, ge=0.0, description="alarm when policy entropy falls below")
-    alarm_patience: int = Field(2, ge=1, description="consecutive steps below a threshold before the alarm")
-    alarm_action: Literal["warn", "stop"] = Field("warn", description="stop: end the run, keeping the best checkpoint")
-
-    @model_validator(mode="after")
-    def _check(self) -> TrainConfig:
-        if self.algorithm == "ppo" and self.critic == "none":
-            raise ValueError("train.algorithm=ppo needs a value model: set train.critic=separate or shared")
-        if self.algorithm in ("grpo", "dr_grpo", "rloo", "stratified_grpo", "igpo") and self.group_size < 2:
-            raise ValueError(f"train.algorithm={self.algorithm} is group-relative: train.group_size must be >= 2")
-        return self
-
-
 class EvalConfig(Section):
     """Evaluation: question limit, decoding temperature (0 = greedy) and the optional LLM judge."""
     limit: int | None = Field(None, ge=1, description="most test questions evaluated (None = all)")
@@ -209,9 +121,12 @@ class EvalConfig(Section):
 
 
 class Config(Section):
-    """The whole run configuration (one YAML file plus dotted overrides)."""
+    """The whole run configuration (one YAML file plus dotted overrides). ``plugins``: Python modules (dotted
+    names, or paths of ``.py`` files) imported before the rest is validated, so that what they register
+    (advantage estimators, losses, KL estimators: :mod:`training.registry`) is a valid config value."""
     seed: int = 0
     out_dir: str = "runs/quickstart"
+    plugins: list[str] = Field(default_factory=list)
     data: DataConfig = DataConfig()
     retrieval: RetrievalConfig = RetrievalConfig()
     policy: PolicyConfig = PolicyConfig()
@@ -297,6 +212,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a config must be a mapping, got {type(raw).__name__}")
     _merge(raw, parse_overrides(overrides or []))
+    import_plugins(raw.get("plugins"))
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
@@ -308,6 +224,41 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             else:
                 msgs.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
         raise ConfigError("; ".join(msgs)) from None
+
+
+def import_plugins(plugins: Any) -> None:
+    """Import each plugin module of the config's ``plugins`` (a list of dotted module names or ``.py`` file
+    paths, relative to the working directory), once per process. Raises :class:`ConfigError` naming the
+    plugin that is not a list of strings, not found, or fails while it is imported."""
+    import importlib
+    import importlib.util
+    import sys
+
+    if plugins is None:
+        return
+    if not isinstance(plugins, list) or not all(isinstance(p, str) and p.strip() for p in plugins):
+        raise ConfigError(f"plugins: expected a list of module names or .py paths, got {plugins!r}")
+    for name in plugins:
+        try:
+            if name.endswith(".py") or "/" in name:
+                path = Path(name).resolve()
+                key = f"sleuth_plugin_{path.stem}_{abs(hash(str(path)))}"
+                if key in sys.modules:
+                    continue
+                spec = importlib.util.spec_from_file_location(key, path)
+                if spec is None or not path.is_file():
+                    raise FileNotFoundError(f"no such file: {path}")
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[key] = module
+                try:
+                    spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[key]
+                    raise
+            else:
+                importlib.import_module(name)
+        except Exception as e:
+            raise ConfigError(f"plugins: cannot import {name!r} ({type(e).__name__}: {e})") from e
 
 
 def _suggest(loc: tuple[Any, ...]) -> str:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from training import advantages as A
+from training.config import TrainConfig
 
 # group 0: four samples, rewards vary; group 1: all equal; group 2: a single trajectory
 R = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.5])
@@ -53,16 +54,27 @@ def test_strata_do_not_mix_groups():
     close(A.stratified_grpo_advantages(r, g, s, alpha=1.0), [0.707107, -0.707107, -0.707107, 0.707107])
 
 
-@pytest.mark.parametrize("name", A.OUTCOME_ESTIMATORS)
+OUTCOME = [n for n in A.ADV_ESTIMATORS if A.ADV_ESTIMATORS.get(n).outcome is not None]
+TC = TrainConfig()
+
+
+def test_the_built_in_estimators_are_registered():
+    assert set(OUTCOME) == {"grpo", "dr_grpo", "rloo", "reinforce_pp", "stratified_grpo"}
+    assert A.ADV_ESTIMATORS.get("ppo").critic and not A.ADV_ESTIMATORS.get("grpo").critic
+    assert A.ADV_ESTIMATORS.get("igpo").gold_probs and A.ADV_ESTIMATORS.get("igpo").groups
+    assert not A.ADV_ESTIMATORS.get("reinforce_pp").groups
+
+
+@pytest.mark.parametrize("name", OUTCOME)
 def test_all_equal_group_and_single_trajectory_give_zero(name):
-    eq = A.outcome_advantages(name, torch.tensor([0.3, 0.3, 0.3]), torch.tensor([0, 0, 0]), torch.tensor([0, 1, 1]))
+    eq = A.outcome_advantages(name, torch.tensor([0.3, 0.3, 0.3]), torch.tensor([0, 0, 0]), torch.tensor([0, 1, 1]), TC)
     close(eq, [0.0, 0.0, 0.0])
-    one = A.outcome_advantages(name, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([2]))
+    one = A.outcome_advantages(name, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([2]), TC)
     close(one, [0.0])
     assert torch.isfinite(one).all()
 
 
-@pytest.mark.parametrize("name", A.OUTCOME_ESTIMATORS)
+@pytest.mark.parametrize("name", OUTCOME)
 @pytest.mark.parametrize("value", [0.7, 0.1, 0.3, 0.9, 2.2])
 @pytest.mark.parametrize("n", [3, 7, 12])
 def test_all_equal_rewards_give_exactly_zero_whatever_the_value(name, value, n):
@@ -70,12 +82,12 @@ def test_all_equal_rewards_give_exactly_zero_whatever_the_value(name, value, n):
     ``r - mean`` was divided by ``std + eps`` with ``std`` of the same tiny size, giving every member of a
     flat group the same advantage (up to 0.19) instead of 0."""
     r = torch.full((n,), value)
-    adv = A.outcome_advantages(name, r, torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long))
+    adv = A.outcome_advantages(name, r, torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), TC)
     assert torch.equal(adv, torch.zeros(n)), adv
     # a flat group next to a varying one stays exactly 0, and the varying one is unchanged
     r2 = torch.cat([r, torch.tensor([0.0, 1.0])])
     g2 = torch.cat([torch.zeros(n, dtype=torch.long), torch.ones(2, dtype=torch.long)])
-    adv2 = A.outcome_advantages(name, r2, g2, torch.zeros(n + 2, dtype=torch.long))
+    adv2 = A.outcome_advantages(name, r2, g2, torch.zeros(n + 2, dtype=torch.long), TC)
     if name != "reinforce_pp":  # batch-level: the flat group is not flat in the batch
         assert torch.equal(adv2[:n], torch.zeros(n))
     k = (A.igpo_turn_advantages(torch.full((n, 2), value), torch.ones(n, 2, dtype=torch.bool),
@@ -84,8 +96,12 @@ def test_all_equal_rewards_give_exactly_zero_whatever_the_value(name, value, n):
 
 
 def test_unknown_estimator():
-    with pytest.raises(ValueError, match="unknown"):
-        A.outcome_advantages("nope", R, G)
+    with pytest.raises(ValueError, match="unknown advantage estimator 'nope'"):
+        A.outcome_advantages("nope", R, G, G, TC)
+    with pytest.raises(ValueError, match="did you mean 'grpo'"):
+        A.ADV_ESTIMATORS.get("grpp")
+    with pytest.raises(ValueError, match="not an outcome-level"):
+        A.outcome_advantages("ppo", R, G, G, TC)
 
 
 def test_gae_over_policy_tokens_only():
@@ -148,16 +164,15 @@ def test_outcome_advantages_under_torchrun_equal_one_process_on_the_whole_batch(
     """REINFORCE++ normalises over the batch and Stratified GRPO blends in batch statistics: on W ranks each
     rank must get its rows of the advantages one process computes on every rank's trajectories (group ids
     are per rank, so they are kept apart), not statistics of its own share. Two ranks simulated."""
-    import training.trainer as T
-
     g = torch.Generator().manual_seed(0)
     r = [torch.rand(6, generator=g), torch.rand(4, generator=g) * 3]  # the two ranks' rewards: other scales
     groups = [torch.tensor([0, 0, 0, 1, 1, 1]), torch.tensor([0, 0, 1, 1])]
     strata = [torch.tensor([0, 1, 2, 0, 1, 1]), torch.tensor([2, 2, 0, 1])]
-    whole = A.outcome_advantages(name, torch.cat(r), torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 3, 3]), torch.cat(strata))
+    whole = A.outcome_advantages(name, torch.cat(r), torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 3, 3]), torch.cat(strata), TC)
+    fn = A.ADV_ESTIMATORS.get(name).outcome
     for rank in (0, 1):
         parts = [(r[i].tolist(), groups[i].tolist(), strata[i].tolist()) for i in (0, 1)]
-        monkeypatch.setattr(T, "world", lambda rank=rank: (rank, 2))
-        monkeypatch.setattr(T, "gather_objects", lambda obj, parts=parts: parts)
-        got = T.batch_outcome_advantages(name, r[rank], groups[rank], strata[rank], 0.5)
+        monkeypatch.setattr(A, "world", lambda rank=rank: (rank, 2))
+        monkeypatch.setattr(A, "gather_objects", lambda obj, parts=parts: parts)
+        got = A.gathered_outcome(fn, r[rank], groups[rank], strata[rank], TC)
         torch.testing.assert_close(got, whole[:6] if rank == 0 else whole[6:])

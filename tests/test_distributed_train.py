@@ -157,6 +157,7 @@ def extras_worker(policy_dir: str, index_dir: str, out: Path) -> None:
     where the ranks see different checkpoints fails on every rank."""
     import time
 
+    import training.advantages as A
     import training.trainer as T
     from retrieval.index import load_retriever
     from tests.conftest import QUESTIONS
@@ -172,23 +173,23 @@ def extras_worker(policy_dir: str, index_dir: str, out: Path) -> None:
         pushed.clear()
         pushed.update({k: v.clone() for k, v in state.items()})
 
-    real_adv = T.compute_advantages
+    real_adv = A.compute_advantages
 
-    def recorded_adv(tc, batch, trajs, **kw):
-        adv = real_adv(tc, batch, trajs, **kw)
-        torch.save((adv["advantages"], batch.loss_mask), out / f"adv.rank{rank}.pt")
+    def recorded_adv(tc, inp):
+        adv = real_adv(tc, inp)
+        torch.save((adv["advantages"], inp.mask), out / f"adv.rank{rank}.pt")
         return adv
 
     def on_step(step, record):
         (out / f"record.rank{rank}.json").write_text(json.dumps(record))
 
-    T.compute_advantages = recorded_adv
+    A.compute_advantages = recorded_adv
     try:
         model, tok = load(policy_dir)
         T.rl_train(cfg_for(1), model, tok, retriever, QUESTIONS, out / "sync", judge=varying_judge,
                    llm_factory=SeededLLM, sync_weights=sync, on_step=on_step)
     finally:
-        T.compute_advantages = real_adv
+        A.compute_advantages = real_adv
     if rank == 0:
         torch.save(pushed, out / "pushed.pt")
 
@@ -231,6 +232,7 @@ def ppo_worker(policy_dir: str, index_dir: str, out: Path) -> None:
     """PPO with a separate critic on 2 ranks: 3 steps straight, and 2 steps + a resume for the third. Each
     rank records its full policy and critic weights and the record after every step, and rank 0 the critic's
     optimizer state right after the resume loaded it."""
+    import training.advantages as A
     import training.trainer as T
     from agent.hf import load_model_and_tokenizer
     from retrieval.index import load_retriever
@@ -256,7 +258,7 @@ def ppo_worker(policy_dir: str, index_dir: str, out: Path) -> None:
         if r == 0:
             torch.save(full, out / "ppo_loaded_critic_optimizer.pt")
 
-    real_whiten = T.batch_masked_whiten
+    real_whiten = A.batch_masked_whiten
 
     def recorded_whiten(values, mask):  # PPO's advantages of the first step, before and after whitening
         res = real_whiten(values, mask)
@@ -267,7 +269,7 @@ def ppo_worker(policy_dir: str, index_dir: str, out: Path) -> None:
     import training.critic as C
 
     real_value_model = C.ValueModel
-    C.ValueModel, T._load_critic_optimizer, T.batch_masked_whiten = remember, recorded_load, recorded_whiten
+    C.ValueModel, T._load_critic_optimizer, A.batch_masked_whiten = remember, recorded_load, recorded_whiten
     try:
         for name, steps, resume in (("ppo_straight", 3, False), ("ppo_split", 2, False), ("ppo_split", 3, True)):
             held = {}
@@ -293,7 +295,7 @@ def ppo_worker(policy_dir: str, index_dir: str, out: Path) -> None:
                        tok, retriever, QUESTIONS, out / name, resume=resume, judge=varying_judge, llm_factory=factory,
                        on_step=on_step)
     finally:
-        C.ValueModel, T._load_critic_optimizer, T.batch_masked_whiten = real_value_model, real_load, real_whiten
+        C.ValueModel, T._load_critic_optimizer, A.batch_masked_whiten = real_value_model, real_load, real_whiten
     D.shutdown()
     (out / f"done.ppo.rank{rank}").touch()
 

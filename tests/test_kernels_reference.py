@@ -1,7 +1,7 @@
 """CPU tests of the kernels' PyTorch references (the spec) and of the kernels' algorithms, emulated in torch.
 
 The references (training.masking.span_mask_reference, training.losses.masked_lm_head_logprobs /
-ppo_clip_loss) are checked against straightforward float64 implementations, with gradcheck on small
+policy_loss) are checked against straightforward float64 implementations, with gradcheck on small
 shapes. The CUDA kernels' own algorithms -- the warp scan over the (a, b) depth monoid, the per-thread online
 softmax merge, the closed-form logit gradient and the PPO per-token gradient with torch's subgradient
 conventions -- are emulated here in torch and checked against the references, so a wrong formula fails on CPU.
@@ -17,7 +17,12 @@ import pytest
 import torch
 
 from training import kernels as K
-from training.losses import LOSS_AGG_MODES, aggregate, kl_estimate, masked_lm_head_logprobs, ppo_clip_loss
+from training.losses import LOSS_AGGS, aggregate, kl_estimate, masked_lm_head_logprobs, policy_loss
+
+#: the aggregation modes the CUDA loss kernel implements (the reference implements every registered one)
+KERNEL_AGGS = tuple(m for m in LOSS_AGGS if LOSS_AGGS.get(m).kernel_mode is not None)
+ALL_AGGS = tuple(LOSS_AGGS)
+NORM_SCALE = 7.0  # seq-mean-token-sum-norm's constant in these tests (the others ignore it)
 from training.masking import span_mask_reference
 
 OPEN, CLOSE = (7, 8), (9,)
@@ -341,8 +346,10 @@ def _ppo_naive(
     counts = [float(mask[b].sum()) for b in range(B)]
     if agg == "token-mean":
         return sum(sums) / max(sum(counts), 1.0)
-    if agg == "seq-mean-token-sum":
-        return sum(sums) / B
+    if agg == "seq-mean-token-sum":  # over the rows that hold policy tokens (verl's agg_loss)
+        return sum(sums) / max(sum(c > 0 for c in counts), 1)
+    if agg == "seq-mean-token-sum-norm":  # Dr. GRPO: each row's sum over a constant, mean over those rows
+        return sum(sums) / (NORM_SCALE * max(sum(c > 0 for c in counts), 1))
     rows = [sums[b] / max(counts[b], 1.0) for b in range(B) if counts[b] > 0]
     return sum(rows) / max(len(rows), 1)
 
@@ -359,12 +366,13 @@ def _ppo_inputs(B=3, T=5, seed=0, dtype=torch.float64):
     return lp, old, adv, mask, ref, ent
 
 
-@pytest.mark.parametrize("agg", LOSS_AGG_MODES)
+@pytest.mark.parametrize("agg", ALL_AGGS)
 @pytest.mark.parametrize("kl_type", ["k1", "k3"])
-def test_ppo_clip_loss_matches_naive(agg, kl_type):
-    lp, old, adv, mask, ref, ent = _ppo_inputs(seed=LOSS_AGG_MODES.index(agg))
-    kw = {"clip_low": 0.2, "clip_high": 0.28, "loss_agg": agg, "ref_logprobs": ref, "kl_coef": 0.1}
-    loss, stats = ppo_clip_loss(lp, old, adv, mask, kl_type=kl_type, entropy=ent, entropy_coef=0.01, **kw)
+def test_policy_loss_matches_naive(agg, kl_type):
+    lp, old, adv, mask, ref, ent = _ppo_inputs(seed=ALL_AGGS.index(agg))
+    kw = {"clip_low": 0.2, "clip_high": 0.28, "loss_agg": agg, "ref_logprobs": ref, "kl_coef": 0.1,
+          "loss_scale": NORM_SCALE}
+    loss, stats = policy_loss(lp, old, adv, mask, kl_type=kl_type, entropy=ent, entropy_coef=0.01, **kw)
     want = _ppo_naive(
         lp,
         old,
@@ -384,14 +392,14 @@ def test_ppo_clip_loss_matches_naive(agg, kl_type):
     assert 0.0 < stats["clip_frac"] < 1.0  # the inputs exercise both branches
 
 
-@pytest.mark.parametrize("agg", LOSS_AGG_MODES)
-def test_ppo_clip_loss_gradcheck(agg):
+@pytest.mark.parametrize("agg", ALL_AGGS)
+def test_policy_loss_gradcheck(agg):
     lp, old, adv, mask, ref, ent = _ppo_inputs(seed=7)
     lp.requires_grad_(True)
     ent.requires_grad_(True)
 
     def f(lp, ent):
-        return ppo_clip_loss(
+        return policy_loss(
             lp,
             old,
             adv,
@@ -403,6 +411,7 @@ def test_ppo_clip_loss_gradcheck(agg):
             kl_coef=0.1,
             entropy=ent,
             entropy_coef=0.01,
+            loss_scale=NORM_SCALE,
         )[0]
 
     assert torch.autograd.gradcheck(f, (lp, ent))
@@ -417,7 +426,7 @@ def _ppo_kernel_emulation(lp, old, adv, mask, *, cl, ch, agg, ref, kl_coef, kl_t
     if agg == "token-mean":
         w = torch.full((B,), 1.0 / max(float(n_b.sum()), 1.0), dtype=lp.dtype)
     elif agg == "seq-mean-token-sum":
-        w = torch.full((B,), 1.0 / B, dtype=lp.dtype)
+        w = (n_b > 0).to(lp.dtype) / max(float((n_b > 0).sum()), 1.0)
     else:
         w = torch.where(n_b > 0, 1.0 / n_b.clamp(min=1) / max(float((n_b > 0).sum()), 1.0), 0.0)
     raw = lp - old
@@ -440,7 +449,7 @@ def _ppo_kernel_emulation(lp, old, adv, mask, *, cl, ch, agg, ref, kl_coef, kl_t
     return scale * (d + kl_coef * dk), -ent_coef * scale
 
 
-@pytest.mark.parametrize("agg", LOSS_AGG_MODES)
+@pytest.mark.parametrize("agg", KERNEL_AGGS)
 @pytest.mark.parametrize("kl_type", ["k1", "k3"])
 @pytest.mark.parametrize("clip_c", [None, 3.0])
 def test_ppo_kernel_gradient_formula_matches_autograd(agg, kl_type, clip_c):
@@ -464,7 +473,7 @@ def test_ppo_kernel_gradient_formula_matches_autograd(agg, kl_type, clip_c):
         "kl_type": kl_type,
         "clip_ratio_c": clip_c,
     }
-    loss, stats = ppo_clip_loss(lp, old, adv, mask, entropy=ent, entropy_coef=0.01, **kw)
+    loss, stats = policy_loss(lp, old, adv, mask, entropy=ent, entropy_coef=0.01, **kw)
     assert stats.get("clip_frac_lower", 0.0) == (1 / mask.sum() if clip_c else 0.0)  # the one token [2, 0]
     g_lp, g_ent = torch.autograd.grad(loss, (lp, ent))
     e_lp, e_ent = _ppo_kernel_emulation(
@@ -485,18 +494,19 @@ def test_ppo_kernel_gradient_formula_matches_autograd(agg, kl_type, clip_c):
     torch.testing.assert_close(e_ent, g_ent, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("agg", LOSS_AGG_MODES)
-def test_ppo_clip_loss_ignores_nan_and_inf_at_masked_positions(agg):
+@pytest.mark.parametrize("agg", ALL_AGGS)
+def test_policy_loss_ignores_nan_and_inf_at_masked_positions(agg):
     """CPU side of the GPU test ``..._nan_at_masked_positions``: the kernel selects masked positions away
     (cuda/ppo_loss.cu), so NaN/inf there never reach the loss, stats or gradient; the reference (the spec,
     and the path on CPU) must do the same, not multiply them by 0 (NaN * 0 = NaN)."""
     lp, old, adv, mask, ref, ent = _ppo_inputs(B=4, T=6, seed=5)
     off = mask == 0
-    kw = {"clip_low": 0.2, "clip_high": 0.28, "loss_agg": agg, "kl_coef": 0.1, "entropy_coef": 0.01}
+    kw = {"clip_low": 0.2, "clip_high": 0.28, "loss_agg": agg, "kl_coef": 0.1, "entropy_coef": 0.01,
+          "loss_scale": NORM_SCALE}
 
     def run(lp, old, ref, ent):
         lp, ent = lp.clone().requires_grad_(True), ent.clone().requires_grad_(True)
-        loss, stats = ppo_clip_loss(lp, old, adv, mask, ref_logprobs=ref, entropy=ent, **kw)
+        loss, stats = policy_loss(lp, old, adv, mask, ref_logprobs=ref, entropy=ent, **kw)
         loss.backward()
         return loss.detach(), stats, lp.grad, ent.grad
 
@@ -513,8 +523,8 @@ def test_ppo_clip_loss_ignores_nan_and_inf_at_masked_positions(agg):
 
 def test_aggregate_all_masked_is_zero_with_zero_grad():
     v = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
-    for mode in LOSS_AGG_MODES:
-        out = aggregate(v, torch.zeros(2, 4), mode)
+    for mode in ALL_AGGS:
+        out = aggregate(v, torch.zeros(2, 4), mode, scale=NORM_SCALE)
         (g,) = torch.autograd.grad(out, v)
         assert float(out.detach()) == 0.0 and (g == 0).all()
     with pytest.raises(ValueError, match="unknown loss aggregation"):
@@ -536,7 +546,7 @@ def test_kl_estimates():
     (g,) = torch.autograd.grad(k3.sum(), lp)
     assert g[:3].tolist() == [0.0, 0.0, 0.0] and g[3] != 0
     with pytest.raises(ValueError, match="KL estimator"):
-        kl_estimate(lp, ref, "k2")
+        kl_estimate(lp, ref, "k4")
 
 
 def test_policy_loss_dispatch_on_cpu_and_switch(monkeypatch):
@@ -551,7 +561,7 @@ def test_policy_loss_dispatch_on_cpu_and_switch(monkeypatch):
         "entropy_coef": 0.01,
     }
     loss, stats = K.policy_loss(lp, old, adv, mask, **kw)
-    loss_r, stats_r = ppo_clip_loss(lp, old, adv, mask, **kw)
+    loss_r, stats_r = policy_loss(lp, old, adv, mask, **kw)
     assert float(loss) == float(loss_r) and stats == stats_r
     with pytest.raises(ValueError, match="unknown loss aggregation"):
         K.policy_loss(lp, old, adv, mask, loss_agg="mean")
@@ -562,7 +572,7 @@ def test_policy_loss_dispatch_on_cpu_and_switch(monkeypatch):
         K.policy_loss(lp, old, adv, mask)
     monkeypatch.setenv(K.ENV_VAR, "reference")
     assert float(K.policy_loss(lp, old, adv, mask, impl="reference")[0]) == float(
-        ppo_clip_loss(lp, old, adv, mask)[0]
+        policy_loss(lp, old, adv, mask)[0]
     )
     monkeypatch.setenv(K.ENV_VAR, "fast")
     with pytest.raises(ValueError, match="unknown kernel implementation"):
@@ -579,15 +589,15 @@ def test_dual_clip_bounds_negative_advantages():
                       requires_grad=True)
     adv = torch.tensor([[-1.0, 1.0, -1.0, -1.0]], dtype=torch.float64)
     mask = torch.ones(1, 4, dtype=torch.float64)
-    loss, stats = ppo_clip_loss(lp, old, adv, mask, clip_ratio_c=3.0)
+    loss, stats = policy_loss(lp, old, adv, mask, clip_ratio_c=3.0)
     plain = torch.tensor([5.0, -1.2, 2.0, 0.8], dtype=torch.float64)  # max(-A r, -A clip(r, 0.8, 1.2))
     want = torch.tensor([3.0, -1.2, 2.0, 0.8], dtype=torch.float64)  # token 0: min(5, 3)
-    assert float(ppo_clip_loss(lp, old, adv, mask)[0].detach()) == pytest.approx(float(plain.mean()))
+    assert float(policy_loss(lp, old, adv, mask)[0].detach()) == pytest.approx(float(plain.mean()))
     assert float(loss.detach()) == pytest.approx(float(want.mean())) and stats["clip_frac_lower"] == 0.25
     loss.backward()
     assert lp.grad[0, 0] == 0 and lp.grad[0, 2] != 0
     with pytest.raises(ValueError, match="clip_ratio_c > 1"):
-        ppo_clip_loss(lp, old, adv, mask, clip_ratio_c=1.0)
+        policy_loss(lp, old, adv, mask, clip_ratio_c=1.0)
     args = (lp.detach().float(), old.float(), adv.float(), mask.float())
     got, got_stats = K.policy_loss(*args, clip_ratio_c=3.0)
     assert float(got) == pytest.approx(float(want.mean())) and got_stats["clip_frac_lower"] == 0.25

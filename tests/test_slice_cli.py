@@ -640,7 +640,8 @@ def test_judge_and_simulator_models_are_asked_under_their_own_names(tmp_path, mo
     from sleuth.config import load_config
 
     built = []
-    monkeypatch.setattr(agent.backends, "make_llm", lambda backend, path, *a, **k: built.append((backend, path)))
+    monkeypatch.setattr(agent.backends, "make_llm",
+                        lambda backend, path, *a, **k: built.append((backend, path)) or object())
     cfg = load_config(None, [f"out_dir={tmp_path}", "agent.backend.kind=openai", "agent.backend.model=policy-served",
                              "agent.judge=llm", "agent.llm_judge.model=judges/big", "retrieval.method=simulated",
                              "agent.simulator.model=sim/model", "policy.model=policy/model"])

@@ -1,9 +1,19 @@
 """Advantage estimators: from rewards (per trajectory, per turn or per token) to per-token advantages.
 
-Each estimator is a small function naming its paper. Common inputs: ``rewards`` ``[N]`` float32 (one scalar
-per trajectory), ``groups`` ``[N]`` int64 (trajectories sampled for the same prompt share a group id).
-Outcome estimators return ``[N]`` float32, broadcast to policy tokens by :func:`to_token_advantages`;
-PPO/GAE and the turn-level estimators work on ``[N, T]`` token tensors directly.
+Each estimator is a small function naming its paper, registered in :data:`ADV_ESTIMATORS` under the name
+``train.algorithm`` takes (verl's ``register_adv_est`` pattern; :mod:`training.registry`). Two ways in:
+
+* :func:`register_outcome_adv_est`: an outcome-level estimator ``fn(rewards [N], groups [N],
+  search_calls [N], tc) -> [N]``. The wrapper subtracts the KL penalty (``train.kl_mode=reward``), runs it on
+  the whole batch under torchrun (every rank's rows gathered), broadcasts the result to the policy tokens
+  and adds the per-turn search cost. GRPO, Dr. GRPO, RLOO, REINFORCE++ and Stratified GRPO are such.
+* :func:`register_adv_est`: a token-level estimator ``fn(inp: AdvantageInputs, tc) -> {"advantages":
+  [N, T-1], "returns"?: [N, T-1]}`` (PPO with GAE, IGPO's turn-level information gain), declaring what it
+  needs (a critic, group structure, per-turn gold-answer probabilities) so the trainer provides it.
+
+Common inputs: ``rewards`` ``[N]`` float32 (one scalar per trajectory), ``groups`` ``[N]`` int64
+(trajectories sampled for the same prompt share a group id); token tensors are ``[N, T-1]``, aligned with
+``Batch.loss_mask``. ``tc`` is the :class:`training.config.TrainConfig`.
 
 Conventions shared by all group estimators: a group whose rewards are all equal gets advantage 0, and a
 group of one trajectory has no baseline and gets advantage 0 (so a batch of one trajectory never moves the
@@ -12,11 +22,15 @@ policy under GRPO/RLOO/Dr. GRPO). Standard deviations are unbiased (``torch.std`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-OUTCOME_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "stratified_grpo")
-ESTIMATORS = (*OUTCOME_ESTIMATORS, "ppo", "igpo")
-NEEDS_CRITIC = ("ppo",)
+from training.distributed import all_reduce_sum, gather_objects, world
+from training.registry import Registry
+from training.rewards import information_gain_rewards, turn_table
 
 
 def _segment_stats(values: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -63,7 +77,8 @@ def dr_grpo_advantages(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Ten
     """Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training"): ``A_i = r_i - mean_g``.
 
     No division by the group std (which over-weights easy and hard prompts); the matching loss drops the
-    per-sequence length normalisation too: use ``train.loss_agg=seq-mean-token-sum``.
+    per-sequence length normalisation too: use ``train.loss_agg=seq-mean-token-sum-norm`` (the paper's
+    constant normaliser) or ``seq-mean-token-sum``.
     """
     return grpo_advantages(rewards, groups, norm_std=False)
 
@@ -122,8 +137,8 @@ def to_token_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.T
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, total=None) -> torch.Tensor:
     """``(x - mean) / std`` over the masked entries (verl's ``masked_whiten``; unbiased variance); zero
     outside the mask. ``values``, ``mask``: ``[N, T]``. ``total(t)`` turns each local sum (a 0-d tensor) into
-    the sum over the whole batch; default: the local sum itself (under torchrun the trainer passes a sum over
-    ranks, :func:`training.trainer.batch_masked_whiten`)."""
+    the sum over the whole batch; default: the local sum itself (under torchrun :func:`batch_masked_whiten`
+    passes a sum over ranks)."""
     total = total or (lambda t: t)
     mask = mask.float()
     n = total(mask.sum())
@@ -229,22 +244,211 @@ def search_cost_to_go(is_search: torch.Tensor, turn_valid: torch.Tensor, cost: f
     return -cost * togo * turn_valid.float()
 
 
-def outcome_advantages(name: str, rewards: torch.Tensor, groups: torch.Tensor, strata: torch.Tensor | None = None,
-                       alpha: float = 0.5) -> torch.Tensor:
-    """``[N]`` advantages of the outcome estimator ``name`` (one of :data:`OUTCOME_ESTIMATORS`).
+def batch_masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """:func:`masked_whiten` (``[N, T]`` float) over the whole batch: under torchrun the mean and variance are
+    those of every rank's masked entries (each sum reduced over ranks), so PPO's advantages are whitened as
+    one process whitens the whole batch. A collective under torchrun; the plain function on one process."""
+    if world()[1] == 1:
+        return masked_whiten(values, mask, eps)
+    return masked_whiten(values, mask, eps, total=lambda t: t.new_tensor(all_reduce_sum(float(t))))
 
-    Raises ``ValueError`` for an unknown name or a stratified estimator without ``strata``.
+
+# -- the registry -------------------------------------------------------------------------------------
+@dataclass
+class AdvantageInputs:
+    """What the trainer hands an estimator for one batch (this rank's rows under torchrun).
+
+    * ``rewards`` ``[N]`` float32: the judge's outcome rewards; ``groups`` ``[N]`` int64;
+    * ``mask`` ``[N, T-1]`` float32: the loss mask; ``token_turns`` ``[N, T-1]`` int64: the turn of each
+      target token (``Batch.turn_ids[:, 1:]``);
+    * ``turn_valid``, ``is_search`` ``[N, K]`` bool: which turns exist, and which searched
+      (:func:`training.rewards.turn_table`); ``search_calls`` ``[N]`` int64;
+    * ``trajs``: the trajectories themselves (anything else an estimator wants to read);
+    * ``values`` ``[N, T-1]``: the critic's values (estimators registered with ``critic=True``);
+    * ``gold_probs``: per-turn gold-answer probabilities (``gold_probs=True``,
+      :func:`training.rewards.gold_answer_probs`);
+    * ``kl_tokens`` ``[N, T-1]``: the per-token KL to the reference when it is a reward penalty
+      (``train.kl_mode=reward``), else ``None``; :meth:`kl_seq` is its per-trajectory sum.
     """
-    if name == "grpo":
-        return grpo_advantages(rewards, groups)
-    if name == "dr_grpo":
-        return dr_grpo_advantages(rewards, groups)
-    if name == "rloo":
-        return rloo_advantages(rewards, groups)
-    if name == "reinforce_pp":
-        return reinforce_pp_advantages(rewards, groups)
-    if name == "stratified_grpo":
-        if strata is None:
-            raise ValueError("stratified_grpo needs strata (search calls per trajectory)")
-        return stratified_grpo_advantages(rewards, groups, strata, alpha)
-    raise ValueError(f"unknown outcome advantage estimator {name!r}; expected one of {OUTCOME_ESTIMATORS}")
+
+    rewards: torch.Tensor
+    groups: torch.Tensor
+    mask: torch.Tensor
+    token_turns: torch.Tensor
+    turn_valid: torch.Tensor
+    is_search: torch.Tensor
+    search_calls: torch.Tensor
+    trajs: list[Any]
+    values: torch.Tensor | None = None
+    gold_probs: list[list[float]] | None = None
+    kl_tokens: torch.Tensor | None = None
+
+    def kl_seq(self) -> torch.Tensor:
+        """``[N]``: each trajectory's summed per-token KL penalty (zeros without one)."""
+        if self.kl_tokens is None:
+            return torch.zeros_like(self.rewards)
+        return (self.kl_tokens * self.mask).sum(-1)
+
+
+def advantage_inputs(batch: Any, trajs: list[Any], **extra: Any) -> AdvantageInputs:
+    """:class:`AdvantageInputs` of a :class:`training.batch.Batch` and its trajectories, plus ``extra``
+    (``values``, ``gold_probs``, ``kl_tokens``)."""
+    valid, is_search = turn_table(trajs)
+    return AdvantageInputs(
+        rewards=batch.rewards.float(), groups=batch.groups, mask=batch.loss_mask,
+        token_turns=batch.turn_ids[:, 1:], turn_valid=valid, is_search=is_search,
+        search_calls=torch.tensor([t.num_search_calls for t in trajs], dtype=torch.long), trajs=trajs, **extra)
+
+
+@dataclass(frozen=True)
+class AdvEstimator:
+    """A registered estimator: ``fn(inp, tc) -> {"advantages", "returns"?}`` and what it needs: a value
+    model (``critic``: ``train.critic`` must be set), group structure (``groups``: ``train.group_size >= 2``),
+    per-turn gold-answer probabilities (``gold_probs``). ``outcome`` is the raw ``[N] -> [N]`` function of an
+    outcome-level estimator (:func:`outcome_advantages`), ``None`` otherwise."""
+
+    name: str
+    fn: Callable[[AdvantageInputs, Any], dict[str, torch.Tensor]]
+    critic: bool = False
+    groups: bool = False
+    gold_probs: bool = False
+    outcome: Callable[..., torch.Tensor] | None = None
+
+
+ADV_ESTIMATORS: Registry[AdvEstimator] = Registry("advantage estimator", "train.algorithm")
+
+
+def register_adv_est(name: str, *, critic: bool = False, groups: bool = False, gold_probs: bool = False,
+                     replace: bool = False):
+    """Decorator: register ``fn(inp: AdvantageInputs, tc) -> {"advantages": [N, T-1], "returns"?: [N, T-1]}``
+    as ``train.algorithm=<name>`` (advantages zero off the loss mask; ``returns`` are the critic's targets)."""
+
+    def wrap(fn):
+        ADV_ESTIMATORS.add(name, AdvEstimator(name, fn, critic, groups, gold_probs), replace=replace)
+        return fn
+
+    return wrap
+
+
+def register_outcome_adv_est(name: str, *, groups: bool = True, replace: bool = False):
+    """Decorator: register an outcome-level ``fn(rewards [N], groups [N], search_calls [N], tc) -> [N]`` as
+    ``train.algorithm=<name>``. The trainer calls it on ``rewards - kl_coef * KL`` (with
+    ``train.kl_mode=reward``) of the whole batch (gathered over ranks under torchrun, so batch statistics are
+    those of one process), broadcasts the result to every policy token of the trajectory and adds the
+    per-turn search cost-to-go (``train.search_cost``). ``groups``: the estimator compares trajectories of a
+    group, so ``train.group_size`` must be >= 2."""
+
+    def wrap(fn):
+        def estimate(inp: AdvantageInputs, tc: Any) -> dict[str, torch.Tensor]:
+            rewards = inp.rewards - tc.kl_coef * inp.kl_seq()
+            adv = gathered_outcome(fn, rewards, inp.groups, inp.search_calls, tc)
+            tok = to_token_advantages(adv, inp.mask)
+            if tc.search_cost > 0:
+                cost = search_cost_to_go(inp.is_search, inp.turn_valid, tc.search_cost)
+                tok = tok + turns_to_tokens(cost, inp.token_turns, inp.mask)
+            return {"advantages": tok}
+
+        ADV_ESTIMATORS.add(name, AdvEstimator(name, estimate, groups=groups, outcome=fn), replace=replace)
+        return fn
+
+    return wrap
+
+
+def gathered_outcome(fn: Callable[..., torch.Tensor], rewards: torch.Tensor, groups: torch.Tensor,
+                     search_calls: torch.Tensor, tc: Any) -> torch.Tensor:
+    """``fn`` over the whole batch: under torchrun every rank's ``[N_r]`` rewards, groups and search calls are
+    gathered (each rank's group ids moved past the previous ranks'), so batch statistics (REINFORCE++'s
+    normalisation, Stratified GRPO's global term) are those of one process on the whole batch; returns this
+    rank's ``[N_r]`` rows. One process: ``fn`` itself. A collective under torchrun."""
+    rank, W = world()
+    if W == 1:
+        return fn(rewards, groups, search_calls, tc)
+    R: list[float] = []
+    G: list[int] = []
+    S: list[int] = []
+    for i, (r, g, s) in enumerate(gather_objects((rewards.tolist(), groups.tolist(), search_calls.tolist()))):
+        if i == rank:
+            start = len(R)
+        base = max(G, default=-1) + 1  # this rank's groups after the previous ranks'
+        R.extend(r)
+        G.extend(base + x for x in g)
+        S.extend(s)
+    adv = fn(torch.tensor(R, dtype=torch.float32), torch.tensor(G), torch.tensor(S), tc)
+    return adv[start : start + len(rewards)]
+
+
+def outcome_advantages(name: str, rewards: torch.Tensor, groups: torch.Tensor, search_calls: torch.Tensor,
+                       tc: Any) -> torch.Tensor:
+    """``[N]`` advantages of the registered outcome-level estimator ``name`` on one process's rows (no KL,
+    no search cost, no gathering). Raises ``ValueError`` for an unknown name or a token-level estimator."""
+    entry = ADV_ESTIMATORS.get(name)
+    if entry.outcome is None:
+        raise ValueError(f"{name!r} is not an outcome-level advantage estimator")
+    return entry.outcome(rewards, groups, search_calls, tc)
+
+
+def compute_advantages(tc: Any, inp: AdvantageInputs) -> dict[str, torch.Tensor]:
+    """Per-token advantages ``[N, T-1]`` (aligned with the loss mask) of the registered estimator
+    ``tc.algorithm``: ``{"advantages"}``, plus ``{"returns"}`` for a critic's targets. Raises ``ValueError``
+    for an unknown estimator or when an input it declared (values, gold probabilities) is missing. A
+    collective under torchrun for estimators with batch statistics: every rank must call it."""
+    entry = ADV_ESTIMATORS.get(tc.algorithm)
+    if entry.critic and inp.values is None:
+        raise ValueError(f"{entry.name} needs critic values")
+    if entry.gold_probs and inp.gold_probs is None:
+        raise ValueError(f"{entry.name} needs the per-turn gold-answer probabilities")
+    return entry.fn(inp, tc)
+
+
+# -- registrations ------------------------------------------------------------------------------------
+@register_outcome_adv_est("grpo")
+def _grpo(rewards: torch.Tensor, groups: torch.Tensor, search_calls: torch.Tensor, tc: Any) -> torch.Tensor:
+    return grpo_advantages(rewards, groups)
+
+
+@register_outcome_adv_est("dr_grpo")
+def _dr_grpo(rewards: torch.Tensor, groups: torch.Tensor, search_calls: torch.Tensor, tc: Any) -> torch.Tensor:
+    return dr_grpo_advantages(rewards, groups)
+
+
+@register_outcome_adv_est("rloo")
+def _rloo(rewards: torch.Tensor, groups: torch.Tensor, search_calls: torch.Tensor, tc: Any) -> torch.Tensor:
+    return rloo_advantages(rewards, groups)
+
+
+@register_outcome_adv_est("reinforce_pp", groups=False)
+def _reinforce_pp(rewards: torch.Tensor, groups: torch.Tensor, search_calls: torch.Tensor, tc: Any) -> torch.Tensor:
+    return reinforce_pp_advantages(rewards, groups)
+
+
+@register_outcome_adv_est("stratified_grpo")
+def _stratified_grpo(rewards: torch.Tensor, groups: torch.Tensor, search_calls: torch.Tensor,
+                     tc: Any) -> torch.Tensor:
+    """Strata: the number of search calls of each trajectory; ``train.stratified_alpha`` blends SAN in."""
+    return stratified_grpo_advantages(rewards, groups, search_calls, tc.stratified_alpha)
+
+
+@register_adv_est("ppo", critic=True)
+def _ppo(inp: AdvantageInputs, tc: Any) -> dict[str, torch.Tensor]:
+    """GAE over policy tokens on the outcome reward at the last policy token (minus the search cost, and the
+    per-token KL penalty with ``train.kl_mode=reward``), whitened over the whole batch."""
+    costs = inp.rewards - tc.search_cost * inp.is_search.float().sum(-1)
+    token_r = last_token_rewards(costs, inp.mask)
+    if inp.kl_tokens is not None:
+        token_r = token_r - tc.kl_coef * inp.kl_tokens * inp.mask
+    adv, ret = gae_advantages(token_r, inp.values, inp.mask, tc.gamma, tc.lam, whiten=False)
+    return {"advantages": batch_masked_whiten(adv, inp.mask), "returns": ret}
+
+
+@register_adv_est("igpo", groups=True, gold_probs=True)
+def _igpo(inp: AdvantageInputs, tc: Any) -> dict[str, torch.Tensor]:
+    """IGPO: each search turn earns ``ig_coef`` times its information gain, the last turn the outcome reward
+    (minus the KL penalty); every search turn pays the search cost; :func:`igpo_turn_advantages` then
+    folds onto the turns' tokens."""
+    valid, is_search = inp.turn_valid, inp.is_search
+    turn_r = tc.ig_coef * information_gain_rewards(inp.gold_probs, valid) - tc.search_cost * is_search.float()
+    last = valid.long().cumsum(-1).argmax(-1)  # column of each trajectory's last valid turn
+    rows = torch.arange(len(inp.rewards))
+    turn_r[rows, last] = (inp.rewards - tc.kl_coef * inp.kl_seq()) - tc.search_cost * is_search[rows, last].float()
+    turn_adv = igpo_turn_advantages(turn_r, valid, inp.groups, tc.gamma)
+    return {"advantages": turns_to_tokens(turn_adv, inp.token_turns, inp.mask)}

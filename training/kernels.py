@@ -5,7 +5,7 @@ Public entry points, each with the signature of its reference plus ``impl``:
 * :func:`span_mask` -- :func:`training.masking.span_mask_reference`;
 * :func:`masked_logprobs` -- :func:`training.losses.masked_lm_head_logprobs` (differentiable w.r.t. hidden
   states and the LM-head weight);
-* :func:`policy_loss` -- :func:`training.losses.ppo_clip_loss` (differentiable w.r.t. log-probs and
+* :func:`policy_loss` -- :func:`training.losses.policy_loss` (differentiable w.r.t. log-probs and
   entropy).
 
 The switch: ``impl`` argument, else the environment variable ``SLEUTH_KERNELS``, else ``"auto"``.
@@ -34,7 +34,8 @@ from types import ModuleType
 
 import torch
 
-from training.losses import LOSS_AGG_MODES, masked_lm_head_logprobs, ppo_clip_loss
+from training import losses as L
+from training.losses import masked_lm_head_logprobs
 from training.masking import span_mask_reference
 
 IMPLS = ("auto", "cuda", "reference")
@@ -392,6 +393,7 @@ def policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
+    loss: str = "ppo_clip",
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     loss_agg: str = "token-mean",
@@ -401,21 +403,22 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     clip_ratio_c: float | None = None,
+    loss_scale: float | None = None,
+    options: dict | None = None,
     impl: str | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The masked PPO-clip loss; same signature, semantics and stats as :func:`training.losses.ppo_clip_loss`,
-    dual-clip (``clip_ratio_c``) included.
+    """The masked actor loss; same signature, semantics and stats as :func:`training.losses.policy_loss`.
 
-    All per-token tensors ``[B, T]``; the kernel computes in float32 and differentiates w.r.t.
-    ``logprobs`` and ``entropy`` only (old log-probs, advantages and reference log-probs are constants, as
-    in training: if any of them requires grad, ``auto`` uses the reference and ``cuda`` raises). Returns
-    ``(loss, stats)``. Raises ``ValueError`` for an unknown aggregation or KL kind, mismatched shapes or
-    ``clip_ratio_c <= 1``.
+    The fused kernel runs the combinations it implements: the ``ppo_clip`` term (dual-clip included) with
+    an aggregation and a KL estimator that have kernel ids (token-mean, seq-mean-token-sum,
+    seq-mean-token-mean; k1, k3); any other registered loss, aggregation or KL kind runs the reference
+    (under ``impl="cuda"`` that is a ``ValueError`` naming the part). All per-token tensors ``[B, T]``; the
+    kernel computes in float32 and differentiates w.r.t. ``logprobs`` and ``entropy`` only (old log-probs,
+    advantages and reference log-probs are constants, as in training: if any of them requires grad,
+    ``auto`` uses the reference and ``cuda`` raises). Returns ``(loss, stats)``. Raises ``ValueError`` for
+    an unknown loss, aggregation or KL kind, mismatched shapes or ``clip_ratio_c <= 1``.
     """
-    if loss_agg not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss aggregation {loss_agg!r}; expected one of {LOSS_AGG_MODES}")
-    if kl_type not in ("k1", "k3"):
-        raise ValueError(f"unknown KL estimator {kl_type!r}; expected 'k1' or 'k3'")
+    term, agg, kl = L.POLICY_LOSSES.get(loss), L.LOSS_AGGS.get(loss_agg), L.KL_ESTIMATORS.get(kl_type)
     shape = logprobs.shape
     for name, t in (
         ("old_logprobs", old_logprobs),
@@ -427,6 +430,7 @@ def policy_loss(
         if t is not None and t.shape != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, logprobs {tuple(shape)}")
     ref_kw = {
+        "loss": loss,
         "clip_low": clip_low,
         "clip_high": clip_high,
         "loss_agg": loss_agg,
@@ -436,25 +440,33 @@ def policy_loss(
         "entropy": entropy,
         "entropy_coef": entropy_coef,
         "clip_ratio_c": clip_ratio_c,
+        "loss_scale": loss_scale,
+        "options": options,
     }
     tensors = [t for t in (logprobs, old_logprobs, advantages, mask, ref_logprobs, entropy) if t is not None]
     const_grad = any(t is not None and t.requires_grad for t in (old_logprobs, advantages, ref_logprobs))
+    use_kl = ref_logprobs is not None and kl_coef > 0
+    unsupported = [f"{key}={val}" for key, val, ok in (
+        ("train.policy_loss", loss, term.kernel), ("train.loss_agg", loss_agg, agg.kernel_mode is not None),
+        ("train.kl_type", kl_type, kl.kernel_id is not None or not use_kl)) if not ok]
     mode = _impl(impl)
     if mode == "cuda" and const_grad:
         raise RuntimeError("the policy-loss kernel treats old_logprobs/advantages/ref_logprobs as constants")
+    if mode == "cuda" and unsupported:
+        raise ValueError(f"the policy-loss kernel does not implement {', '.join(unsupported)}; use "
+                         "SLEUTH_KERNELS=auto (the reference runs them)")
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"dual-clip needs clip_ratio_c > 1, got {clip_ratio_c}")
-    no_kernel = logprobs.dim() != 2 or shape[0] == 0 or const_grad
+    no_kernel = logprobs.dim() != 2 or shape[0] == 0 or const_grad or bool(unsupported)
     if no_kernel or not _use_cuda(impl, *tensors):
         if mode == "cuda" and (logprobs.dim() != 2 or shape[0] == 0):
             raise ValueError(f"the policy-loss kernel needs [B, T] inputs with B > 0, got {tuple(shape)}")
-        return ppo_clip_loss(logprobs, old_logprobs, advantages, mask, **ref_kw)
+        return L.policy_loss(logprobs, old_logprobs, advantages, mask, **ref_kw)
 
     def f32(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.float().contiguous()
 
-    use_kl = ref_logprobs is not None and kl_coef > 0
-    loss, out = _PolicyLoss.apply(
+    value, out = _PolicyLoss.apply(
         f32(logprobs),
         f32(entropy),
         f32(old_logprobs).detach(),
@@ -465,9 +477,9 @@ def policy_loss(
         float(clip_high),
         0.0 if clip_ratio_c is None else float(clip_ratio_c),
         float(kl_coef) if use_kl else 0.0,
-        1 if kl_type == "k1" else 3,
+        kl.kernel_id if use_kl else 3,
         float(entropy_coef),
-        LOSS_AGG_MODES.index(loss_agg),
+        agg.kernel_mode,
     )
     vals = dict(zip(_STAT_NAMES, out.tolist(), strict=True))
     stats = {k: vals[k] for k in ("pg_loss", "clip_frac", "approx_kl", "ratio_mean")}
@@ -477,4 +489,4 @@ def policy_loss(
         stats["kl"] = vals["kl"]
     if entropy is not None:
         stats["entropy"] = vals["entropy"]
-    return loss.to(logprobs.dtype), stats
+    return value.to(logprobs.dtype), stats

@@ -1,19 +1,32 @@
-"""Masked policy-gradient losses: the PyTorch reference (the spec) of the fused CUDA kernels.
+"""Masked policy-gradient losses: the PyTorch reference (the spec) of the fused CUDA kernels, and the
+registries of the loss's parts.
 
 Shapes: ``B`` sequences of ``T`` tokens; every per-token tensor is ``[B, T]`` and ``mask`` is 1.0 exactly
 at the policy's own tokens (tool and prompt tokens get no gradient, as in Search-R1). Log-probabilities are
-float32 natural logs. References: PPO (Schulman et al., 2017); the clipped surrogate with separate low/high
-ranges is DAPO's clip-higher (Yu et al., 2025); KL estimators k1/k3 follow Schulman's "Approximating KL
-divergence" note as used by GRPO (Shao et al., 2024) and verl's ``core_algos.kl_penalty``; the aggregation
-modes are verl's ``agg_loss`` (token-mean, seq-mean-token-sum, seq-mean-token-mean).
+float32 natural logs. Three registries (:mod:`training.registry`), each filled below and open to plugins:
+
+* :data:`POLICY_LOSSES` (``train.policy_loss``): the per-token policy-gradient term. ``ppo_clip``: PPO
+  (Schulman et al., 2017) with DAPO's clip-higher (Yu et al., 2025) and optional dual-clip (Ye et al., 2020);
+* :data:`KL_ESTIMATORS` (``train.kl_type``): per-token KL(pi || pi_ref) from sampled tokens, after
+  Schulman's "Approximating KL divergence" note and verl's ``core_algos.kl_penalty`` (k1, k2, k3, abs);
+* :data:`LOSS_AGGS` (``train.loss_agg``): how a ``[B, T]`` loss becomes a scalar, verl's ``agg_loss`` modes
+  (token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm).
+
+:func:`policy_loss` composes them (policy term + KL-to-reference loss - entropy bonus);
+:func:`training.kernels.policy_loss` runs the fused kernel for the combinations it implements and this
+reference otherwise.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+from training.registry import Registry, decorator
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,57 +103,197 @@ def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask != 0, values * mask, 0.0)
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
-    """Reduce a ``[B, T]`` per-token loss over the masked tokens.
+def token_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean of ``values`` over the masked tokens (a statistic: a Python float; 0 for an empty mask)."""
+    return float(_masked(values.detach(), mask).sum() / mask.sum().clamp(min=1.0))
 
-    * ``token-mean``: sum over all policy tokens / number of policy tokens (DAPO);
-    * ``seq-mean-token-sum``: mean over sequences of the per-sequence token sum (Dr. GRPO);
-    * ``seq-mean-token-mean``: mean over sequences with at least one policy token of the per-sequence token
-      mean (the original GRPO).
-    An all-masked batch gives 0 (with gradient 0). Masked positions are selected away, so NaN/inf there
-    never reach the result (as in the CUDA kernel). Raises ``ValueError`` for an unknown mode.
-    """
+
+# -- loss aggregation ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LossAgg:
+    """A loss aggregation mode. ``fn(kept, mask, scale)`` reduces the masked ``[B, T]`` loss ``kept`` (zero
+    off-mask) to a scalar. ``unit`` is what its global normaliser counts, ``"tokens"`` (policy tokens) or
+    ``"rows"`` (rows with at least one policy token): the trainer weights micro-batches and ranks by it so
+    that a step equals one full-batch step. ``kernel_mode`` is the CUDA kernel's mode id, ``None`` where
+    only the reference implements it."""
+
+    name: str
+    fn: Callable[[torch.Tensor, torch.Tensor, float | None], torch.Tensor]
+    unit: str
+    kernel_mode: int | None = None
+
+
+LOSS_AGGS: Registry[LossAgg] = Registry("loss aggregation", "train.loss_agg")
+
+
+def register_loss_agg(name: str, unit: str, kernel_mode: int | None = None, replace: bool = False):
+    """Register ``fn(kept [B, T], mask [B, T], scale) -> scalar`` as loss aggregation ``name`` (see
+    :class:`LossAgg`). Raises ``ValueError`` for a unit other than ``tokens``/``rows``."""
+    if unit not in ("tokens", "rows"):
+        raise ValueError(f"a loss aggregation's unit is 'tokens' or 'rows', got {unit!r}")
+    return decorator(LOSS_AGGS, name, lambda fn: LossAgg(name, fn, unit, kernel_mode), replace)
+
+
+def _rows_with_tokens(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.sum(-1) > 0).to(mask.dtype)
+
+
+@register_loss_agg("token-mean", "tokens", kernel_mode=0)
+def _token_mean(kept: torch.Tensor, mask: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Sum over all policy tokens / number of policy tokens (DAPO)."""
+    return kept.sum() / mask.sum().clamp(min=1.0)
+
+
+@register_loss_agg("seq-mean-token-sum", "rows", kernel_mode=1)
+def _seq_mean_token_sum(kept: torch.Tensor, mask: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Mean over the rows that hold policy tokens of each row's token sum (Dr. GRPO's sum without the
+    constant). Rows without a policy token are not counted, as in verl's ``agg_loss`` since late 2025 and
+    as ``seq-mean-token-mean`` here (earlier Sleuth divided by every row)."""
+    return kept.sum(-1).sum() / _rows_with_tokens(mask).sum().clamp(min=1.0)
+
+
+@register_loss_agg("seq-mean-token-mean", "rows", kernel_mode=2)
+def _seq_mean_token_mean(kept: torch.Tensor, mask: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Mean over the rows that hold policy tokens of each row's token mean (the original GRPO)."""
+    n = mask.sum(-1)
+    per_seq = kept.sum(-1) / n.clamp(min=1.0)
+    has = (n > 0).to(kept.dtype)
+    return (per_seq * has).sum() / has.sum().clamp(min=1.0)
+
+
+@register_loss_agg("seq-mean-token-sum-norm", "rows")
+def _seq_mean_token_sum_norm(kept: torch.Tensor, mask: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training"): each row's token sum divided by a
+    constant ``scale`` (the generation budget: the trainer passes ``train.loss_scale_factor``, else
+    ``agent.max_total_tokens``), averaged over the rows that hold policy tokens, so neither a response's
+    length nor the batch's longest row changes a token's weight. verl's mode of the same name sums the rows
+    instead of averaging them (its per-row scale then comes from the global batch size): the two differ by
+    the constant number of rows. Raises ``ValueError`` without a positive ``scale``."""
+    if scale is None or not scale > 0:
+        raise ValueError(f"seq-mean-token-sum-norm needs a positive constant normaliser, got {scale}")
+    return kept.sum(-1).sum() / (scale * _rows_with_tokens(mask).sum().clamp(min=1.0))
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
+              scale: float | None = None) -> torch.Tensor:
+    """Reduce a ``[B, T]`` per-token loss over the masked tokens with the registered mode ``mode`` (see
+    :data:`LOSS_AGGS`; ``scale`` is the constant of ``seq-mean-token-sum-norm``). An all-masked batch gives
+    0 (with gradient 0). Masked positions are selected away, so NaN/inf there never reach the result (as in
+    the CUDA kernel). Raises ``ValueError`` for an unknown mode."""
     mask = mask.to(values.dtype)
-    kept = _masked(values, mask)
-    if mode == "token-mean":
-        return kept.sum() / mask.sum().clamp(min=1.0)
-    if mode == "seq-mean-token-sum":
-        return kept.sum(-1).mean()
-    if mode == "seq-mean-token-mean":
-        n = mask.sum(-1)
-        per_seq = kept.sum(-1) / n.clamp(min=1.0)
-        has = (n > 0).to(values.dtype)
-        return (per_seq * has).sum() / has.sum().clamp(min=1.0)
-    raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {LOSS_AGG_MODES}")
+    return LOSS_AGGS.get(mode).fn(_masked(values, mask), mask, scale)
+
+
+# -- KL estimators ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KLEstimator:
+    """A per-token KL(pi || pi_ref) estimator ``fn(logprobs, ref_logprobs) -> [...]`` (same shape);
+    ``kernel_id`` is the CUDA kernel's id for it (``None``: reference only)."""
+
+    name: str
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    kernel_id: int | None = None
+
+
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator", "train.kl_type")
+
+
+def register_kl(name: str, kernel_id: int | None = None, replace: bool = False):
+    """Register ``fn(logprobs, ref_logprobs) -> per-token KL estimate`` as KL estimator ``name``."""
+    return decorator(KL_ESTIMATORS, name, lambda fn: KLEstimator(name, fn, kernel_id), replace)
 
 
 #: the bound of the k3 estimate per token (verl's ``low_var_kl`` clamps it to [-10, 10]; k3 is never negative)
 K3_MAX = 10.0
 
 
+@register_kl("k1", kernel_id=1)
+def _k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """``log pi - log pi_ref``: unbiased, high variance, may be negative."""
+    return logprobs - ref_logprobs
+
+
+@register_kl("k2")
+def _k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """``0.5 (log pi - log pi_ref)^2``: biased, low variance, never negative (verl's ``mse``/``k2``); its
+    gradient is the one of the reverse KL in expectation (Schulman's note)."""
+    return 0.5 * (logprobs - ref_logprobs).square()
+
+
+@register_kl("k3", kernel_id=3)
+def _k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """``exp(d) - d - 1`` with ``d = log pi_ref - log pi``: unbiased, non-negative (GRPO's choice), as verl's
+    ``low_var_kl``: ``d`` clamped to +-20 before the exp and the estimate to at most :data:`K3_MAX` (a token
+    the policy made >13x less likely than the reference adds at most 10, and no gradient)."""
+    d = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
+    return (torch.exp(d) - d - 1.0).clamp(max=K3_MAX)
+
+
+@register_kl("abs")
+def _abs(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """``|log pi - log pi_ref|`` (verl's ``abs``): never negative, a constant-magnitude gradient."""
+    return (logprobs - ref_logprobs).abs()
+
+
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate from sampled tokens.
-
-    ``k1 = log pi - log pi_ref``; ``k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1`` (unbiased,
-    non-negative; GRPO's choice), as verl's ``low_var_kl``: the log-ratio clamped to +-20 before the exp and
-    the estimate to at most 10 (a token the policy made >13x less likely than the reference adds at most 10,
-    and no gradient). Raises ``ValueError`` for an unknown kind.
-    """
-    d = ref_logprobs - logprobs
-    if kind == "k1":
-        return -d
-    if kind == "k3":
-        d = d.clamp(-20.0, 20.0)
-        return (torch.exp(d) - d - 1.0).clamp(max=K3_MAX)
-    raise ValueError(f"unknown KL estimator {kind!r}; expected 'k1' or 'k3'")
+    """Per-token KL(pi || pi_ref) estimate of the registered estimator ``kind`` (:data:`KL_ESTIMATORS`).
+    Raises ``ValueError`` for an unknown kind."""
+    return KL_ESTIMATORS.get(kind).fn(logprobs, ref_logprobs)
 
 
-def ppo_clip_loss(
+# -- policy losses ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PolicyLossFn:
+    """A policy-gradient term ``fn(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high,
+    clip_ratio_c, options) -> (pg [B, T], stats)``: the per-token loss (aggregated by the loss aggregation,
+    so a sequence-level loss writes its value on each of the sequence's tokens) and its own statistics
+    (floats). ``kernel``: the fused CUDA loss kernel implements it (``ppo_clip`` only)."""
+
+    name: str
+    fn: Callable[..., tuple[torch.Tensor, dict[str, float]]]
+    kernel: bool = False
+
+
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "train.policy_loss")
+
+
+def register_policy_loss(name: str, kernel: bool = False, replace: bool = False):
+    """Register a policy-gradient term (see :class:`PolicyLossFn`) as ``name``."""
+    return decorator(POLICY_LOSSES, name, lambda fn: PolicyLossFn(name, fn, kernel), replace)
+
+
+@register_policy_loss("ppo_clip", kernel=True)
+def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+             clip_low: float = 0.2, clip_high: float = 0.2, clip_ratio_c: float | None = None,
+             options: dict[str, Any] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip with DAPO clip-higher and optional dual-clip. Per token: ``r = exp(logp - old_logp)``;
+    ``pg = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; with ``clip_ratio_c`` (> 1; dual-clip PPO,
+    Ye et al. 2020, verl's ``clip_ratio_c``) a token with ``A < 0`` has ``pg = min(pg, -A c)``, so a large
+    ratio on a negative advantage cannot grow the loss without bound. Stats: ``clip_frac`` and, with
+    dual-clip, ``clip_frac_lower`` (the share of tokens the bound caps). Raises ``ValueError`` for
+    ``clip_ratio_c <= 1``."""
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-20.0, 20.0))
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(pg1, pg2)
+    stats = {"clip_frac": token_mean((pg2 > pg1).to(mask.dtype), mask)}
+    if clip_ratio_c is not None:
+        if not clip_ratio_c > 1.0:
+            raise ValueError(f"dual-clip needs clip_ratio_c > 1, got {clip_ratio_c}")
+        pg3 = -advantages * clip_ratio_c
+        lower = (advantages < 0) & (pg3 < pg)
+        pg = torch.where(lower, pg3, pg)
+        stats["clip_frac_lower"] = token_mean(lower.to(mask.dtype), mask)
+    return pg, stats
+
+
+def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
+    loss: str = "ppo_clip",
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     loss_agg: str = "token-mean",
@@ -150,50 +303,34 @@ def ppo_clip_loss(
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     clip_ratio_c: float | None = None,
+    loss_scale: float | None = None,
+    options: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The masked PPO-clip policy loss with DAPO clip-higher, optional dual-clip, KL-to-reference loss and
-    entropy bonus.
-
-    Per token: ``r = exp(logp - old_logp)``; ``pg = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``;
-    with ``clip_ratio_c`` (> 1; dual-clip PPO, Ye et al. 2020, verl's ``clip_ratio_c``) a token with ``A < 0``
-    has ``pg = min(pg, -A c)``, so a large ratio on a negative advantage cannot grow the loss without bound;
-    plus ``kl_coef * KL`` when ``ref_logprobs`` is given and minus ``entropy_coef * H`` when ``entropy`` is
-    given; reduced by :func:`aggregate`. All inputs ``[B, T]`` float. Returns ``(loss, stats)`` with
-    ``stats`` = pg_loss, clip_frac, approx_kl (vs. old policy), kl (vs. reference), entropy, ratio_mean, and
-    with dual-clip clip_frac_lower (the share of tokens the bound caps). Raises ``ValueError`` for
-    ``clip_ratio_c <= 1``.
-    """
+    """The masked actor loss (reference): the registered policy term ``loss`` aggregated by ``loss_agg``,
+    plus ``kl_coef`` times the aggregated KL estimate ``kl_type`` when ``ref_logprobs`` is given and minus
+    ``entropy_coef`` times the aggregated entropy when ``entropy`` is given. All inputs ``[B, T]`` float;
+    ``loss_scale`` is the constant of ``seq-mean-token-sum-norm``; ``options`` go to the policy term.
+    Returns ``(loss, stats)`` with ``stats`` = pg_loss, the term's own stats (``ppo_clip``: clip_frac), approx_kl
+    (vs. the old policy), ratio_mean, kl (vs. the reference) and entropy. Raises ``ValueError`` for an
+    unknown loss, aggregation or KL kind."""
     mask = mask.to(logprobs.dtype)
+    term = POLICY_LOSSES.get(loss)
+    agg = LOSS_AGGS.get(loss_agg)
+    pg, own = term.fn(logprobs, old_logprobs, advantages, mask, clip_low=clip_low, clip_high=clip_high,
+                      clip_ratio_c=clip_ratio_c, options=options or {})
+    pg_loss = agg.fn(_masked(pg, mask), mask, loss_scale)
+    out = pg_loss
     log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)
-    ratio = torch.exp(log_ratio)
-    pg1 = -advantages * ratio
-    pg2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    pg = torch.maximum(pg1, pg2)
-    lower = None
-    if clip_ratio_c is not None:
-        if not clip_ratio_c > 1.0:
-            raise ValueError(f"dual-clip needs clip_ratio_c > 1, got {clip_ratio_c}")
-        pg3 = -advantages * clip_ratio_c
-        lower = (advantages < 0) & (pg3 < pg)
-        pg = torch.where(lower, pg3, pg)
-    pg_loss = aggregate(pg, mask, loss_agg)
-    loss = pg_loss
-    n = mask.sum().clamp(min=1.0)
-    stats: dict[str, float] = {
-        "pg_loss": float(pg_loss.detach()),
-        "clip_frac": float(((pg2 > pg1).to(mask.dtype) * mask).sum() / n),
-        "approx_kl": float(_masked(-log_ratio, mask).sum().detach() / n),
-        "ratio_mean": float(_masked(ratio.detach(), mask).sum() / n),
-    }
-    if lower is not None:
-        stats["clip_frac_lower"] = float((lower.to(mask.dtype) * mask).sum() / n)
+    stats: dict[str, float] = {"pg_loss": float(pg_loss.detach()), **own,
+                               "approx_kl": token_mean(-log_ratio, mask),
+                               "ratio_mean": token_mean(torch.exp(log_ratio), mask)}
     if ref_logprobs is not None and kl_coef > 0:
-        kl = aggregate(kl_estimate(logprobs, ref_logprobs, kl_type), mask, loss_agg)
-        loss = loss + kl_coef * kl
+        kl = agg.fn(_masked(kl_estimate(logprobs, ref_logprobs, kl_type), mask), mask, loss_scale)
+        out = out + kl_coef * kl
         stats["kl"] = float(kl.detach())
     if entropy is not None:
-        ent = aggregate(entropy, mask, loss_agg)
+        ent = agg.fn(_masked(entropy, mask), mask, loss_scale)
         stats["entropy"] = float(ent.detach())
         if entropy_coef != 0:
-            loss = loss - entropy_coef * ent
-    return loss, stats
+            out = out - entropy_coef * ent
+    return out, stats

@@ -73,8 +73,9 @@ from training.distributed import (
 )
 from training.faults import FAULT_COUNTS, drop_failed, run_episodes_retrying
 from training.gpu_health import check_gpu_memory
+from training.losses import LOSS_AGGS
 from training.monitors import Alarms, health_stats
-from training.rewards import gold_answer_probs, information_gain_rewards, kl_penalty, turn_table
+from training.rewards import gold_answer_probs, kl_penalty
 
 
 # -- data ---------------------------------------------------------------------------------------------
@@ -170,94 +171,6 @@ def rollout_stats(trajs: list[Trajectory]) -> dict[str, float]:
     }
 
 
-# -- advantages ---------------------------------------------------------------------------------------
-def batch_outcome_advantages(name: str, rewards: torch.Tensor, groups: torch.Tensor, strata: torch.Tensor,
-                             alpha: float) -> torch.Tensor:
-    """:func:`training.advantages.outcome_advantages` over the whole batch: under torchrun every rank's
-    ``[N_r]`` rewards, groups and strata are gathered (each rank's group ids moved past the previous ranks'),
-    so batch statistics (REINFORCE++'s normalisation, Stratified GRPO's global term) are those of one process
-    on the whole batch; returns this rank's ``[N_r]`` rows. One process: the estimator itself."""
-    rank, W = world()
-    if W == 1:
-        return A.outcome_advantages(name, rewards, groups, strata, alpha)
-    R: list[float] = []
-    G: list[int] = []
-    S: list[int] = []
-    for i, (r, g, s) in enumerate(gather_objects((rewards.tolist(), groups.tolist(), strata.tolist()))):
-        if i == rank:
-            start = len(R)
-        base = max(G, default=-1) + 1  # this rank's groups after the previous ranks'
-        R.extend(r)
-        G.extend(base + x for x in g)
-        S.extend(s)
-    adv = A.outcome_advantages(name, torch.tensor(R, dtype=torch.float32), torch.tensor(G), torch.tensor(S), alpha)
-    return adv[start : start + len(rewards)]
-
-
-def batch_masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """:func:`training.advantages.masked_whiten` (``[N, T]`` float) over the whole batch: under torchrun the
-    mean and variance are those of every rank's masked entries (each sum reduced over ranks), so PPO's advantages
-    are whitened as one process whitens the whole batch. A collective under torchrun; the plain function on
-    one process."""
-    if world()[1] == 1:
-        return A.masked_whiten(values, mask, eps)
-    return A.masked_whiten(values, mask, eps, total=lambda t: t.new_tensor(all_reduce_sum(float(t))))
-
-
-def compute_advantages(
-    tc: Any,
-    batch: Batch,
-    trajs: list[Trajectory],
-    *,
-    values: torch.Tensor | None = None,
-    gold_probs: list[list[float]] | None = None,
-    kl_tokens: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """Per-token advantages ``[N, T-1]`` (aligned with ``batch.loss_mask``) of the estimator ``tc.algorithm``.
-
-    ``tc`` is a :class:`sleuth.config.TrainConfig`. ``values`` ``[N, T-1]`` are the critic's (PPO);
-    ``gold_probs`` the per-turn gold-answer probabilities (IGPO, :func:`training.rewards.gold_answer_probs`);
-    ``kl_tokens`` ``[N, T-1]`` the per-token KL to the reference when it is a reward penalty (summed into
-    the outcome reward for outcome estimators, per token for PPO). ``tc.search_cost`` charges each search
-    turn. Returns ``{"advantages"}`` plus ``{"returns"}`` for PPO. Raises ``ValueError`` when an estimator's
-    input is missing. A collective under torchrun for the estimators with batch statistics (REINFORCE++,
-    Stratified GRPO's global term, PPO's whitening): every rank must call it.
-    """
-    name = tc.algorithm
-    mask = batch.loss_mask
-    rewards = batch.rewards.float()
-    kl_seq = (kl_tokens * mask).sum(-1) if kl_tokens is not None else torch.zeros_like(rewards)
-    valid, is_search = turn_table(trajs)
-    target_turns = batch.turn_ids[:, 1:]
-    if name in A.OUTCOME_ESTIMATORS:
-        strata = torch.tensor([t.num_search_calls for t in trajs], dtype=torch.long)
-        adv = batch_outcome_advantages(name, rewards - tc.kl_coef * kl_seq, batch.groups, strata,
-                                       tc.stratified_alpha)
-        tok = A.to_token_advantages(adv, mask)
-        if tc.search_cost > 0:
-            tok = tok + A.turns_to_tokens(A.search_cost_to_go(is_search, valid, tc.search_cost), target_turns, mask)
-        return {"advantages": tok}
-    if name == "ppo":
-        if values is None:
-            raise ValueError("ppo needs critic values")
-        costs = rewards - tc.search_cost * is_search.float().sum(-1)
-        token_r = A.last_token_rewards(costs, mask)
-        if kl_tokens is not None:
-            token_r = token_r - tc.kl_coef * kl_tokens * mask
-        adv, ret = A.gae_advantages(token_r, values, mask, tc.gamma, tc.lam, whiten=False)
-        return {"advantages": batch_masked_whiten(adv, mask), "returns": ret}
-    if name == "igpo":
-        if gold_probs is None:
-            raise ValueError("igpo needs the per-turn gold-answer probabilities")
-        turn_r = tc.ig_coef * information_gain_rewards(gold_probs, valid) - tc.search_cost * is_search.float()
-        last = valid.long().cumsum(-1).argmax(-1)  # column of each trajectory's last valid turn
-        rows = torch.arange(len(trajs))
-        turn_r[rows, last] = (rewards - tc.kl_coef * kl_seq) - tc.search_cost * is_search[rows, last].float()
-        turn_adv = A.igpo_turn_advantages(turn_r, valid, batch.groups, tc.gamma)
-        return {"advantages": A.turns_to_tokens(turn_adv, target_turns, mask)}
-    raise ValueError(f"unknown advantage estimator {name!r}; expected one of {A.ESTIMATORS}")
-
-
 # -- update -------------------------------------------------------------------------------------------
 def _autocast(device: torch.device, enabled: bool):
     if enabled and device.type == "cuda":
@@ -270,7 +183,7 @@ def split_micro_batches(batch: Batch, cfg: Any) -> tuple[list[torch.Tensor], lis
     number of real ones)``. Rows are split by ``cfg.micro_batch`` rows and ``cfg.micro_batch_tokens`` tokens
     (a packed budget with ``cfg.packing``, :func:`training.batch.micro_batches`); under torchrun the list is
     padded to the same count on every rank (:func:`training.distributed.pad_micro_batches`; the padding
-    repeats the last one and must get zero weight). ``cfg`` is a :class:`sleuth.config.TrainConfig`."""
+    repeats the last one and must get zero weight). ``cfg`` is a :class:`training.config.TrainConfig`."""
     idx = micro_batches(batch, cfg.micro_batch, cfg.micro_batch_tokens, packed=cfg.packing)
     idx, n_real = pad_micro_batches(idx)
     return idx, [batch.select(i, packed=cfg.packing) for i in idx], n_real
@@ -287,13 +200,14 @@ def update_policy(
     critic: Any | None = None,
     critic_optimizer: Any | None = None,
     old_logprobs: list[torch.Tensor] | None = None,
+    loss_scale: float | None = None,
 ) -> dict[str, float]:
     """PPO-clip update(s) on one rollout batch; returns averaged loss statistics (``lr``: the
     learning rate the optimizer steps used, before the scheduler advanced it).
 
     ``module`` is the policy (a Hugging Face causal LM) or its :class:`training.distributed.LogprobModule`
     (possibly FSDP2-sharded); ``batch.token_advantages`` ``[N, T-1]`` must be set (else ``batch.advantages``
-    ``[N]`` is broadcast). ``cfg`` is a :class:`sleuth.config.TrainConfig`. The old log-probs are those of
+    ``[N]`` is broadcast). ``cfg`` is a :class:`training.config.TrainConfig`. The old log-probs are those of
     the policy before the update (recomputed, as verl does), so with ``ppo_epochs == 1`` the ratio is 1 and
     the update is the on-policy policy gradient. Micro-batches follow ``cfg.micro_batch`` rows and
     ``cfg.micro_batch_tokens``; each is weighted so that the step equals one full-batch step, also across
@@ -313,7 +227,6 @@ def update_policy(
     fwd = module if isinstance(module, LogprobModule) else LogprobModule(module)
     device = next(fwd.parameters()).device
     _rank, W = world()
-    N = len(batch)
     if batch.token_advantages is None:
         if batch.advantages is None:
             raise ValueError("update_policy needs batch.token_advantages or batch.advantages")
@@ -324,8 +237,8 @@ def update_policy(
         use_ref = ref_model is not None and cfg.kl_coef > 0 and cfg.kl_mode == "loss"
         ref = [LogprobModule(ref_model)(mb, False)[0] for mb in micro] if use_ref else None
     total_tokens = all_reduce_sum(float(batch.loss_mask.sum()))
-    total_rows = all_reduce_sum(float(N))
-    # seq-mean-token-mean averages over the rows that have a policy token (training.losses.aggregate)
+    # the "rows" aggregations average over the rows that have a policy token (training.losses.LOSS_AGGS)
+    unit = LOSS_AGGS.get(cfg.loss_agg).unit
     total_rows_with_tokens = all_reduce_sum(float((batch.loss_mask.sum(-1) > 0).sum()))
     stats_acc: dict[str, float] = {}
     count = 0
@@ -337,21 +250,20 @@ def update_policy(
             mask = mb.loss_mask.to(lp.device)
             adv = mb.token_advantages.to(lp.device)
             loss, stats = policy_loss(
-                lp, old[j].to(lp.device), adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                clip_ratio_c=cfg.clip_ratio_c, loss_agg=cfg.loss_agg,
+                lp, old[j].to(lp.device), adv, mask, loss=cfg.policy_loss, clip_low=cfg.clip_low,
+                clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c, loss_agg=cfg.loss_agg,
                 ref_logprobs=ref[j] if ref is not None else None, kl_coef=cfg.kl_coef,
-                kl_type=cfg.kl_type, entropy=ent, entropy_coef=cfg.entropy_coef,
+                kl_type=cfg.kl_type, entropy=ent, entropy_coef=cfg.entropy_coef, loss_scale=loss_scale,
+                options=cfg.options,
             )
             if not torch.isfinite(loss) and W == 1:  # under torchrun the NaN reaches every rank through the
                 optimizer.zero_grad(set_to_none=True)  # gradient reduction: all ranks skip at the norm check
                 raise FloatingPointError(f"non-finite policy loss ({float(loss)})")
             # weight micro-batches (and ranks: FSDP averages gradients) so the step is one full-batch step
-            if cfg.loss_agg == "token-mean":
+            if unit == "tokens":
                 share = float(mask.sum()) / max(total_tokens, 1.0)
-            elif cfg.loss_agg == "seq-mean-token-mean":
-                share = float((mask.sum(-1) > 0).sum()) / max(total_rows_with_tokens, 1.0)
             else:
-                share = len(mb) / total_rows
+                share = float((mask.sum(-1) > 0).sum()) / max(total_rows_with_tokens, 1.0)
             share = share if j < n_real else 0.0
             (loss * share * W).backward()
             for k, v in stats.items():
@@ -647,7 +559,8 @@ def rl_train(
     tc = cfg.train
     if not cfg.agent.temperature > 0:  # log-probs are scored at the rollout temperature (Batch.temperature)
         raise ValueError(f"RL needs sampled rollouts: agent.temperature must be > 0, got {cfg.agent.temperature}")
-    if tc.algorithm in A.NEEDS_CRITIC and tc.critic == "none":  # also enforced by the config schema
+    estimator = A.ADV_ESTIMATORS.get(tc.algorithm)
+    if estimator.critic and tc.critic == "none":  # also enforced by the config schema
         raise ValueError(f"train.algorithm={tc.algorithm} needs train.critic (separate or shared)")
     if tc.packing:  # before the first rollout, not at the first packed micro-batch
         check_packed_masks()
@@ -655,7 +568,7 @@ def rl_train(
     rank, W = init_from_env(timeout_s=tc.dist_timeout_s)
     check_gpu_memory()  # logs each device's free memory; warns when something else holds over 10% of one
     if W > 1:
-        if tc.algorithm in A.NEEDS_CRITIC and tc.critic == "shared":
+        if estimator.critic and tc.critic == "shared":
             raise ValueError("train.critic=shared is not supported under torchrun (world size > 1): its value head "
                              "rides on the sharded policy's backbone; use train.critic=separate (a value model "
                              "sharded on its own, as verl's critic)")
@@ -711,7 +624,7 @@ def rl_train(
                 p.requires_grad_(False)
 
         # the checkpoint's LoRA adapters and critic, read once and loaded before sharding (plain tensors)
-        saved = read_extra(ckpt) if ckpt is not None and (tc.lora or tc.algorithm == "ppo") else {}
+        saved = read_extra(ckpt) if ckpt is not None and (tc.lora or estimator.critic) else {}
         if tc.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
@@ -732,7 +645,7 @@ def rl_train(
         # is sharded, refreshed from the gathered full weights after every update
         rollout_model = copy.deepcopy(policy) if W > 1 else None
         critic = None
-        if tc.algorithm == "ppo":  # from the full policy, before it is sharded; then sharded on its own
+        if estimator.critic:  # from the full policy, before it is sharded; then sharded on its own
             from training.critic import ValueModel
 
             critic = ValueModel(_unwrap(policy), shared=tc.critic == "shared")
@@ -868,9 +781,10 @@ def rl_train(
                     for i, mb in zip(idx, micro, strict=True):
                         v = critic(mb).detach().cpu()
                         values[i, : v.shape[1]] = v
-                if tc.algorithm == "igpo":
+                if estimator.gold_probs:
                     gold = gold_answer_probs(gen_model, tokenizer, trajs, max_len=cfg.agent.max_total_tokens)
-            adv = compute_advantages(tc, batch, trajs, values=values, gold_probs=gold, kl_tokens=kl_tokens)
+            adv = A.compute_advantages(tc, A.advantage_inputs(batch, trajs, values=values, gold_probs=gold,
+                                                               kl_tokens=kl_tokens))
             batch.token_advantages = adv["advantages"]
             if "returns" in adv:
                 batch.returns, batch.old_values = adv["returns"], values
@@ -880,7 +794,8 @@ def rl_train(
             moved = True
             try:
                 loss_stats = update_policy(fwd, ref_model, optimizer, batch, tc, scheduler=scheduler, critic=critic,
-                                           critic_optimizer=critic_opt, old_logprobs=old)
+                                           critic_optimizer=critic_opt, old_logprobs=old,
+                                           loss_scale=tc.loss_scale_factor or float(cfg.agent.max_total_tokens))
             except FloatingPointError as e:
                 # the same decision on every rank; with ppo_epochs > 1 the epochs before the NaN have stepped
                 moved = tc.ppo_epochs > 1
