@@ -191,8 +191,8 @@ def run_one(name: str, retriever, train, test, res: dict) -> None:
             log(f"{name}: step {step} test EM {100 * rec['eval_em']:.1f} reward {rec['reward']:.3f} "
                 f"entropy {rec.get('entropy', float('nan')):.2f}")
 
-    out = rl_train(cfg, model, tok, retriever, train, run_dir, resume=ckpt is not None, on_step=on_step,
-                   evaluate=ev)
+    out = rl_train(cfg.train, cfg.agent, model, tok, retriever, train, run_dir, seed=cfg.seed,
+                   top_k=cfg.retrieval.top_k, resume=ckpt is not None, on_step=on_step, evaluate=ev)
     final = ev(model)
     res["runs"][name] = {"algorithm": algorithm, "seed": seed, "extra": extra, "sft_em": res["sft"]["em"],
                          "rl_em": final["em"], "final": final, "curve": curve, "best_eval_em": out["best_eval_em"],
@@ -243,8 +243,8 @@ def run_hotpot(res: dict) -> None:
         if "eval_em" in rec:
             log(f"hotpot: step {step} test EM {100 * rec['eval_em']:.1f} train F1 {rec['f1']:.3f}")
 
-    rl_train(cfg, model, tok, retriever, train, run_dir, resume=ckpt is not None, on_step=on_step,
-             evaluate=lambda m: evaluate(m, tok, retriever, test, cfg))
+    rl_train(cfg.train, cfg.agent, model, tok, retriever, train, run_dir, seed=cfg.seed, top_k=cfg.retrieval.top_k,
+             resume=ckpt is not None, on_step=on_step, evaluate=lambda m: evaluate(m, tok, retriever, test, cfg))
     final = evaluate(model, tok, retriever, test, cfg)
     res.pop("hotpot_partial", None)
     res["hotpot"] = {"sft_em": sft_eval["em"], "rl_em": final["em"], "final": final, "curve": curve,

@@ -455,9 +455,9 @@ def run_rl_stage(cfg: Config, init_path: str | Path, resume: bool = False, log=p
                                     cfg.seed + rank))  # one sampling stream per rank under torchrun
             return engines[-1]
     try:
-        rl_train(cfg, llm.model, llm.tokenizer, retriever, train, run_dir, resume=ckpt is not None, on_step=on_step,
-                 llm_factory=llm_factory, evaluate=held_out_evaluator(cfg, llm.tokenizer, retriever),
-                 judge=answer_judge(cfg))
+        rl_train(cfg.train, cfg.agent, llm.model, llm.tokenizer, retriever, train, run_dir, seed=cfg.seed,
+                 top_k=cfg.retrieval.top_k, resume=ckpt is not None, on_step=on_step, llm_factory=llm_factory,
+                 evaluate=held_out_evaluator(cfg, llm.tokenizer, retriever), judge=answer_judge(cfg))
     finally:
         for engine in engines:  # its process and memory now, not at interpreter exit
             engine.close()

@@ -76,3 +76,12 @@ def agent_cfg():
     from sleuth.config import AgentConfig
 
     return AgentConfig(max_turns=3, max_new_tokens=24, max_total_tokens=512, max_obs_tokens=160, max_doc_chars=200)
+
+
+def run_rl(cfg, model, tokenizer, retriever, questions, run_dir, **kw):
+    """:func:`training.trainer.rl_train` with the sections of a whole run config, as the composition root
+    (``sleuth.pipeline.run_rl_stage``) passes them. Looked up on the module, so a test may patch it."""
+    import training.trainer as T
+
+    return T.rl_train(cfg.train, cfg.agent, model, tokenizer, retriever, questions, run_dir, seed=cfg.seed,
+                      top_k=cfg.retrieval.top_k, **kw)

@@ -123,13 +123,12 @@ def test_rl_train_rolls_out_on_vllm_and_pushes_every_update(engine, tiny_dir, re
     pushes the full weights after each step, so the engine ends on exactly the trained policy."""
     from agent.hf import load_model_and_tokenizer
     from agent.llm import SamplingParams, encode
-    from tests.conftest import QUESTIONS
+    from tests.conftest import QUESTIONS, run_rl
     from tests.test_trainer import make_cfg, varying_judge
-    from training.trainer import rl_train
 
     model, tok = load_model_and_tokenizer(str(tiny_dir[0]), device="cpu")
     before = engine.weight_version
-    out = rl_train(make_cfg("train.steps=2"), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge,
+    out = run_rl(make_cfg("train.steps=2"), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge,
                    llm_factory=lambda m, t: engine)
     assert out["last"] and "skipped" not in out["last"]
     assert engine.weight_version == before + 2

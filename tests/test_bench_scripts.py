@@ -79,7 +79,7 @@ def test_learning_resumed_run_counts_the_time_before_the_interruption(tmp_path, 
 
     lb, have_ckpt = _learning_with_a_checkpoint_at_step_10(tmp_path, monkeypatch)
 
-    def first_session(cfg, model, tok, retriever, train, run_dir, resume, on_step, evaluate):
+    def first_session(tc, agent_cfg, model, tok, retriever, train, run_dir, *, resume, on_step, evaluate, **kw):
         time.sleep(0.4)  # steps 1-10
         have_ckpt["v"] = True  # checkpoint of step 10, saved with its evaluation
         on_step(10, {"eval_em": 0.4, "reward": 0.1, "eval_search_calls": 1.0})
@@ -195,7 +195,7 @@ def test_learning_resumed_hotpot_run_keeps_the_curve_and_time_before_the_interru
     monkeypatch.setattr(sleuth.pipeline, "data_paths", lambda cfg: {"train": "t", "test": "t"})
     monkeypatch.setattr(corpora, "read_qa", lambda p: [])
 
-    def first_session(cfg, model, tok, retriever, train, run_dir, resume, on_step, evaluate):
+    def first_session(tc, agent_cfg, model, tok, retriever, train, run_dir, *, resume, on_step, evaluate, **kw):
         for step in range(1, 13):
             time.sleep(0.02)
             on_step(step, {"reward": 0.1, "f1": 0.2, **({"eval_em": 0.4} if step == 10 else {})})
@@ -203,7 +203,7 @@ def test_learning_resumed_hotpot_run_keeps_the_curve_and_time_before_the_interru
                 have_ckpt["v"] = True  # checkpoint of step 10
         raise KeyboardInterrupt  # stopped in step 13: steps 11-12 are redone
 
-    def second_session(cfg, model, tok, retriever, train, run_dir, resume, on_step, evaluate):
+    def second_session(tc, agent_cfg, model, tok, retriever, train, run_dir, *, resume, on_step, evaluate, **kw):
         assert resume
         for step in range(11, 31):
             on_step(step, {"reward": 0.3, "f1": 0.4, **({"eval_em": 0.6} if step % 10 == 0 else {})})

@@ -127,8 +127,8 @@ def test_resume_refuses_a_truncated_checkpoint_and_offers_the_previous(tiny_data
     safetensors; it now stops first with a message naming the damaged file and the previous checkpoint, and
     following its advice resumes from that one."""
     from sleuth.cli import main
+    from tests.conftest import run_rl
     from tests.test_trainer import load, make_cfg
-    from training.trainer import rl_train
 
     out = tmp_path / "out"
     over = [f"out_dir={out}", f"data.corpus={tiny_data / 'corpus.jsonl'}", f"data.train={tiny_data / 'train.jsonl'}",
@@ -140,7 +140,7 @@ def test_resume_refuses_a_truncated_checkpoint_and_offers_the_previous(tiny_data
     from retrieval.index import load_retriever
     from tests.conftest import QUESTIONS
 
-    rl_train(make_cfg(), model, tok, load_retriever(bm25_index, "bm25"), QUESTIONS, out / "grpo")
+    run_rl(make_cfg(), model, tok, load_retriever(bm25_index, "bm25"), QUESTIONS, out / "grpo")
     ckpt = out / "grpo" / "checkpoints" / "step_000002"
     weights = ckpt / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1000])

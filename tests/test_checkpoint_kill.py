@@ -23,9 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def child(policy_dir: str, index_dir: str, run_dir: str) -> None:
     from retrieval.index import load_retriever
-    from tests.conftest import QUESTIONS
+    from tests.conftest import QUESTIONS, run_rl
     from tests.test_trainer import SeededLLM, load, make_cfg, varying_judge
-    from training.trainer import rl_train
 
     run = Path(run_dir)
 
@@ -36,17 +35,16 @@ def child(policy_dir: str, index_dir: str, run_dir: str) -> None:
         return varying_judge(traj)
 
     model, tok = load(policy_dir)
-    rl_train(make_cfg("train.steps=4"), model, tok, load_retriever(index_dir, "bm25"), QUESTIONS, run,
+    run_rl(make_cfg("train.steps=4"), model, tok, load_retriever(index_dir, "bm25"), QUESTIONS, run,
              judge=judge, llm_factory=SeededLLM)
 
 
 @pytest.mark.slow
 def test_sigkill_mid_step_resumes_from_last_complete_checkpoint(tiny_policy_dir, bm25_index, retriever, tmp_path):
     from agent.hf import load_model_and_tokenizer
-    from tests.conftest import QUESTIONS
+    from tests.conftest import QUESTIONS, run_rl
     from tests.test_trainer import SeededLLM, load, make_cfg, varying_judge
     from training.checkpoint import latest_checkpoint
-    from training.trainer import rl_train
 
     run = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -71,13 +69,13 @@ def test_sigkill_mid_step_resumes_from_last_complete_checkpoint(tiny_policy_dir,
 
     model, tok = load_model_and_tokenizer(str(ckpt), device="cpu")
     torch.set_num_threads(1)
-    out = rl_train(make_cfg("train.steps=4"), model, tok, retriever, QUESTIONS, run, resume=True,
+    out = run_rl(make_cfg("train.steps=4"), model, tok, retriever, QUESTIONS, run, resume=True,
                    judge=varying_judge, llm_factory=SeededLLM)
     assert out["start_step"] == 2
     resumed = model.state_dict()
 
     model, tok = load(tiny_policy_dir)
-    rl_train(make_cfg("train.steps=4"), model, tok, retriever, QUESTIONS, tmp_path / "straight",
+    run_rl(make_cfg("train.steps=4"), model, tok, retriever, QUESTIONS, tmp_path / "straight",
              judge=varying_judge, llm_factory=SeededLLM)
     for k, v in model.state_dict().items():
         torch.testing.assert_close(resumed[k], v, rtol=0, atol=1e-6)

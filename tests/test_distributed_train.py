@@ -32,6 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import run_rl
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -52,7 +54,7 @@ def cfg_for(steps: int, *extra: str):
 
 # -- the worker (one per rank, under torchrun) --------------------------------------------------------
 def worker(phase: str, policy_dir: str, index_dir: str, out_dir: str) -> None:
-    import training.trainer as T
+    import training.run_state as RS
     from retrieval.index import load_retriever
     from tests.conftest import QUESTIONS
     from tests.test_trainer import SeededLLM, load, varying_judge
@@ -70,7 +72,7 @@ def worker(phase: str, policy_dir: str, index_dir: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     retriever = load_retriever(index_dir, "bm25")
 
-    real_save, real_load = T.save_checkpoint, T.load_full_optimizer_state
+    real_save, real_load = RS.save_checkpoint, RS.load_full_optimizer_state
 
     def logged_save(run_dir, step, *a, **kw):  # who writes checkpoints, and how often
         with open(out / f"saves.rank{rank}.txt", "a") as f:
@@ -83,7 +85,7 @@ def worker(phase: str, policy_dir: str, index_dir: str, out_dir: str) -> None:
         if rank == 0:
             torch.save(full, out / "loaded_optimizer.pt")
 
-    T.save_checkpoint, T.load_full_optimizer_state = logged_save, recorded_load
+    RS.save_checkpoint, RS.load_full_optimizer_state = logged_save, recorded_load
 
     def run(name: str, steps: int, resume: bool = False, *extra: str) -> None:
         held = {}
@@ -103,7 +105,7 @@ def worker(phase: str, policy_dir: str, index_dir: str, out_dir: str) -> None:
             from training.checkpoint import latest_checkpoint
 
             model, tok = load_model_and_tokenizer(str(latest_checkpoint(out / name)), device="cpu")
-        T.rl_train(cfg_for(steps, "train.dynamic_sampling=true", *extra), model, tok, retriever, QUESTIONS, out / name,
+        run_rl(cfg_for(steps, "train.dynamic_sampling=true", *extra), model, tok, retriever, QUESTIONS, out / name,
                    resume=resume, judge=varying_judge, llm_factory=factory, on_step=on_step)
         if rank == 0:
             torch.save({k: v.clone() for k, v in held["model"].state_dict().items()}, out / f"final.{name}.pt")
@@ -158,7 +160,7 @@ def extras_worker(policy_dir: str, index_dir: str, out: Path) -> None:
     import time
 
     import training.advantages as A
-    import training.trainer as T
+    import training.run_state as RS
     from retrieval.index import load_retriever
     from tests.conftest import QUESTIONS
     from tests.test_trainer import SeededLLM, load, varying_judge
@@ -186,7 +188,7 @@ def extras_worker(policy_dir: str, index_dir: str, out: Path) -> None:
     A.compute_advantages = recorded_adv
     try:
         model, tok = load(policy_dir)
-        T.rl_train(cfg_for(1), model, tok, retriever, QUESTIONS, out / "sync", judge=varying_judge,
+        run_rl(cfg_for(1), model, tok, retriever, QUESTIONS, out / "sync", judge=varying_judge,
                    llm_factory=SeededLLM, sync_weights=sync, on_step=on_step)
     finally:
         A.compute_advantages = real_adv
@@ -197,28 +199,28 @@ def extras_worker(policy_dir: str, index_dir: str, out: Path) -> None:
         time.sleep(14)
         return {"em": 0.5}
 
-    real_save = T.save_checkpoint
+    real_save = RS.save_checkpoint
 
     def slow_save(*a, **kw):  # a large checkpoint: the write takes longer than the collective timeout
         time.sleep(12)
         return real_save(*a, **kw)
 
     model, tok = load(policy_dir)
-    T.save_checkpoint = slow_save
+    RS.save_checkpoint = slow_save
     try:
-        res = T.rl_train(cfg_for(1, "train.eval_every=1"), model, tok, retriever, QUESTIONS, out / "eval",
+        res = run_rl(cfg_for(1, "train.eval_every=1"), model, tok, retriever, QUESTIONS, out / "eval",
                          judge=varying_judge, llm_factory=SeededLLM, evaluate=slow_eval)
         result = f"ok {res['last'].get('eval_em')}"
     except Exception as e:  # noqa: BLE001 - recorded for the test
         result = f"{type(e).__name__}: {e}"[:300]
     finally:
-        T.save_checkpoint = real_save
+        RS.save_checkpoint = real_save
     (out / f"eval.rank{rank}.txt").write_text(result)
 
     # a resume where the ranks do not see the same checkpoints (a run directory that is not shared)
     model, tok = load(policy_dir)
     try:
-        T.rl_train(cfg_for(2), model, tok, retriever, QUESTIONS, out / ("sync" if rank == 0 else "not_shared"),
+        run_rl(cfg_for(2), model, tok, retriever, QUESTIONS, out / ("sync" if rank == 0 else "not_shared"),
                    resume=True, judge=varying_judge, llm_factory=SeededLLM)
         result = "no error"
     except Exception as e:  # noqa: BLE001 - recorded for the test
@@ -233,7 +235,7 @@ def ppo_worker(policy_dir: str, index_dir: str, out: Path) -> None:
     rank records its full policy and critic weights and the record after every step, and rank 0 the critic's
     optimizer state right after the resume loaded it."""
     import training.advantages as A
-    import training.trainer as T
+    import training.run_state as RS
     from agent.hf import load_model_and_tokenizer
     from retrieval.index import load_retriever
     from tests.conftest import QUESTIONS
@@ -250,7 +252,7 @@ def ppo_worker(policy_dir: str, index_dir: str, out: Path) -> None:
         made["critic"] = real_value_model(*a, **kw)
         return made["critic"]
 
-    real_load = T._load_critic_optimizer
+    real_load = RS.load_critic_optimizer
 
     def recorded_load(critic, optimizer, state, r, W):
         real_load(critic, optimizer, state, r, W)
@@ -269,7 +271,7 @@ def ppo_worker(policy_dir: str, index_dir: str, out: Path) -> None:
     import training.critic as C
 
     real_value_model = C.ValueModel
-    C.ValueModel, T._load_critic_optimizer, A.batch_masked_whiten = remember, recorded_load, recorded_whiten
+    C.ValueModel, RS.load_critic_optimizer, A.batch_masked_whiten = remember, recorded_load, recorded_whiten
     try:
         for name, steps, resume in (("ppo_straight", 3, False), ("ppo_split", 2, False), ("ppo_split", 3, True)):
             held = {}
@@ -291,11 +293,11 @@ def ppo_worker(policy_dir: str, index_dir: str, out: Path) -> None:
 
             model, tok = (load_model_and_tokenizer(str(latest_checkpoint(out / name)), device="cpu") if resume
                           else load(policy_dir))
-            T.rl_train(cfg_for(steps, "train.algorithm=ppo", "train.critic=separate", "train.critic_lr=1e-2"), model,
+            run_rl(cfg_for(steps, "train.algorithm=ppo", "train.critic=separate", "train.critic_lr=1e-2"), model,
                        tok, retriever, QUESTIONS, out / name, resume=resume, judge=varying_judge, llm_factory=factory,
                        on_step=on_step)
     finally:
-        C.ValueModel, T._load_critic_optimizer, A.batch_masked_whiten = real_value_model, real_load, real_whiten
+        C.ValueModel, RS.load_critic_optimizer, A.batch_masked_whiten = real_value_model, real_load, real_whiten
     D.shutdown()
     (out / f"done.ppo.rank{rank}").touch()
 
@@ -305,7 +307,7 @@ def nan_on_one_rank(rank: int, policy_dir: str, out: Path) -> None:
     import training.kernels as K
     from tests.test_fsdp import build, train_cfg
     from training import distributed as D
-    from training.trainer import update_policy
+    from training.actor import update_policy
 
     model, batch = build()
     fwd = D.shard(D.LogprobModule(model))
@@ -335,7 +337,7 @@ def refill_check(rank: int, policy_dir: str, retriever, out: Path) -> None:
     from agent.hf import TransformersLLM
     from tests.conftest import QUESTIONS
     from tests.test_trainer import load
-    from training.trainer import DataStream, rollout
+    from training.rollout import DataStream, RolloutWorker, rollout
 
     def judge(traj):
         r = float(len(traj.token_ids) % 2) if "Germany" in traj.question else 0.0
@@ -346,7 +348,8 @@ def refill_check(rank: int, policy_dir: str, retriever, out: Path) -> None:
     data = DataStream(QUESTIONS, 0)
     cfg = cfg_for(1, "train.dynamic_sampling=true", "train.dynamic_sampling_max_tries=3", "train.group_size=4")
     first = data.next(2)
-    trajs, stats = rollout(first[rank::2], TransformersLLM(model, tok), retriever, cfg, data, judge)
+    worker = RolloutWorker(TransformersLLM(model, tok), retriever, cfg.agent, cfg.retrieval.top_k, judge)
+    trajs, stats = rollout(worker, first[rank::2], cfg.train, data)
     (out / f"refill.rank{rank}.json").write_text(json.dumps({
         "position": data.position, "stats": stats, "groups": sorted({t.group for t in trajs}),
         "n": len(trajs), "questions": sorted({t.question for t in trajs}),
@@ -379,10 +382,10 @@ def read_steps(out: Path, name: str, rank: int) -> list[dict]:
 
 @pytest.mark.slow
 def test_torchrun_train_checkpoint_resume(tiny_policy_dir, bm25_index, retriever, tmp_path):
+    import training.run_state as RS
     from agent.hf import load_model_and_tokenizer
     from tests.conftest import QUESTIONS
     from tests.test_trainer import SeededLLM, varying_judge
-    from training import trainer as T
     from training.checkpoint import latest_checkpoint
 
     out = tmp_path
@@ -435,7 +438,7 @@ def test_torchrun_train_checkpoint_resume(tiny_policy_dir, bm25_index, retriever
     assert steps == [1, 2, 3]
 
     # the 2-rank checkpoint resumes on one process (another world size: same state, warned)
-    real_load = T.load_full_optimizer_state
+    real_load = RS.load_full_optimizer_state
     seen = {}
 
     def recorded_load(module, optimizer, state):
@@ -444,14 +447,14 @@ def test_torchrun_train_checkpoint_resume(tiny_policy_dir, bm25_index, retriever
 
         seen.update(copy.deepcopy(full_optimizer_state(module, optimizer)))  # one process: live tensors
 
-    T.load_full_optimizer_state = recorded_load
+    RS.load_full_optimizer_state = recorded_load
     try:
         model, tok = load_model_and_tokenizer(str(latest_checkpoint(out / "one_process")), device="cpu")
         with pytest.warns(UserWarning, match="saved on 2 ranks on 1"):
-            res = T.rl_train(cfg_for(3, "train.dynamic_sampling=true"), model, tok, retriever, QUESTIONS,
+            res = run_rl(cfg_for(3, "train.dynamic_sampling=true"), model, tok, retriever, QUESTIONS,
                              out / "one_process", resume=True, judge=varying_judge, llm_factory=SeededLLM)
     finally:
-        T.load_full_optimizer_state = real_load
+        RS.load_full_optimizer_state = real_load
     assert res["start_step"] == 2 and latest_checkpoint(out / "one_process").name == "step_000003"
     for k, s in saved_opt["state"].items():
         assert torch.equal(seen["state"][k]["exp_avg"], s["exp_avg"])
@@ -510,7 +513,7 @@ def test_a_failing_or_missing_rank_does_not_hang_the_others(tmp_path):
 
 
 def test_merged_stop_rates_count_ranks_without_the_reason_as_zero():
-    from training.trainer import merge_rank_records
+    from training.monitors import merge_rank_records
 
     a = ({"reward": 1.0, "stop/answer": 1.0}, 4)  # rank 0: every episode answered
     b = ({"reward": 0.0, "stop/max_turns": 1.0}, 4)  # rank 1: every episode ran out of turns

@@ -65,13 +65,13 @@ class OutageLLM(ScriptLLM):
 
 
 def _train(tiny_policy_dir, retriever, run: Path, llm_factory) -> list[dict]:
+    from tests.conftest import run_rl
     from tests.test_trainer import load, make_cfg
-    from training.trainer import rl_train
 
     cfg = make_cfg("train.steps=3", "train.save_every=10", "agent.max_turns=3", "agent.max_new_tokens=40",
                    "agent.max_total_tokens=400", "agent.max_obs_tokens=120")
     model, tok = load(tiny_policy_dir)
-    out = rl_train(cfg, model, tok, retriever, QUESTIONS, run, llm_factory=lambda m, t: llm_factory(t))
+    out = run_rl(cfg, model, tok, retriever, QUESTIONS, run, llm_factory=lambda m, t: llm_factory(t))
     assert out["steps"] == 3 and out["stopped"] is None
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 

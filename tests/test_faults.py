@@ -87,23 +87,25 @@ def test_the_trainer_rollout_neither_trains_on_nor_hides_episodes_of_an_outage(t
     and its tokens up to the failed search: the update taught the policy that searching earns nothing. Now
     the rollout runs it again and the step's stats count the failures."""
     from tests.test_trainer import load, make_cfg
-    from training.trainer import rollout
+    from training.rollout import RolloutWorker, rollout
 
     cfg = make_cfg("train.group_size=2", "agent.max_turns=3", "agent.max_new_tokens=40", "agent.max_total_tokens=400",
                    "agent.max_obs_tokens=120")
     _, tok = load(tiny_policy_dir)
     flaky = FlakyRetriever(retriever, fail_calls=1)
-    trajs, stats = rollout(QUESTIONS[:2], ScriptLLM(tok, SCRIPTS), flaky, cfg)
+    trajs, stats = rollout(RolloutWorker(ScriptLLM(tok, SCRIPTS), flaky, cfg.agent, cfg.retrieval.top_k),
+                           QUESTIONS[:2], cfg.train)
     assert len(trajs) == 4 and all(t.stop_reason == "answer" for t in trajs)
     assert stats["rollout_errors"] == 4.0 and stats["rollout_dropped"] == 0.0
     # a service that stays down: the episodes are dropped, not trained on; all of them down is an error
     flaky.down = True
     with pytest.raises(RuntimeError, match="all 4 episodes of this rollout failed"):
-        rollout(QUESTIONS[:2], ScriptLLM(tok, SCRIPTS), flaky, cfg)
+        rollout(RolloutWorker(ScriptLLM(tok, SCRIPTS), flaky, cfg.agent, cfg.retrieval.top_k), QUESTIONS[:2],
+                cfg.train)
 
 
 def test_rank_records_sum_the_fault_counts():
-    from training.trainer import merge_rank_records
+    from training.monitors import merge_rank_records
 
     rec = merge_rank_records([({"rollout_errors": 3.0, "rollout_dropped": 1.0, "reward": 1.0}, 4),
                               ({"rollout_errors": 2.0, "rollout_dropped": 0.0, "reward": 0.0}, 4)], set())

@@ -69,7 +69,7 @@ def critic_for(model):
 
 
 def reference_params() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    from training.trainer import update_policy
+    from training.actor import update_policy
 
     model, batch = build()
     critic = critic_for(model)
@@ -83,7 +83,7 @@ def reference_params() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]
 
 def worker(out: str) -> None:
     from training import distributed as D
-    from training.trainer import update_policy
+    from training.actor import update_policy
 
     rank, W = D.init_from_env("gloo")
     torch.set_num_threads(1)

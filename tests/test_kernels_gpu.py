@@ -333,7 +333,8 @@ def test_policy_logprobs_kernel_under_autocast(monkeypatch, packed):
     # gets bf16 hidden states and an fp32 weight; it must agree with the reference under the same autocast
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from training.batch import Batch, policy_logprobs
+    from training.actor import policy_logprobs
+    from training.batch import Batch
 
     torch.manual_seed(0)
     V, N, T = 3001, 4, 96

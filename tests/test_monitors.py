@@ -111,8 +111,8 @@ def test_dashboard_png_and_cli(tmp_path):
 
 def test_stop_alarm_keeps_best_checkpoint(tiny_policy_dir, retriever, tmp_path):
     """An entropy alarm with action=stop ends the run early; checkpoints/best holds the best-eval weights."""
+    from tests.conftest import run_rl
     from tests.test_trainer import load, make_cfg, varying_judge
-    from training.trainer import rl_train
 
     model, tok = load(tiny_policy_dir)
     scores = iter([0.5, 0.2, 0.1, 0.0])
@@ -120,7 +120,7 @@ def test_stop_alarm_keeps_best_checkpoint(tiny_policy_dir, retriever, tmp_path):
                    "train.alarm_action=stop", "train.save_every=10")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = rl_train(cfg, model, tok, retriever, [__import__("tests.conftest").conftest.QUESTIONS[0]], tmp_path,
+        out = run_rl(cfg, model, tok, retriever, [__import__("tests.conftest").conftest.QUESTIONS[0]], tmp_path,
                        judge=varying_judge, evaluate=lambda m: {"em": next(scores)})
     assert out["stopped"] and out["last"]["alarms"]
     best = json.loads((tmp_path / "checkpoints" / "best" / "best.json").read_text())
@@ -142,21 +142,20 @@ def test_alarm_patience_and_nonfinite_count_survive_a_resume(tiny_policy_dir, re
     """1 step + resume stops where an uninterrupted run does: the alarm's count of steps below the threshold
     (and the count of skipped non-finite steps) is checkpointed, not restarted at 0."""
     from agent.hf import load_model_and_tokenizer
-    from tests.conftest import QUESTIONS
+    from tests.conftest import QUESTIONS, run_rl
     from tests.test_trainer import load, make_cfg, varying_judge
     from training.checkpoint import latest_checkpoint
-    from training.trainer import rl_train
 
     over = ("train.alarm_min_entropy=100", "train.alarm_patience=2", "train.alarm_action=stop")
     model, tok = load(tiny_policy_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        rl_train(make_cfg("train.steps=1", *over), model, tok, retriever, QUESTIONS[:2], tmp_path,
+        run_rl(make_cfg("train.steps=1", *over), model, tok, retriever, QUESTIONS[:2], tmp_path,
                  judge=varying_judge)
         state = json.loads((latest_checkpoint(tmp_path) / "trainer_state.json").read_text())
         assert state["alarms_below"] == {"entropy": 1} and state["nonfinite"] == 0
         model, tok = load_model_and_tokenizer(str(latest_checkpoint(tmp_path)), device="cpu")
-        out = rl_train(make_cfg("train.steps=4", *over), model, tok, retriever, QUESTIONS[:2], tmp_path,
+        out = run_rl(make_cfg("train.steps=4", *over), model, tok, retriever, QUESTIONS[:2], tmp_path,
                        resume=True, judge=varying_judge)
     assert out["stopped"] and [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from agent.trajectory import Role, Trajectory
-from training.batch import Batch, collate, micro_batches, policy_logprobs
+from training.actor import policy_logprobs
+from training.batch import Batch, collate, micro_batches
 
 LENGTHS = [23, 9, 1, 2, 16, 5]
 
@@ -217,7 +218,7 @@ def test_micro_batches_packed_budget_is_the_sum_of_real_lengths(policy):
 
 
 def test_select_carries_the_flag_and_logprob_module_follows_it(policy):
-    from training.distributed import LogprobModule
+    from training.actor import LogprobModule
 
     model, tok = policy
     b = make_batch(tok)
@@ -236,7 +237,7 @@ def test_update_policy_with_packing_equals_padded(policy):
     import copy
 
     from sleuth.config import TrainConfig
-    from training.trainer import update_policy
+    from training.actor import update_policy
 
     model, tok = policy
     states = []

@@ -162,9 +162,9 @@ def test_the_built_in_loop_through_the_proxy_is_token_identical(tiny_llm, retrie
 
     import torch
 
-    from sleuth.config import TrainConfig
+    from training.actor import update_policy
     from training.batch import collate
-    from training.trainer import update_policy
+    from training.config import TrainConfig
 
     def step(trajs):
         model = copy.deepcopy(tiny_llm.model).train()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from sleuth.cli import COMMANDS, build_parser, main
+from tests.conftest import run_rl
 
 
 def test_every_subcommand_has_help(capsys):
@@ -539,7 +540,7 @@ def test_each_algorithm_trains_in_its_own_run_directory(tiny_policy_dir, retriev
 
     seen = []
     monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: retriever)
-    monkeypatch.setattr(training.trainer, "rl_train", lambda *a, **kw: seen.append((a[5], kw["resume"])))
+    monkeypatch.setattr(training.trainer, "rl_train", lambda *a, **kw: seen.append((a[6], kw["resume"])))
     pipeline.run_rl_stage(ppo, tiny_policy_dir, resume=True, log=lambda *a, **k: None)
     assert seen[-1] == (tmp_path / "ppo", False)
 
@@ -554,7 +555,7 @@ def test_each_algorithm_trains_in_its_own_run_directory(tiny_policy_dir, retriev
 
     monkeypatch.undo()
     with pytest.raises(ValueError, match="train.algorithm=grpo, not ppo"):
-        training.trainer.rl_train(ppo, None, None, retriever, [], tmp_path / "grpo", resume=True)
+        run_rl(ppo, None, None, retriever, [], tmp_path / "grpo", resume=True)
     with pytest.raises(ValueError, match="already has checkpoints"):  # a new run never overwrites an old one
         pipeline.run_rl_stage(grpo, tiny_policy_dir, log=lambda *a, **k: None)
 

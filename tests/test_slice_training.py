@@ -9,10 +9,10 @@ import torch
 
 from agent.loop import run_episodes
 from sleuth.config import load_config
-from tests.conftest import PASSAGES, QUESTIONS
+from tests.conftest import PASSAGES, QUESTIONS, run_rl
+from training.actor import update_policy
 from training.advantages import grpo_advantages
 from training.batch import collate
-from training.trainer import rl_train, update_policy
 
 
 def _params(model):
@@ -171,13 +171,13 @@ def test_interrupted_run_resumes_from_last_checkpoint(tiny_policy_dir, retriever
             "agent.max_new_tokens=12", "agent.max_turns=2", "agent.max_total_tokens=256"]
     cfg = load_config(None, over)
     llm = TransformersLLM.from_pretrained(str(tiny_policy_dir))
-    rl_train(cfg, llm.model, llm.tokenizer, retriever, QUESTIONS, tmp_path)
+    run_rl(cfg, llm.model, llm.tokenizer, retriever, QUESTIONS, tmp_path)
     ckpt = latest_checkpoint(tmp_path)
     assert ckpt is not None and ckpt.name == "step_000002"
     # "interrupt" after step 2 of 3: a new process resumes from the checkpoint and runs only step 3
     cfg3 = load_config(None, [o for o in over if not o.startswith("train.steps")] + ["train.steps=3"])
     llm2 = TransformersLLM.from_pretrained(str(ckpt))
-    out = rl_train(cfg3, llm2.model, llm2.tokenizer, retriever, QUESTIONS, tmp_path, resume=True)
+    out = run_rl(cfg3, llm2.model, llm2.tokenizer, retriever, QUESTIONS, tmp_path, resume=True)
     assert out["start_step"] == 2
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3 and latest_checkpoint(tmp_path).name == "step_000003"

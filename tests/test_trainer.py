@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from agent.trajectory import Role, Trajectory
-from tests.conftest import QUESTIONS
+from tests.conftest import QUESTIONS, run_rl
 
 
 def varying_judge(traj):
@@ -74,12 +74,12 @@ def load(tiny_policy_dir):
     ("grpo", ["train.clip_ratio_c=3"]),
 ])
 def test_every_estimator_moves_the_weights(algo, extra, tiny_policy_dir, retriever, tmp_path):
-    from training.trainer import rl_train
+    from tests.conftest import run_rl
 
     model, tok = load(tiny_policy_dir)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     cfg = make_cfg(f"train.algorithm={algo}", "train.steps=1", "train.group_size=3", *extra)
-    out = rl_train(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
+    out = run_rl(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
     rec = out["last"]
     assert "skipped" not in rec and rec["adv_abs_mean"] > 0
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -97,8 +97,8 @@ def test_token_budget_micro_batches_equal_one_full_batch(tiny_policy_dir, retrie
     """Gradient accumulation over length-sorted micro-batches (padding trimmed) == one full-batch step."""
     from agent.hf import TransformersLLM
     from agent.loop import run_episodes
+    from training.actor import update_policy
     from training.batch import collate, micro_batches
-    from training.trainer import update_policy
 
     cfg = make_cfg()
     model, tok = load(tiny_policy_dir)
@@ -128,17 +128,17 @@ def test_resume_is_exact(extra, tiny_policy_dir, retriever, tmp_path):
     """3 steps straight == 2 steps + resume from the checkpoint + 1 step (same weights, same data); with PPO
     the critic and its optimizer state are restored too (the critic's weights after step 3 are equal)."""
     from agent.hf import load_model_and_tokenizer
+    from tests.conftest import run_rl
     from training.checkpoint import latest_checkpoint, read_extra
-    from training.trainer import rl_train
 
     cfg3 = make_cfg("train.steps=3", "train.warmup_steps=2", *extra)
     model, tok = load(tiny_policy_dir)
-    rl_train(cfg3, model, tok, retriever, QUESTIONS, tmp_path / "straight", judge=varying_judge,
+    run_rl(cfg3, model, tok, retriever, QUESTIONS, tmp_path / "straight", judge=varying_judge,
              llm_factory=SeededLLM)
     straight = model.state_dict()
 
     model, tok = load(tiny_policy_dir)
-    rl_train(make_cfg("train.steps=2", "train.warmup_steps=2", *extra), model, tok, retriever, QUESTIONS,
+    run_rl(make_cfg("train.steps=2", "train.warmup_steps=2", *extra), model, tok, retriever, QUESTIONS,
              tmp_path / "split", judge=varying_judge, llm_factory=SeededLLM)
     ckpt = latest_checkpoint(tmp_path / "split")
     assert ckpt.name == "step_000002"
@@ -147,7 +147,7 @@ def test_resume_is_exact(extra, tiny_policy_dir, retriever, tmp_path):
         assert saved["state"] and all(isinstance(k, str) for k in saved["state"])
         assert set(saved["state"]) == set(read_extra(ckpt)["critic"])
     model, tok = load_model_and_tokenizer(str(ckpt), device="cpu")
-    out = rl_train(cfg3, model, tok, retriever, QUESTIONS, tmp_path / "split", resume=True, judge=varying_judge,
+    out = run_rl(cfg3, model, tok, retriever, QUESTIONS, tmp_path / "split", resume=True, judge=varying_judge,
                    llm_factory=SeededLLM)
     assert out["start_step"] == 2
     for k, v in straight.items():  # equal up to float summation order (group members may swap places)
@@ -167,17 +167,17 @@ def test_resume_rewrites_the_sample_trajectories_of_redone_steps(tiny_policy_dir
     import shutil
 
     from agent.hf import load_model_and_tokenizer
+    from tests.conftest import run_rl
     from training.checkpoint import latest_checkpoint
-    from training.trainer import rl_train
 
     cfg = make_cfg("train.steps=2")
     model, tok = load(tiny_policy_dir)
-    rl_train(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge, llm_factory=SeededLLM)
+    run_rl(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge, llm_factory=SeededLLM)
     shutil.rmtree(tmp_path / "checkpoints" / "step_000002")  # as if killed after logging step 2, before saving it
     ckpt = latest_checkpoint(tmp_path)
     assert ckpt.name == "step_000001"
     model, tok = load_model_and_tokenizer(str(ckpt), device="cpu")
-    rl_train(cfg, model, tok, retriever, QUESTIONS, tmp_path, resume=True, judge=varying_judge, llm_factory=SeededLLM)
+    run_rl(cfg, model, tok, retriever, QUESTIONS, tmp_path, resume=True, judge=varying_judge, llm_factory=SeededLLM)
     lines = (tmp_path / "trajectories.jsonl").read_text().splitlines()
     assert [json.loads(ln)["metadata"]["step"] for ln in lines] == [1, 1, 2, 2]  # group_size 2 per step
     assert [json.loads(ln)["step"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
@@ -190,7 +190,7 @@ def _step_of(rec):
 def test_drop_steps_after_keeps_unicode_line_separators_inside_records(tmp_path):
     """save_trajectories writes ensure_ascii=False, so a document with U+2028 / U+0085 (common in Wikipedia
     text) is a raw character inside one JSONL record; the resume trim must not split the record there."""
-    from training.trainer import drop_steps_after
+    from training.monitors import drop_steps_after
 
     path = tmp_path / "trajectories.jsonl"
     recs = [{"metadata": {"step": s}, "text": f"a\u2028b\x85c\u2029 {s}"} for s in (1, 2, 3)]
@@ -202,7 +202,7 @@ def test_drop_steps_after_keeps_unicode_line_separators_inside_records(tmp_path)
 def test_drop_steps_after_drops_a_torn_last_line(tmp_path):
     """A run killed while appending a record leaves a last line without its newline: resuming drops it
     (with a warning) instead of failing; a broken line that is not the last one still raises."""
-    from training.trainer import drop_steps_after
+    from training.monitors import drop_steps_after
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "rew', encoding="utf-8")
@@ -218,7 +218,7 @@ def test_drop_steps_after_keeps_the_file_when_interrupted_while_rewriting(tmp_pa
     """The rewrite goes to a temporary file renamed into place: a kill during it leaves the old records."""
     import pathlib
 
-    from training.trainer import drop_steps_after
+    from training.monitors import drop_steps_after
 
     path = tmp_path / "metrics.jsonl"
     before = '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
@@ -285,18 +285,18 @@ def test_gold_answer_probs_run_the_lm_head_on_the_gold_tokens_only(tiny_policy_d
 def test_log_probs_are_scored_at_the_rollout_temperature(tiny_policy_dir, retriever, tmp_path, monkeypatch):
     """rl_train scores old, new (and reference) log-probs at agent.temperature, the temperature the rollout
     sampled at; greedy rollouts (temperature 0) are refused before anything runs."""
-    import training.batch as B
-    from training.trainer import rl_train
+    import training.actor as ACT
+    from tests.conftest import run_rl
 
     seen = []
-    real = B._tempered
-    monkeypatch.setattr(B, "_tempered", lambda h, t: seen.append(t) or real(h, t))
+    real = ACT.tempered
+    monkeypatch.setattr(ACT, "tempered", lambda h, t: seen.append(t) or real(h, t))
     model, tok = load(tiny_policy_dir)
     with pytest.raises(ValueError, match="agent.temperature must be > 0"):
-        rl_train(make_cfg("train.steps=1", "agent.temperature=0"), model, tok, retriever, QUESTIONS, tmp_path / "greedy",
+        run_rl(make_cfg("train.steps=1", "agent.temperature=0"), model, tok, retriever, QUESTIONS, tmp_path / "greedy",
                  judge=varying_judge, llm_factory=SeededLLM)
     assert seen == []
-    rl_train(make_cfg("train.steps=1", "agent.temperature=0.5"), model, tok, retriever, QUESTIONS, tmp_path / "t05",
+    run_rl(make_cfg("train.steps=1", "agent.temperature=0.5"), model, tok, retriever, QUESTIONS, tmp_path / "t05",
              judge=varying_judge, llm_factory=SeededLLM)
     assert seen and set(seen) == {0.5}
 
@@ -304,7 +304,7 @@ def test_log_probs_are_scored_at_the_rollout_temperature(tiny_policy_dir, retrie
 def test_a_retriever_with_a_curriculum_follows_the_training_step(tiny_policy_dir, retriever, tmp_path):
     """A retriever with ``set_step`` (ZeroSearch's simulated search: its noise curriculum) is told each
     step before that step's rollout, with the run's total steps."""
-    from training.trainer import rl_train
+    from tests.conftest import run_rl
 
     class Curriculum:
         def __init__(self, inner):
@@ -318,14 +318,14 @@ def test_a_retriever_with_a_curriculum_follows_the_training_step(tiny_policy_dir
 
     cur = Curriculum(retriever)
     model, tok = load(tiny_policy_dir)
-    rl_train(make_cfg("train.steps=2"), model, tok, cur, QUESTIONS, tmp_path, judge=varying_judge,
+    run_rl(make_cfg("train.steps=2"), model, tok, cur, QUESTIONS, tmp_path, judge=varying_judge,
              llm_factory=SeededLLM)
     assert cur.steps == [(0, 2), (1, 2)]
 
 
 def test_nonfinite_loss_is_skipped_then_stops(tiny_policy_dir, retriever, tmp_path, monkeypatch):
     import training.kernels as K
-    from training.trainer import rl_train
+    from tests.conftest import run_rl
 
     real = K.policy_loss
 
@@ -342,7 +342,7 @@ def test_nonfinite_loss_is_skipped_then_stops(tiny_policy_dir, retriever, tmp_pa
         # the stop names the cause and the checkpoint to resume from (step 1's: a skipped step still saves)
         with pytest.raises(RuntimeError, match=r"max_nonfinite_steps=2; the last: non-finite policy loss.*"
                                                r"checkpoint is \S+step_000001: resume"):
-            rl_train(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
+            run_rl(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
     assert sum("step skipped" in str(x.message) for x in w) == 2
     for k, v in model.state_dict().items():
         assert torch.equal(before[k], v)  # no parameter moved on a NaN step
@@ -356,7 +356,7 @@ def test_a_nonfinite_later_ppo_epoch_still_pushes_the_epochs_that_stepped(tiny_p
     skipped branch: the next rollout sampled from stale weights and a checkpoint saved them beside the moved
     optimizer state."""
     import training.kernels as K
-    from training.trainer import rl_train
+    from tests.conftest import run_rl
 
     real, stepped = K.policy_loss, {"n": 0}
     real_step = torch.optim.AdamW.step
@@ -374,7 +374,7 @@ def test_a_nonfinite_later_ppo_epoch_still_pushes_the_epochs_that_stepped(tiny_p
     pushed = []
     model, tok = load(tiny_policy_dir)
     with pytest.warns(UserWarning, match="step skipped"):
-        rl_train(make_cfg("train.steps=1", "train.ppo_epochs=2"), model, tok, retriever, QUESTIONS, tmp_path,
+        run_rl(make_cfg("train.steps=1", "train.ppo_epochs=2"), model, tok, retriever, QUESTIONS, tmp_path,
                  judge=varying_judge, sync_weights=lambda llm, state: pushed.append(state))
     assert stepped["n"] == 1 and pushed, "the first epoch stepped; its weights were not pushed"
     for k, v in model.state_dict().items():
@@ -383,7 +383,7 @@ def test_a_nonfinite_later_ppo_epoch_still_pushes_the_epochs_that_stepped(tiny_p
 
 def test_dynamic_sampling_drops_flat_groups_and_refills(tiny_policy_dir, retriever):
     from agent.hf import TransformersLLM
-    from training.trainer import DataStream, rollout
+    from training.rollout import DataStream, RolloutWorker, rollout
 
     def judge(traj):  # only the Berlin question ever gets varying rewards
         r = float(len(traj.token_ids) % 2) if "Germany" in traj.question else 0.0
@@ -393,7 +393,8 @@ def test_dynamic_sampling_drops_flat_groups_and_refills(tiny_policy_dir, retriev
     model, tok = load(tiny_policy_dir)
     torch.manual_seed(0)
     data = DataStream(QUESTIONS, 0)
-    trajs, stats = rollout(data.next(2), TransformersLLM(model, tok), retriever, cfg, data, judge)
+    worker = RolloutWorker(TransformersLLM(model, tok), retriever, cfg.agent, cfg.retrieval.top_k, judge)
+    trajs, stats = rollout(worker, data.next(2), cfg.train, data)
     groups = {t.group for t in trajs}
     assert stats["ds_dropped_groups"] >= 1 and stats["ds_rounds"] >= 1
     assert groups == set(range(len(groups))) and len(trajs) == 4 * len(groups)
@@ -431,7 +432,7 @@ def test_micro_batches_rejects_bad_caps():
 def test_weights_are_pushed_to_a_rollout_engine_after_each_update(tiny_policy_dir, retriever, tmp_path):
     """The vLLM protocol: a backend with ``update_weights(state_dict_iter)`` receives the full new weights
     after every optimizer step (and a custom ``sync_weights`` callable replaces that call)."""
-    from training.trainer import rl_train
+    from tests.conftest import run_rl
 
     pushed = []
 
@@ -440,13 +441,13 @@ def test_weights_are_pushed_to_a_rollout_engine_after_each_update(tiny_policy_di
             pushed.append({k: v.clone() for k, v in items})
 
     model, tok = load(tiny_policy_dir)
-    rl_train(make_cfg("train.steps=2"), model, tok, retriever, QUESTIONS, tmp_path / "a", judge=varying_judge,
+    run_rl(make_cfg("train.steps=2"), model, tok, retriever, QUESTIONS, tmp_path / "a", judge=varying_judge,
              llm_factory=Engine)
     assert len(pushed) == 2
     for k, v in model.state_dict().items():
         assert torch.equal(pushed[-1][k], v)
     calls = []
-    rl_train(make_cfg("train.steps=1"), model, tok, retriever, QUESTIONS, tmp_path / "b", judge=varying_judge,
+    run_rl(make_cfg("train.steps=1"), model, tok, retriever, QUESTIONS, tmp_path / "b", judge=varying_judge,
              sync_weights=lambda llm, state: calls.append(len(state)))
     assert calls and calls[0] == len(model.state_dict())
 
@@ -471,7 +472,7 @@ def test_micro_batches_equal_full_batch_with_a_row_without_policy_tokens(agg, ti
     """Gradient accumulation over one-row micro-batches equals the full-batch step for every aggregation, also
     when a row has no policy token (a trajectory truncated inside its prompt): seq-mean-token-mean averages
     over the rows that have policy tokens, so a micro-batch's weight must count those rows, not all rows."""
-    from training.trainer import update_policy
+    from training.actor import update_policy
 
     model, tok = load(tiny_policy_dir)
     rows = [[0, 0, 1, 1, 1, 2, 2, 1, 1], [0, 0, 0, 0, 0, 0], [0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]
@@ -499,8 +500,8 @@ def test_old_logprobs_are_computed_under_the_update_autocast(tiny_policy_dir, re
     clipping). The autocast is faked on CPU: every policy/reference forward must happen inside it."""
     import contextlib
 
-    import training.trainer as TR
-    from training.distributed import LogprobModule
+    import training.actor as ACT
+    from training.actor import LogprobModule
 
     active, seen = [0], []
 
@@ -518,11 +519,11 @@ def test_old_logprobs_are_computed_under_the_update_autocast(tiny_policy_dir, re
         seen.append(active[0] > 0)
         return real_forward(self, *a, **kw)
 
-    monkeypatch.setattr(TR, "_autocast", fake_autocast)
+    monkeypatch.setattr(ACT, "autocast", fake_autocast)
     monkeypatch.setattr(LogprobModule, "forward", forward)
     model, tok = load(tiny_policy_dir)
     cfg = make_cfg("train.steps=1", "train.kl_coef=0.1", "train.kl_mode=reward")
-    TR.rl_train(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
+    run_rl(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
     assert seen and all(seen), seen
 
 
@@ -531,8 +532,8 @@ def test_nonfinite_value_loss_raises_before_any_weight_moves(shared, tiny_policy
     """A NaN value loss (PPO's critic) must raise FloatingPointError like a NaN policy loss, with neither the
     policy nor the critic moved; before, the critic stepped on NaN gradients and silently became NaN."""
     import training.critic as C
+    from training.actor import update_policy
     from training.critic import ValueModel
-    from training.trainer import update_policy
 
     model, tok = load(tiny_policy_dir)
     critic = ValueModel(model, shared=shared)
@@ -568,7 +569,7 @@ def test_ppo_with_a_shared_critic_is_refused_under_torchrun(tiny_policy_dir, ret
     monkeypatch.setattr(T, "init_from_env", lambda timeout_s=None: (0, 2))
     model, tok = load(tiny_policy_dir)
     with pytest.raises(ValueError, match="train.critic=shared .*torchrun.*train.critic=separate"):
-        T.rl_train(make_cfg("train.algorithm=ppo", "train.critic=shared"), model, tok, retriever, QUESTIONS,
+        run_rl(make_cfg("train.algorithm=ppo", "train.critic=shared"), model, tok, retriever, QUESTIONS,
                    tmp_path / "run")
     assert not (tmp_path / "run").exists()
 
@@ -584,7 +585,6 @@ def test_ppo_critic_estimates_in_eval_mode_and_trains_in_train_mode(shared, hand
     ``resid_pdrop``, ``train.lora_dropout``) was off in its update, or on in its estimates for a policy
     handed over in train mode."""
     import training.critic as C
-    import training.trainer as T
 
     model, tok = load(tiny_policy_dir)
     model.train(handed_over_training)  # the mode the policy is handed over in must not matter
@@ -596,7 +596,7 @@ def test_ppo_critic_estimates_in_eval_mode_and_trains_in_train_mode(shared, hand
             return super().forward(batch)
 
     monkeypatch.setattr(C, "ValueModel", Recording)
-    T.rl_train(make_cfg("train.steps=1", "train.algorithm=ppo", f"train.critic={'shared' if shared else 'separate'}"),
+    run_rl(make_cfg("train.steps=1", "train.algorithm=ppo", f"train.critic={'shared' if shared else 'separate'}"),
                model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
     assert modes == {False: {False}, True: {True}}, modes
 
@@ -605,7 +605,7 @@ def test_a_critic_optimizer_state_of_the_one_process_format_still_resumes(tiny_p
     """Checkpoints written before PPO ran under torchrun hold ``optimizer.state_dict()`` (keyed by position):
     one process restores it; under torchrun the moments restart with a warning."""
     from training.critic import ValueModel
-    from training.trainer import _load_critic_optimizer
+    from training.run_state import load_critic_optimizer as _load_critic_optimizer
 
     model, _ = load(tiny_policy_dir)
     critic = ValueModel(model)
@@ -635,7 +635,7 @@ def test_resume_loads_a_sharded_reference_model(tiny_policy_dir, retriever, tmp_
     cfg = make_cfg("train.steps=1", "train.kl_coef=0.1")
     model, tok = load(tiny_policy_dir)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    TR.rl_train(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
+    run_rl(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
     ref_dir = tmp_path / "reference"
     shutil.rmtree(ref_dir)
     m0, _ = load(tiny_policy_dir)
@@ -652,7 +652,7 @@ def test_resume_loads_a_sharded_reference_model(tiny_policy_dir, retriever, tmp_
     monkeypatch.setattr(TR, "update_policy", spy)
     model, tok = load_model_and_tokenizer(str(latest_checkpoint(tmp_path)), device="cpu")
     assert any(not torch.equal(initial[k], v) for k, v in model.state_dict().items())
-    TR.rl_train(make_cfg("train.steps=2", "train.kl_coef=0.1"), model, tok, retriever, QUESTIONS, tmp_path,
+    run_rl(make_cfg("train.steps=2", "train.kl_coef=0.1"), model, tok, retriever, QUESTIONS, tmp_path,
                 resume=True, judge=varying_judge)
     assert seen
     for k, v in initial.items():
@@ -663,7 +663,7 @@ def test_resume_rewrites_best_lost_by_a_kill_inside_save_best(tiny_policy_dir, r
     """A kill between save_best's two renames (old best moved aside, new one not yet in place) left no
     checkpoints/best, and since the checkpoint already recorded the best metric, no later step rewrote it:
     the resumed run must rebuild best from the checkpoint that set that metric."""
-    import training.trainer as T
+    import training.run_state as RS
     from agent.hf import load_model_and_tokenizer
     from training.checkpoint import latest_checkpoint
 
@@ -672,14 +672,14 @@ def test_resume_rewrites_best_lost_by_a_kill_inside_save_best(tiny_policy_dir, r
 
     model, tok = load(tiny_policy_dir)
     with monkeypatch.context() as m:
-        m.setattr(T, "save_best", killed)
+        m.setattr(RS, "save_best", killed)
         with pytest.raises(KeyboardInterrupt):
-            T.rl_train(make_cfg("train.steps=2", "train.eval_every=1"), model, tok, retriever, QUESTIONS, tmp_path,
+            run_rl(make_cfg("train.steps=2", "train.eval_every=1"), model, tok, retriever, QUESTIONS, tmp_path,
                        judge=varying_judge, evaluate=lambda m: {"em": 0.5})
     ckpt = latest_checkpoint(tmp_path)
     assert ckpt.name == "step_000001" and not (tmp_path / "checkpoints" / "best").exists()
     model, tok = load_model_and_tokenizer(str(ckpt), device="cpu")
-    out = T.rl_train(make_cfg("train.steps=2", "train.eval_every=1"), model, tok, retriever, QUESTIONS, tmp_path,
+    out = run_rl(make_cfg("train.steps=2", "train.eval_every=1"), model, tok, retriever, QUESTIONS, tmp_path,
                      resume=True, judge=varying_judge, evaluate=lambda m: {"em": 0.25})
     assert out["start_step"] == 1 and out["best_eval_em"] == 0.5
     best = json.loads((tmp_path / "checkpoints" / "best" / "best.json").read_text())
@@ -689,11 +689,10 @@ def test_resume_rewrites_best_lost_by_a_kill_inside_save_best(tiny_policy_dir, r
 def test_a_nan_eval_metric_is_never_the_best(tiny_policy_dir, retriever, tmp_path):
     """An evaluate that returns NaN (no questions scored) at the first eval made best NaN, and since nothing
     compares greater than NaN, no later step could become best."""
-    import training.trainer as T
 
     ems = iter([float("nan"), 0.25, 0.5])
     model, tok = load(tiny_policy_dir)
-    out = T.rl_train(make_cfg("train.steps=3", "train.eval_every=1"), model, tok, retriever, QUESTIONS, tmp_path,
+    out = run_rl(make_cfg("train.steps=3", "train.eval_every=1"), model, tok, retriever, QUESTIONS, tmp_path,
                      judge=varying_judge, evaluate=lambda m: {"em": next(ems)})
     assert out["best_eval_em"] == 0.5
     assert json.loads((tmp_path / "checkpoints" / "best" / "best.json").read_text())["from"] == "step_000003"
@@ -705,7 +704,7 @@ def test_data_stream_shuffles_once_per_epoch(monkeypatch):
     now shuffled once; the stream (and so a checkpointed position) is unchanged."""
     import random
 
-    from training.trainer import DataStream
+    from training.rollout import DataStream
 
     examples = list(range(7))
 
@@ -729,7 +728,7 @@ def test_data_stream_shuffles_once_per_epoch(monkeypatch):
 def test_logged_lr_is_the_one_the_step_used(tiny_policy_dir):
     """update_policy reported the learning rate read after scheduler.step(), i.e. the next step's: with a
     warm-up, step 1 (lr x 1/4) was logged as lr x 2/4. It now reports the rate its optimizer steps used."""
-    from training.trainer import update_policy
+    from training.actor import update_policy
 
     model, tok = load(tiny_policy_dir)
     batch = _synthetic_batch(tok, [[0, 0, 1, 1, 1], [0, 1, 1, 2, 1]])
@@ -748,14 +747,14 @@ def test_resume_takes_the_learning_rate_of_the_config(tiny_policy_dir, retriever
     state carried the old run's lr, so the new train.lr was silently ignored; the config's lr now applies
     (warm-up position kept), with a warning that it changed."""
     from agent.hf import load_model_and_tokenizer
+    from tests.conftest import run_rl
     from training.checkpoint import latest_checkpoint
-    from training.trainer import rl_train
 
     model, tok = load(tiny_policy_dir)
-    rl_train(make_cfg("train.steps=1"), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
+    run_rl(make_cfg("train.steps=1"), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
     model, tok = load_model_and_tokenizer(str(latest_checkpoint(tmp_path)), device="cpu")
     with pytest.warns(UserWarning, match="train.lr"):
-        rl_train(make_cfg("train.steps=2", "train.lr=1e-5"), model, tok, retriever, QUESTIONS, tmp_path,
+        run_rl(make_cfg("train.steps=2", "train.lr=1e-5"), model, tok, retriever, QUESTIONS, tmp_path,
                  resume=True, judge=varying_judge)
     lrs = [json.loads(ln)["lr"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lrs == pytest.approx([1e-3, 1e-5])
@@ -769,13 +768,13 @@ def test_resume_restores_the_rng_after_building_the_rollout_backend(tiny_policy_
     draw of step 3 must be the same straight and resumed."""
     import random
 
-    import training.trainer as T
+    import training.run_state as RS
     from agent.hf import load_model_and_tokenizer
     from training.checkpoint import latest_checkpoint
 
     draws: list[float] = []
 
-    class DrawingStream(T.DataStream):
+    class DrawingStream(RS.DataStream):
         def next(self, n):
             draws.append(random.random())
             return super().next(n)
@@ -785,18 +784,18 @@ def test_resume_restores_the_rng_after_building_the_rollout_backend(tiny_policy_
         torch.manual_seed(1234)
         return SeededLLM(model, tok)
 
-    monkeypatch.setattr(T, "DataStream", DrawingStream)
+    monkeypatch.setattr(RS, "DataStream", DrawingStream)
     cfg3 = make_cfg("train.steps=3")
     model, tok = load(tiny_policy_dir)
-    T.rl_train(cfg3, model, tok, retriever, QUESTIONS, tmp_path / "straight", judge=varying_judge,
+    run_rl(cfg3, model, tok, retriever, QUESTIONS, tmp_path / "straight", judge=varying_judge,
                llm_factory=seeding_factory)
     straight, draws[:] = list(draws), []
     model, tok = load(tiny_policy_dir)
-    T.rl_train(make_cfg("train.steps=2"), model, tok, retriever, QUESTIONS, tmp_path / "split",
+    run_rl(make_cfg("train.steps=2"), model, tok, retriever, QUESTIONS, tmp_path / "split",
                judge=varying_judge, llm_factory=seeding_factory)
     draws.clear()
     model, tok = load_model_and_tokenizer(str(latest_checkpoint(tmp_path / "split")), device="cpu")
-    T.rl_train(cfg3, model, tok, retriever, QUESTIONS, tmp_path / "split", resume=True, judge=varying_judge,
+    run_rl(cfg3, model, tok, retriever, QUESTIONS, tmp_path / "split", resume=True, judge=varying_judge,
                llm_factory=seeding_factory)
     assert len(straight) == 3 and draws == [straight[2]]
 
@@ -805,15 +804,15 @@ def test_a_second_training_on_the_same_run_directory_is_refused(tiny_policy_dir,
     """Two trainings writing one run directory interleave metrics and overwrite each other's checkpoints
     (say, a scheduler requeues a job whose first copy still runs). While a run holds the directory, another
     ``rl_train`` on it raises before writing anything; once the holder ends, the directory is free again."""
+    from tests.conftest import run_rl
     from training.checkpoint import run_dir_lock
-    from training.trainer import rl_train
 
     model, tok = load(tiny_policy_dir)
     with run_dir_lock(tmp_path):  # another process's run, as far as flock is concerned (its own descriptor)
         with pytest.raises(RuntimeError, match="another training"):
-            rl_train(make_cfg("train.steps=1"), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
+            run_rl(make_cfg("train.steps=1"), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
         assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
-    out = rl_train(make_cfg("train.steps=1"), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
+    out = run_rl(make_cfg("train.steps=1"), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
     assert out["last"] and (tmp_path / "metrics.jsonl").exists()
     with run_dir_lock(tmp_path):  # released when rl_train returned
         pass
@@ -824,7 +823,8 @@ def test_a_fresh_start_replaces_the_reference_of_an_earlier_unfinished_run(tiny_
     the same directory from another initial model (the user changed policy.model or enabled SFT) kept that
     stale reference on disk, and once resumed, compared its KL with the earlier run's model. A fresh start now
     saves its own initial policy as the reference."""
-    from training.trainer import load_pretrained_weights, rl_train
+    from tests.conftest import run_rl
+    from training.checkpoint import load_pretrained_weights
 
     other, _ = load(tiny_policy_dir)
     with torch.no_grad():
@@ -833,7 +833,7 @@ def test_a_fresh_start_replaces_the_reference_of_an_earlier_unfinished_run(tiny_
     other.save_pretrained(tmp_path / "reference")  # what the unfinished run with another model left
     model, tok = load(tiny_policy_dir)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    rl_train(make_cfg("train.steps=1", "train.kl_coef=0.1"), model, tok, retriever, QUESTIONS, tmp_path,
+    run_rl(make_cfg("train.steps=1", "train.kl_coef=0.1"), model, tok, retriever, QUESTIONS, tmp_path,
              judge=varying_judge)
     ref, _ = load(tiny_policy_dir)
     load_pretrained_weights(ref, tmp_path / "reference")
@@ -847,18 +847,18 @@ def test_the_leftovers_of_a_checkpoint_write_killed_midway_are_removed(tiny_poli
     since each process only clears its own pid's. The run holding the directory now removes them at its start,
     and the complete checkpoints stay."""
     from agent.hf import load_model_and_tokenizer
+    from tests.conftest import run_rl
     from training.checkpoint import latest_checkpoint
-    from training.trainer import rl_train
 
     model, tok = load(tiny_policy_dir)
-    rl_train(make_cfg("train.steps=1"), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
+    run_rl(make_cfg("train.steps=1"), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
     root = tmp_path / "checkpoints"
     left = [root / ".tmp_step_000002_999999", root / ".tmp_best_999999", root / ".old_best"]
     for d in left:
         d.mkdir()
         (d / "model.safetensors").write_bytes(b"\0" * 1000)
     model, tok = load_model_and_tokenizer(str(latest_checkpoint(tmp_path)), device="cpu")
-    rl_train(make_cfg("train.steps=2"), model, tok, retriever, QUESTIONS, tmp_path, resume=True, judge=varying_judge)
+    run_rl(make_cfg("train.steps=2"), model, tok, retriever, QUESTIONS, tmp_path, resume=True, judge=varying_judge)
     assert not any(d.exists() for d in left)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001", "step_000002"]
 
@@ -869,17 +869,17 @@ def test_resuming_with_lora_switched_is_refused_naming_it(first, then, tiny_poli
     state for parameter ...lora_A...'), naming neither train.lora nor what to do; it is now a ValueError that
     does, raised before anything is written."""
     from agent.hf import load_model_and_tokenizer
+    from tests.conftest import run_rl
     from training.checkpoint import latest_checkpoint
-    from training.trainer import rl_train
 
     lora = ["train.lora_targets=[q_proj,v_proj]"]
     model, tok = load(tiny_policy_dir)
-    rl_train(make_cfg("train.steps=1", f"train.lora={first}", *lora), model, tok, retriever, QUESTIONS, tmp_path,
+    run_rl(make_cfg("train.steps=1", f"train.lora={first}", *lora), model, tok, retriever, QUESTIONS, tmp_path,
              judge=varying_judge)
     metrics = (tmp_path / "metrics.jsonl").read_text()
     model, tok = load_model_and_tokenizer(str(latest_checkpoint(tmp_path)), device="cpu")
     with pytest.raises(ValueError, match=f"train.lora={str(first).lower()}"):
-        rl_train(make_cfg("train.steps=2", f"train.lora={then}", *lora), model, tok, retriever, QUESTIONS, tmp_path,
+        run_rl(make_cfg("train.steps=2", f"train.lora={then}", *lora), model, tok, retriever, QUESTIONS, tmp_path,
                  resume=True, judge=varying_judge)
     assert (tmp_path / "metrics.jsonl").read_text() == metrics
 
@@ -890,7 +890,7 @@ def test_a_resumed_run_replaces_the_redone_steps_in_tensorboard_too(tmp_path):
     ``purge_step`` to the ``SummaryWriter``: TensorBoard hides the old events from the resumed step on."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from training.trainer import MetricsLogger
+    from training.monitors import MetricsLogger
 
     first = MetricsLogger(tmp_path)
     for step in (1, 2, 3):
@@ -908,13 +908,13 @@ def test_a_resumed_run_replaces_the_redone_steps_in_tensorboard_too(tmp_path):
 def test_packing_without_packed_sequence_masks_is_refused_before_the_first_rollout(retriever, tmp_path,
                                                                                      monkeypatch):
     """``train.packing`` on a transformers without packed-sequence detection (4.51-4.52) is an error
-    (training.batch.check_packed_masks); it came at the first packed micro-batch, after a whole rollout. It
+    (training.actor.check_packed_masks); it came at the first packed micro-batch, after a whole rollout. It
     now comes when ``rl_train`` starts, before any model is touched or rollout made."""
     import sys
 
-    from training.trainer import rl_train
+    from tests.conftest import run_rl
 
     monkeypatch.setitem(sys.modules, "transformers.masking_utils", None)  # the import fails, as on 4.52
     with pytest.raises(ValueError, match="train.packing needs a transformers"):
-        rl_train(make_cfg("train.packing=true"), None, None, retriever, QUESTIONS, tmp_path)
+        run_rl(make_cfg("train.packing=true"), None, None, retriever, QUESTIONS, tmp_path)
     assert not (tmp_path / "checkpoints").exists()

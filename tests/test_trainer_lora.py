@@ -16,13 +16,13 @@ def test_lora_trains_adapters_and_resumes_exactly(tiny_policy_dir, retriever, tm
     from safetensors.torch import load_file
 
     from agent.hf import load_model_and_tokenizer
+    from tests.conftest import run_rl
     from training.checkpoint import latest_checkpoint
-    from training.trainer import rl_train
 
     lora = ["train.lora=true", "train.lora_rank=4", "train.lora_targets=[q_proj,v_proj]", "train.lr=1e-2"]
     model, tok = load(tiny_policy_dir)
     init = {k: v.clone() for k, v in model.state_dict().items()}
-    rl_train(make_cfg("train.steps=3", *lora), model, tok, retriever, QUESTIONS, tmp_path / "straight",
+    run_rl(make_cfg("train.steps=3", *lora), model, tok, retriever, QUESTIONS, tmp_path / "straight",
              judge=varying_judge, llm_factory=SeededLLM)
     final = latest_checkpoint(tmp_path / "straight")
     merged, _ = load_model_and_tokenizer(str(final), device="cpu")  # a plain HF directory
@@ -33,11 +33,11 @@ def test_lora_trains_adapters_and_resumes_exactly(tiny_policy_dir, retriever, tm
     assert torch.equal(base["model.layers.0.self_attn.q_proj.weight"], init["model.layers.0.self_attn.q_proj.weight"])
 
     model, tok = load(tiny_policy_dir)
-    rl_train(make_cfg("train.steps=2", *lora), model, tok, retriever, QUESTIONS, tmp_path / "split",
+    run_rl(make_cfg("train.steps=2", *lora), model, tok, retriever, QUESTIONS, tmp_path / "split",
              judge=varying_judge, llm_factory=SeededLLM)
     ckpt = latest_checkpoint(tmp_path / "split")
     model, tok = load_model_and_tokenizer(str(ckpt), device="cpu")
-    rl_train(make_cfg("train.steps=3", *lora), model, tok, retriever, QUESTIONS, tmp_path / "split", resume=True,
+    run_rl(make_cfg("train.steps=3", *lora), model, tok, retriever, QUESTIONS, tmp_path / "split", resume=True,
              judge=varying_judge, llm_factory=SeededLLM)
     resumed, _ = load_model_and_tokenizer(str(latest_checkpoint(tmp_path / "split")), device="cpu")
     for k, v in ms.items():
@@ -47,8 +47,8 @@ def test_lora_trains_adapters_and_resumes_exactly(tiny_policy_dir, retriever, tm
 def test_gradient_checkpointing_gives_the_same_update(tiny_policy_dir, retriever):
     from agent.hf import TransformersLLM
     from agent.loop import run_episodes
+    from training.actor import update_policy
     from training.batch import collate
-    from training.trainer import update_policy
 
     cfg = make_cfg()
     model, tok = load(tiny_policy_dir)
@@ -75,8 +75,8 @@ def test_lora_checkpoint_is_committed_only_with_its_base_weights(tiny_policy_dir
     the run must resume from the previous complete checkpoint."""
     import safetensors.torch
 
+    from tests.conftest import run_rl
     from training.checkpoint import latest_checkpoint
-    from training.trainer import rl_train
 
     real, calls = safetensors.torch.save_file, []
 
@@ -90,7 +90,7 @@ def test_lora_checkpoint_is_committed_only_with_its_base_weights(tiny_policy_dir
     lora = ["train.lora=true", "train.lora_rank=4", "train.lora_targets=[q_proj,v_proj]"]
     model, tok = load(tiny_policy_dir)
     with pytest.raises(KeyboardInterrupt):
-        rl_train(make_cfg("train.steps=2", *lora), model, tok, retriever, QUESTIONS, tmp_path,
+        run_rl(make_cfg("train.steps=2", *lora), model, tok, retriever, QUESTIONS, tmp_path,
                  judge=varying_judge, llm_factory=SeededLLM)
     ckpt = latest_checkpoint(tmp_path)
     assert ckpt.name == "step_000001" and (ckpt / "base" / "model.safetensors").exists()
@@ -121,8 +121,8 @@ def test_a_rollout_backend_with_its_own_weights_gets_the_merged_lora_policy(tiny
     weights (vLLM warned) or stopped. It now gets the merged weights under the base model's names, equal to
     the merged checkpoint."""
     from agent.hf import load_model_and_tokenizer
+    from tests.conftest import run_rl
     from training.checkpoint import latest_checkpoint
-    from training.trainer import rl_train
 
     made = []
 
@@ -133,7 +133,7 @@ def test_a_rollout_backend_with_its_own_weights_gets_the_merged_lora_policy(tiny
     lora = ["train.lora=true", "train.lora_rank=4", "train.lora_targets=[q_proj,v_proj]", "train.lr=1e-2"]
     model, tok = load(tiny_policy_dir)
     init = model.state_dict()["model.layers.0.self_attn.q_proj.weight"].clone()
-    rl_train(make_cfg("train.steps=2", *lora), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge,
+    run_rl(make_cfg("train.steps=2", *lora), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge,
              llm_factory=factory)
     merged, _ = load_model_and_tokenizer(str(latest_checkpoint(tmp_path)), device="cpu")
     own = made[0].model.state_dict()

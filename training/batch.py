@@ -1,8 +1,9 @@
 """The one batch type that joins rollout, reward and trainer (as verl's ``DataProto``, much smaller).
 
-:func:`collate` turns trajectories into right-padded tensors; :func:`policy_logprobs` runs the policy and
-returns the log-probability of every next token at loss-mask positions only (tool and prompt tokens are
-compacted away before the LM head, see :func:`training.losses.masked_lm_head_logprobs`).
+:func:`collate` turns trajectories into right-padded tensors; the trainer's phases then fill in what each
+computes (old and reference log-probs, critic values, advantages, returns) on the same :class:`Batch`, and
+:meth:`Batch.select` cuts micro-batches of all of it at once. :func:`training.actor.policy_logprobs` runs
+the policy on a batch.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ class Batch:
     * ``loss_mask``: ``[N, T-1]`` float32, 1.0 where the *target* token ``t+1`` is a policy token;
     * ``turn_ids``: ``[N, T]`` int64;
     * ``rewards``, ``advantages``: ``[N]`` float32; ``groups``: ``[N]`` int64;
+    * ``old_logprobs``, ``ref_logprobs``: optional ``[N, T-1]`` float32: the policy's log-probs before the
+      update and the reference model's (:func:`training.actor.score_logprobs`);
     * ``token_advantages``, ``returns``, ``old_values``: optional ``[N, T-1]`` float32, aligned with
       ``loss_mask`` (set by the trainer: per-token advantages, PPO value targets and values);
-    * ``packed``: compute strategy for :func:`policy_logprobs` (set by :meth:`select`): run the backbone on
-      the rows' real tokens packed into one row instead of the padded ``[N, T]``. It changes no shape: every
-      output stays ``[N, T-1]``. The value model (:mod:`training.critic`) ignores it (padded path);
-    * ``temperature``: the rollout's sampling temperature (set by the trainer): :func:`policy_logprobs`
+    * ``packed``: compute strategy for :func:`training.actor.policy_logprobs` (set by :meth:`select`): run the
+      backbone on the rows' real tokens packed into one row instead of the padded ``[N, T]``. It changes no
+      shape: every output stays ``[N, T-1]``; the value model (:mod:`training.critic`) packs alike;
+    * ``temperature``: the rollout's sampling temperature (set by the trainer): the actor forward
       scores ``softmax(logits / temperature)``, the distribution the tokens were drawn from, so ratios, KL
       and entropy refer to it (as verl divides the logits by the rollout temperature).
     """
@@ -43,6 +46,8 @@ class Batch:
     rewards: torch.Tensor
     groups: torch.Tensor
     advantages: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
     token_advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
@@ -146,126 +151,3 @@ def collate(trajs: list[Trajectory], pad_id: int, max_len: int | None = None) ->
         rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
         groups=torch.tensor([t.group for t in trajs], dtype=torch.long),
     )
-
-
-def _tempered(hidden: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``hidden / temperature``: the bias-free LM head then gives ``logits / temperature`` (and its gradient)
-    with no change to the fused kernel. Raises ``ValueError`` for a temperature <= 0 (greedy rollouts have no
-    sampling distribution to score)."""
-    if temperature == 1.0:
-        return hidden
-    if not temperature > 0:
-        raise ValueError(f"log-probs need a sampling temperature > 0, got {temperature}")
-    return hidden / temperature
-
-
-def _backbone_and_head(model):
-    backbone = getattr(model, model.base_model_prefix)
-    head = model.get_output_embeddings()
-    if head is None or getattr(head, "bias", None) is not None:
-        raise ValueError("policy_logprobs needs a causal LM with a bias-free linear LM head")
-    return backbone, head.weight
-
-
-def _unwrap(model):
-    """The Hugging Face model under a peft wrapper (LoRA layers stay injected and active)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") and hasattr(model, "peft_config") else model
-
-
-def check_packed_masks() -> None:
-    """Raise ``ValueError`` unless the installed transformers turns restarting position ids into a
-    block-diagonal mask (``masking_utils.find_packed_sequence_indices``). Older releases
-    (4.51-4.52, which the dependency range allows) build one plain causal mask over the packed row, so every
-    sequence would attend to the sequences packed before it: wrong log-probs and a loss across episodes."""
-    import importlib
-
-    try:
-        found = hasattr(importlib.import_module("transformers.masking_utils"), "find_packed_sequence_indices")
-    except ImportError:
-        found = False
-    if not found:
-        import transformers
-
-        raise ValueError(f"train.packing needs a transformers that detects packed sequences (masking_utils."
-                         f"find_packed_sequence_indices: 4.55 has it, 4.51-4.52 do not), installed "
-                         f"{transformers.__version__}: without it packed episodes attend to each other; upgrade "
-                         "transformers or set train.packing=false")
-
-
-def _packed_hidden(backbone, batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run ``backbone`` on the rows' real tokens packed into one row; return the final hidden states at the
-    prediction positions, ``[P, H]`` in row-major order of ``valid = attention_mask[:, 1:]`` (``P`` =
-    ``sum(lengths - 1)``), and ``valid`` ``[N, T-1]`` bool.
-
-    Position ids restart at 0 for every sequence and no attention mask is passed: transformers (>= 4.56,
-    ``masking_utils.find_packed_sequence_indices``) then detects the packed sequences from the position ids
-    and builds a block-diagonal causal mask (sdpa/eager/flex; flash-attention uses varlen ``cu_seqlens``
-    from the same position ids). ``use_cache=False`` is needed: with a cache the detection is skipped. The
-    hidden state of a sequence's last token is never gathered, so no target crosses into the next sequence.
-    Raises ``ValueError`` for a transformers without that detection (:func:`check_packed_masks`) and for rows
-    that are not right-padded.
-    """
-    check_packed_masks()
-    attn = batch.attention_mask.bool()
-    N, T = attn.shape
-    lengths = attn.sum(-1)
-    pos = torch.arange(T).expand(N, T)
-    if not torch.equal(attn.cpu(), pos < lengths.cpu().unsqueeze(-1)):
-        raise ValueError("packed policy_logprobs needs right-padded rows (attention_mask 1...1 0...0)")
-    ids = batch.input_ids[attn].to(device).unsqueeze(0)  # [1, L]
-    position_ids = pos.to(attn.device)[attn].to(device).unsqueeze(0)  # [1, L], 0.. per sequence
-    out = backbone(input_ids=ids, position_ids=position_ids, attention_mask=None, use_cache=False)
-    hidden = out.last_hidden_state[0]  # [L, H]
-    starts = torch.cumsum(lengths, 0) - lengths  # [N] offset of each sequence in the packed row
-    valid = attn[:, 1:]  # [N, T-1]: position t predicts token t+1 of the same sequence
-    flat = (starts.unsqueeze(-1) + torch.arange(T - 1, device=attn.device))[valid]  # [P]
-    return hidden.index_select(0, flat.to(device)), valid
-
-
-def policy_logprobs(
-    model, batch: Batch, with_entropy: bool = True, packed: bool | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of each target token and next-token entropy, at loss-mask positions only.
-
-    ``model``: a Hugging Face causal LM (possibly peft-wrapped) with a bias-free linear LM head. Returns
-    ``(logprobs, entropy)``, both ``[N, T-1]`` float32 on the model's device, of ``softmax(logits /
-    batch.temperature)``, zero where ``batch.loss_mask`` is 0; ``entropy`` is all zeros when
-    ``with_entropy=False`` (the reference skips that work; the CUDA kernel computes it in the same pass
-    anyway, see :func:`training.kernels.masked_logprobs`). Uses the
-    fused CUDA kernel on GPU when built (:mod:`training.kernels`), else the PyTorch reference.
-
-    ``packed`` (``None``: ``batch.packed``) packs the rows' real tokens into one ``[1, sum(lengths)]`` row
-    with block-diagonal causal attention instead of running the padded ``[N, T]`` (see :func:`_packed_hidden`);
-    outputs and gradients equal the padded path's within float tolerance (``tests/test_packing.py``). It
-    needs right-padded rows and a loss mask that is 0 wherever the target is padding (as :func:`collate`
-    builds it); raises ``ValueError`` otherwise. Cost: with flash-attention (varlen) the attention is
-    ``sum(n_i^2)`` and no padding is computed; with sdpa/eager transformers builds a dense ``[L, L]`` mask
-    (``L = sum(lengths)``), so attention costs ``L^2`` -- on CPU the tiny policy ran 2-2.5x slower packed
-    than padded with length-sorted micro-batches (hence ``train.packing`` defaults to False).
-    """
-    from training.kernels import masked_logprobs  # kernel or reference, by device and switch
-
-    backbone, weight = _backbone_and_head(_unwrap(model))
-    device = weight.device
-    N, T = batch.input_ids.shape
-    if packed if packed is not None else batch.packed:
-        hidden, valid = _packed_hidden(backbone, batch, device)  # [P, H], [N, T-1]
-        hidden = _tempered(hidden, batch.temperature)
-        if bool((batch.loss_mask.bool() & ~valid.to(batch.loss_mask.device)).any()):
-            raise ValueError("loss_mask is nonzero at a padding target; cannot pack this batch")
-        valid = valid.to(device)
-        targets = batch.input_ids[:, 1:].to(device)[valid]
-        mask = batch.loss_mask.to(device)[valid]
-        lp, ent = masked_logprobs(hidden, weight, targets, mask, with_entropy=with_entropy)
-        full_lp = lp.new_zeros(N, T - 1).masked_scatter(valid, lp.float())
-        full_ent = ent.new_zeros(N, T - 1).masked_scatter(valid, ent.float())
-        return full_lp, full_ent
-    out = backbone(
-        input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device), use_cache=False
-    )
-    hidden = _tempered(out.last_hidden_state[:, :-1], batch.temperature)  # [N, T-1, H]
-    Tm1, H = hidden.shape[1], hidden.shape[2]
-    targets = batch.input_ids[:, 1:].to(device).reshape(-1)
-    mask = batch.loss_mask.to(device).reshape(-1)
-    lp, ent = masked_logprobs(hidden.reshape(-1, H), weight, targets, mask, with_entropy=with_entropy)
-    return lp.float().reshape(N, Tm1), ent.float().reshape(N, Tm1)

@@ -396,3 +396,28 @@ def best_source(run_dir: str | Path) -> str | None:
         return json.loads((Path(run_dir) / "checkpoints" / "best" / "best.json").read_text())["from"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def load_pretrained_weights(model: Any, path: str | Path) -> None:
+    """Load the safetensors weights of a ``save_pretrained`` directory into ``model`` in place: one
+    ``model.safetensors`` or the shards named by ``model.safetensors.index.json``. Raises
+    ``FileNotFoundError`` when the directory has neither, ``ValueError`` when a saved tensor is unknown to
+    ``model`` or a parameter of ``model`` is not saved (a tied LM head excepted)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if (path / "model.safetensors").exists():
+        files = [path / "model.safetensors"]
+    elif (path / "model.safetensors.index.json").exists():
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        files = [path / f for f in sorted(set(index["weight_map"].values()))]
+    else:
+        raise FileNotFoundError(f"{path} has no model.safetensors nor model.safetensors.index.json")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ValueError(f"{path}: missing weights {missing[:5]}, unexpected weights {list(unexpected)[:5]}")

@@ -19,7 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.batch import Batch, _packed_hidden
+from training.actor import clipped_grad_norm, packed_hidden
+from training.batch import Batch
+from training.distributed import world
 
 
 def _is_sharded(module: nn.Module) -> bool:
@@ -60,14 +62,14 @@ class ValueModel(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Values ``[N, T-1]`` float32 of ``batch``; a packed batch (``batch.packed``, ``train.packing``) runs
-        its rows' real tokens as one row, as the policy's log-probs do (:func:`training.batch._packed_hidden`),
+        its rows' real tokens as one row, as the policy's log-probs do (:func:`training.actor.packed_hidden`),
         with the same values; raises ``ValueError`` for a batch that cannot be packed (left padding)."""
         body = self._body()
         device = self.head.weight.device
         ctx = torch.no_grad() if self.shared else torch.enable_grad()
         with ctx:
             if batch.packed:
-                hidden, valid = _packed_hidden(body, batch, device)  # [P, H] at the positions valid [N, T-1] marks
+                hidden, valid = packed_hidden(body, batch, device)  # [P, H] at the positions valid [N, T-1] marks
             else:
                 out = body(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
                            use_cache=False)  # a KV cache of the whole batch, never read, is [layers, 2, N, T, kv]
@@ -93,3 +95,41 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     l2 = (clipped - returns) ** 2
     loss = 0.5 * (torch.maximum(l1, l2) * mask).sum() / n
     return loss, {"vf_loss": float(loss.detach()), "vf_clip_frac": float(((l2 > l1).float() * mask).sum() / n)}
+
+
+@torch.no_grad()
+def critic_values(critic: ValueModel, batch: Batch, idx: list[torch.Tensor], micro: list[Batch]) -> torch.Tensor:
+    """The critic's values ``[N, T-1]`` float32 (CPU) of every row, computed on the update's micro-batches
+    ``micro`` (rows ``idx``), as the rollout's ``V_old`` for GAE and the clipped value loss."""
+    values = torch.zeros_like(batch.loss_mask)
+    for i, mb in zip(idx, micro, strict=True):
+        v = critic(mb).detach().cpu()
+        values[i, : v.shape[1]] = v
+    return values
+
+
+def critic_grads(critic: ValueModel, micro: list[Batch], n_real: int, cfg: Any, total_tokens: float,
+                 stats: dict[str, float]) -> None:
+    """Accumulate the value loss's gradients over the micro-batches (token-mean over the global policy
+    tokens ``total_tokens``, times ``cfg.vf_coef``), clip them at ``cfg.max_grad_norm`` and add the value
+    statistics to ``stats``. Under torchrun every rank runs every (padded, zero-weight) micro-batch, as FSDP2
+    needs, and a NaN is caught at the gradient norm, which the reduction makes the same on every rank.
+    Raises ``FloatingPointError`` for a non-finite value loss (one process) or gradient norm."""
+    W = world()[1]
+    vl = vf_norm = torch.zeros(())
+    for j, mb in enumerate(micro if W > 1 else micro[:n_real]):
+        v = critic(mb)
+        vl, vs = value_loss(v, mb.old_values.to(v.device), mb.returns.to(v.device), mb.loss_mask.to(v.device),
+                            cfg.vf_clip)
+        share = float(mb.loss_mask.sum()) / max(total_tokens, 1.0) if j < n_real else 0.0
+        if not torch.isfinite(vl) and W == 1:
+            break
+        (cfg.vf_coef * vl * share * W).backward()
+        for k, val in vs.items():
+            stats[k] = stats.get(k, 0.0) + val * share
+    else:
+        vf_norm = clipped_grad_norm(critic.trainable_parameters(), cfg.max_grad_norm)
+    # under torchrun the norm alone decides: a rank's own loss would let the ranks decide apart
+    if (W == 1 and not torch.isfinite(vl)) or not torch.isfinite(vf_norm):
+        raise FloatingPointError(f"non-finite value loss ({float(vl.detach())}) or value-model gradient norm "
+                                 f"({float(vf_norm)})")

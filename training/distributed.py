@@ -176,30 +176,12 @@ def run_on_rank0(fn: Callable[[], Any], timeout_s: float = 24 * 3600.0) -> Any:
     return value
 
 
-class LogprobModule(nn.Module):
-    """Wraps a causal LM so one ``forward(batch)`` computes masked log-probs and entropy
-    (:func:`training.batch.policy_logprobs`). FSDP2 shards it as the root unit, so the embedding and LM-head
-    parameters are unsharded for exactly the duration of that forward."""
-
-    def __init__(self, model: Any):
-        super().__init__()
-        self.model = model
-
-    def forward(
-        self, batch: Any, with_entropy: bool = True, packed: bool | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logprobs, entropy)`` ``[N, T-1]`` float32; ``packed=None`` follows ``batch.packed``."""
-        from training.batch import policy_logprobs
-
-        return policy_logprobs(self.model, batch, with_entropy, packed)
-
-
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a Hugging Face causal LM (``model.model.layers`` and alikes) or of its bare
     backbone (``model.layers``, ``model.h``); ``ValueError`` when there are none."""
-    from training.batch import _unwrap
+    from training.lora import base_model
 
-    model = _unwrap(model)
+    model = base_model(model)
     prefix = getattr(model, "base_model_prefix", "")
     base = getattr(model, prefix) if prefix and hasattr(model, prefix) else model
     layers = getattr(base, "layers", None) or getattr(base, "h", None)
@@ -208,8 +190,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def shard(module: LogprobModule, mixed_precision: bool = False) -> LogprobModule:
-    """Apply FSDP2 ``fully_shard`` to every decoder layer and to the wrapper (the root unit), in place.
+def shard(module: nn.Module, mixed_precision: bool = False) -> nn.Module:
+    """Apply FSDP2 ``fully_shard`` to every decoder layer of ``module.model`` and to ``module`` (the root
+    unit: a :class:`training.actor.LogprobModule`), in place.
 
     ``mixed_precision`` uses bf16 parameters with float32 gradient reduction (GPU)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -387,6 +387,13 @@ class _PolicyLoss(torch.autograd.Function):
         return (g_lp, g_ent if need_ent else None) + (None,) * 11
 
 
+def _check_shapes(shape: torch.Size, **tensors: torch.Tensor | None) -> None:
+    """``ValueError`` naming the first given tensor whose shape is not ``shape`` (the log-probs')."""
+    for name, t in tensors.items():
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, logprobs {tuple(shape)}")
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -420,15 +427,8 @@ def policy_loss(
     """
     term, agg, kl = L.POLICY_LOSSES.get(loss), L.LOSS_AGGS.get(loss_agg), L.KL_ESTIMATORS.get(kl_type)
     shape = logprobs.shape
-    for name, t in (
-        ("old_logprobs", old_logprobs),
-        ("advantages", advantages),
-        ("mask", mask),
-        ("ref_logprobs", ref_logprobs),
-        ("entropy", entropy),
-    ):
-        if t is not None and t.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, logprobs {tuple(shape)}")
+    _check_shapes(shape, old_logprobs=old_logprobs, advantages=advantages, mask=mask, ref_logprobs=ref_logprobs,
+                  entropy=entropy)
     ref_kw = {
         "loss": loss,
         "clip_low": clip_low,

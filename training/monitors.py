@@ -6,21 +6,26 @@ searches whatever the question. :func:`health_stats` measures, per rollout batch
 a degeneracy score of the policy's text (:func:`degeneracy_score`), search calls per episode split by
 dataset and by hop count, and response length (entropy, clip fraction and KL come from the loss).
 :class:`Alarms` fires when validity or entropy falls through a threshold; :func:`plot_dashboard` draws a
-run's ``metrics.jsonl`` as one PNG (``sleuth dashboard RUN_DIR``).
+run's ``metrics.jsonl`` as one PNG (``sleuth dashboard RUN_DIR``). :class:`MetricsLogger` writes that file
+(and TensorBoard) one record per step; :func:`merge_rank_records` makes one record of every rank's.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 import warnings
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agent.trajectory import Trajectory
 from corpora.formats import json_records
+from training.faults import FAULT_COUNTS
 
 _TAG = re.compile(r"</?([a-z_]+)>")
 # the Search-R1 tags, ReSeek's self-judge tag (agent.self_judge) and the function-call protocol's tool call
@@ -132,6 +137,89 @@ class Alarms:
     def restore(self, below: dict[str, int]) -> None:
         """Continue from a :meth:`state` saved in a checkpoint."""
         self._below = {str(k): int(v) for k, v in below.items()}
+
+
+# -- the metrics log ----------------------------------------------------------------------------------
+def drop_steps_after(path: Path, step: int, step_of: Callable[[dict], int]) -> None:
+    """Keep only the records of ``path`` (JSONL) whose ``step_of(record)`` is at most ``step``: a resumed run
+    rewrites the steps after its checkpoint, so their records from before the interruption must go. Records
+    are split at ``\n`` only (a record may hold raw U+2028 or U+0085). A last line without its newline that
+    is not JSON (a kill mid-append) is dropped with a warning; any other line that is not JSON raises
+    ``json.JSONDecodeError`` before anything is written (the file is left as it was). The file is rewritten
+    through a temporary file renamed into place, so an interruption leaves the old or the new records."""
+    if not path.exists():
+        return
+
+    def torn(line: str) -> None:
+        warnings.warn(f"{path}: dropping a torn last line of {len(line)} characters (interrupted write)",
+                      stacklevel=5)  # the caller of drop_steps_after
+
+    keep = [ln for ln, rec in json_records(path, on_torn=torn) if step_of(rec) <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    """Appends one JSON record per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
+
+    ``truncate_after`` drops records of steps after it (a resumed run rewrites the steps it redoes), in
+    ``metrics.jsonl`` and in TensorBoard (``SummaryWriter``'s ``purge_step``: TensorBoard hides the earlier
+    events of those steps, so a redone step is not plotted twice)."""
+
+    def __init__(self, run_dir: Path, truncate_after: int | None = None, tensorboard: bool = True):
+        self.path = run_dir / "metrics.jsonl"
+        if truncate_after is not None:
+            drop_steps_after(self.path, truncate_after, lambda r: r.get("step", 0))
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                purge = None if truncate_after is None else truncate_after + 1
+                self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge)
+            except Exception:  # noqa: BLE001 - TensorBoard is optional at run time
+                self.tb = None
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **record}) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+
+def merge_rank_records(records: list[tuple[dict[str, Any], int]], loss_keys: set[str]) -> dict[str, Any]:
+    """One step record from every rank's ``(record, number of trajectories)``.
+
+    Loss statistics of :func:`update_policy` (``loss_keys``) are each rank's share of the global mean, so
+    they are summed (``grad_norm`` and ``lr`` are already global: rank 0's); ``ds_dropped_groups`` and
+    ``ds_kept_groups`` are summed; timings and ``ds_rounds`` take the maximum; ``stop/<reason>`` rates are
+    means over every rank's trajectories (a rank without the key had no such episode: rate 0); other numbers
+    (rollout and health statistics) are means weighted by each rank's trajectory count, over the ranks that
+    have the key (per-dataset splits are therefore approximate); anything else is rank 0's."""
+    summed = {k for k in loss_keys if k not in ("grad_norm", "lr", "skipped")} | {"ds_dropped_groups", "ds_kept_groups",
+                                                                                  *FAULT_COUNTS}
+    maxed = {"rollout_s", "step_s", "ds_rounds"}
+    first = {"grad_norm", "lr", "skipped"}
+    out: dict[str, Any] = {}
+    for k in dict.fromkeys(k for rec, _ in records for k in rec):
+        if k.startswith("stop/"):  # a rate over all episodes: missing on a rank means none stopped so
+            vals = [(rec.get(k, 0.0), n) for rec, n in records]
+        else:
+            vals = [(rec[k], n) for rec, n in records if k in rec]
+        if k in first or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v, _ in vals):
+            out[k] = vals[0][0]
+        elif k in summed:
+            out[k] = float(sum(v for v, _ in vals))
+        elif k in maxed:
+            out[k] = float(max(v for v, _ in vals))
+        else:
+            total = sum(n for _, n in vals)
+            out[k] = float(sum(v * n for v, n in vals) / total) if total else float(vals[0][0])
+    return out
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -75,12 +75,9 @@ def gold_answer_probs(model: Any, tokenizer: Any, trajs: list[Trajectory], batch
     The first gold answer is used. ``max_len`` keeps the last ``max_len`` tokens of a long prefix. The LM
     head runs on the gold positions only (:func:`training.kernels.masked_logprobs`).
     """
-    from training.batch import _backbone_and_head, _unwrap
-    from training.kernels import masked_logprobs
+    from training.actor import policy_logprobs
+    from training.batch import Batch
 
-    base = _unwrap(model)
-    backbone, weight = _backbone_and_head(base)
-    device = weight.device
     rows: list[tuple[int, list[int], int, int]] = []  # (traj index, ids, gold start, gold end)
     for i, tr in enumerate(trajs):
         answer, g0, g1 = answer_ids(tokenizer, tr.golden_answers[0] if tr.golden_answers else "")
@@ -99,14 +96,13 @@ def gold_answer_probs(model: Any, tokenizer: Any, trajs: list[Trajectory], batch
         for j, (_, seq, _, _) in enumerate(chunk):
             ids[j, : len(seq)] = torch.tensor(seq)
             attn[j, : len(seq)] = 1
-        at_gold = torch.zeros((len(chunk), T - 1), dtype=torch.bool)  # positions predicting a gold token
+        at_gold = torch.zeros((len(chunk), T - 1))  # positions predicting a gold token: the "loss mask"
         for j, (_, _, s, e) in enumerate(chunk):
-            at_gold[j, s - 1 : e - 1] = True
-        hidden = backbone(input_ids=ids.to(device), attention_mask=attn.to(device)).last_hidden_state
-        # the LM head on the gold positions only (full [rows, T, V] logits would not fit for a real model)
-        lp, _ = masked_logprobs(hidden[:, :-1], weight, ids[:, 1:].to(device), at_gold.to(device),
-                                with_entropy=False)
-        lp = lp.cpu()
+            at_gold[j, s - 1 : e - 1] = 1.0
+        # the actor forward with the gold positions as its mask: the LM head runs there only
+        zeros = torch.zeros(len(chunk), T, dtype=torch.long)
+        batch = Batch(ids, attn, zeros, at_gold, zeros, torch.zeros(len(chunk)), torch.zeros(len(chunk), dtype=torch.long))
+        lp = policy_logprobs(model, batch, with_entropy=False)[0].cpu()
         for j, (i, _, s, e) in enumerate(chunk):
             if e > s:
                 out[i].append(math.exp(float(lp[j, s - 1 : e - 1].mean())))

@@ -15,7 +15,8 @@ from agent.loop import run_episodes
 from agent.trajectory import Trajectory
 from corpora.formats import QAExample
 from retrieval.base import Retriever
-from training.batch import collate, policy_logprobs
+from training.actor import policy_logprobs
+from training.batch import collate
 from training.oracle import OracleLLM
 
 
