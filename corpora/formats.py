@@ -123,6 +123,110 @@ def iter_json_lines(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
         yield from iter_json_objects(f, path)
 
 
+def iter_json_array(path: Path, block: int = 1 << 20) -> Iterator[tuple[int, dict]]:
+    """Stream ``(line number, object)`` for the elements of a file holding one JSON array of objects (the raw
+    HotpotQA and 2WikiMultihopQA releases, ``[{...}, {...}]``), reading ``block`` characters at a time, so
+    the file is never loaded whole. The line is where the element starts (1 for every element of a
+    one-line file). Raises :class:`DataFormatError` naming the file and line of an element that is not a
+    JSON object, not valid JSON or not UTF-8."""
+    dec = json.JSONDecoder()
+    with open(path, encoding="utf-8-sig") as f:
+        buf, pos, line, eof, done = "", 0, 1, False, 0  # done: characters dropped before buf
+
+        def more() -> bool:  # read the next block, dropping what was consumed; False at the end of the file
+            nonlocal buf, pos, eof, done
+            try:
+                got = f.read(block)
+            except UnicodeDecodeError as e:
+                raise DataFormatError(f"{path}:{line}: not valid UTF-8 ({e.reason})") from None
+            buf, pos, eof, done = buf[pos:] + got, 0, not got, done + pos
+            return bool(got)
+
+        def skip_space() -> str:  # the next non-blank character ("" at the end of the file)
+            nonlocal pos, line
+            while True:
+                while pos < len(buf) and buf[pos] in " \t\r\n":
+                    line += buf[pos] == "\n"
+                    pos += 1
+                if pos < len(buf) or not more():
+                    return buf[pos : pos + 1]
+
+        if skip_space() != "[":
+            raise DataFormatError(f"{path}:{line}: not valid JSON (expected a JSON array)")
+        pos += 1
+        n = 0
+        while True:
+            c = skip_space()
+            if c == "]":
+                return
+            if n:
+                if c != ",":
+                    raise DataFormatError(f"{path}:{line}: not valid JSON (expected ',' or ']' after element {n})")
+                pos += 1
+                skip_space()
+            last = None
+            while True:
+                try:
+                    obj, end = dec.raw_decode(buf, pos)
+                    break
+                except json.JSONDecodeError as e:
+                    # cut by the block's end, read on; a real error stays where it was with more text
+                    where = (e.msg, done + e.pos)
+                    if eof or (where == last and not e.msg.startswith("Unterminated string")) or not more():
+                        raise DataFormatError(f"{path}:{line}: not valid JSON ({e.msg})") from None
+                    last = where
+            n += 1
+            if not isinstance(obj, dict):
+                raise DataFormatError(f"{path}:{line}: element {n} of the JSON array is {type(obj).__name__}, "
+                                      "expected an object")
+            if _SURROGATE_ESCAPE.search(buf, pos, end) and _has_lone_surrogate(obj):
+                raise DataFormatError(f"{path}:{line}: lone surrogate escape in a string (\\ud800-\\udfff without "
+                                      "its pair): not text, cannot be written as UTF-8")
+            yield line, obj
+            line += buf.count("\n", pos, end)
+            pos = end
+
+
+def iter_records(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Stream ``(where, record)`` from a QA or corpus file, ``where`` naming the record in errors: JSONL
+    (``path:line``); one JSON array, streamed element by element as the large HotpotQA / 2Wiki releases need
+    (``path:line: element i``, the line the element starts on); a JSON object holding a ``data`` list
+    (``path: record i``);
+    parquet (``path: row i``). Raises :class:`DataFormatError` naming the file and line of what is not
+    UTF-8 JSON objects."""
+    path = Path(path)
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        row = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
+            for rec in batch.to_pylist():
+                row += 1
+                yield f"{path}: row {row}", rec
+        return
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip(b" \t\r\n\xef\xbb\xbf")
+    if head.startswith(b"["):
+        for n, (line, obj) in enumerate(iter_json_array(path), start=1):
+            yield f"{path}:{line}: element {n}", obj
+    elif head.startswith(b"{") and path.suffix.lower() == ".json":
+        try:
+            data = json.loads(path.read_bytes())
+        except json.JSONDecodeError as e:
+            raise DataFormatError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        except UnicodeDecodeError as e:
+            raise DataFormatError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+            raise DataFormatError(f"{path}: expected a JSON list of records (or an object with a 'data' list)")
+        for i, rec in enumerate(data["data"], start=1):
+            if not isinstance(rec, dict):
+                raise DataFormatError(f"{path}: record {i}: expected a JSON object")
+            yield f"{path}: record {i}", rec
+    else:
+        for line, obj in iter_json_lines(path):
+            yield f"{path}:{line}", obj
+
+
 def nonblank_text(value: Any) -> str | None:
     """``value`` as text when it is a non-blank string or a number (its text); ``None`` for anything else
     (``null``, a bool, a list or object, blank text): a QA field read from JSON must not become ``"None"``."""
@@ -135,7 +239,7 @@ def answer_texts(values: list[Any]) -> list[str]:
     """The golden answers of a QA record's answer list as text (:func:`nonblank_text`): ``null`` and blank ones
     left out (as an answer, ``"None"`` or ``""`` would reward answering that), numbers as their text. Raises
     ``ValueError`` (``"holds <value>, not an answer string"``) for the first object, list or bool: no prediction
-    matches its Python text. Shared by :func:`iter_qa` and the benchmark loaders of :mod:`eval.datasets`."""
+    matches its Python text. Used by the QA reader, :func:`corpora.qa.read_qa`."""
     out = []
     for a in values:
         text = nonblank_text(a)
@@ -146,30 +250,27 @@ def answer_texts(values: list[Any]) -> list[str]:
     return out
 
 
-def _require(obj: dict[str, Any], key: str, path: Path, lineno: int) -> Any:
+def passage_field(obj: dict[str, Any], key: str, where: str) -> str:
+    """The text of field ``key`` of a corpus record (at ``where``, ``path:line``): a string or a number (its
+    text); ``id`` must also not be blank. Raises :class:`DataFormatError` naming the file, line and field for
+    anything else (``null``, a bool, a list or object), which ``str()`` would turn into a passage id or text
+    like ``"None"``."""
     if key not in obj:
-        raise DataFormatError(f"{path}:{lineno}: missing field {key!r} (has {sorted(obj)})")
-    return obj[key]
-
-
-def passage_field(obj: dict[str, Any], key: str, path: str | Path, lineno: int) -> str:
-    """The text of field ``key`` of a corpus record: a string or a number (its text); ``id`` must also not be
-    blank. Raises :class:`DataFormatError` naming the file, line and field for anything else (``null``, a
-    bool, a list or object), which ``str()`` would turn into a passage id or text like ``"None"``."""
-    v = _require(obj, key, path, lineno)
+        raise DataFormatError(f"{where}: missing field {key!r} (has {sorted(obj)})")
+    v = obj[key]
     if key == "id":
         if (text := nonblank_text(v)) is None:
-            raise DataFormatError(f"{path}:{lineno}: field 'id' must be a non-empty string or a number, got {v!r:.60}")
+            raise DataFormatError(f"{where}: field 'id' must be a non-empty string or a number, got {v!r:.60}")
         return text
     if isinstance(v, bool) or not isinstance(v, (str, int, float)):
-        raise DataFormatError(f"{path}:{lineno}: field {key!r} must be a string, got {v!r:.60}")
+        raise DataFormatError(f"{where}: field {key!r} must be a string, got {v!r:.60}")
     return str(v)
 
 
 # a Search-R1 / verl export row ({data_source, prompt, reward_model, ...}) met where a corpus or a FlashRAG QA
 # file was expected
-SEARCH_R1_QA = ("a Search-R1-format QA record (prompt, reward_model): sleuth eval --benchmarks reads these "
-                "(e.g. --benchmarks nq --data-dir DIR)")
+SEARCH_R1_QA = ("a Search-R1-format QA record (prompt, reward_model): QA files go to sleuth eval --qa or "
+                "--benchmarks (e.g. --benchmarks nq --data-dir DIR), or data.train / data.test")
 
 
 def iter_corpus(path: str | Path) -> Iterator[Passage]:
@@ -197,16 +298,17 @@ def iter_corpus(path: str | Path) -> Iterator[Passage]:
                 f"{path}:{lineno}: a QA record (a question and its answers), not a passage: a corpus JSONL has "
                 "{id, title, contents} per line; give QA files to sleuth eval --qa or data.train / data.test"
             )
-        pid = passage_field(obj, "id", path, lineno)
+        where = f"{path}:{lineno}"
+        pid = passage_field(obj, "id", where)
         if "contents" in obj:
-            contents = passage_field(obj, "contents", path, lineno)
+            contents = passage_field(obj, "contents", where)
             title = str(obj.get("title") or contents.partition("\n")[0].strip('"'))
             p = Passage(id=pid, title=title, contents=contents)
             # contents without the title line get it (Search-R1's client takes the first line as the title)
             yield p if p.text != contents or contents == title else Passage.make(pid, title, contents)
         elif "text" in obj:
             title = obj.get("title")  # (null: no title, not the title 'None')
-            yield Passage.make(pid, "" if title is None else str(title), passage_field(obj, "text", path, lineno))
+            yield Passage.make(pid, "" if title is None else str(title), passage_field(obj, "text", where))
         else:
             raise DataFormatError(f"{path}:{lineno}: missing field 'contents' (or 'text')")
 
@@ -216,52 +318,6 @@ def read_corpus(path: str | Path) -> list[Passage]:
     return list(iter_corpus(path))
 
 
-def iter_qa(path: str | Path) -> Iterator[QAExample]:
-    """Stream QA examples from a FlashRAG-format JSONL file. Golden answers that are ``null`` or blank are
-    left out (as an answer, ``"None"`` or ``""`` would reward answering that).
-
-    Raises :class:`DataFormatError` naming the field and line of a bad record (no golden answer left, an
-    answer or id that is no text: an object, a list, a bool, an id ``null``; ``metadata`` not an object, ...).
-    """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"QA file not found: {path}")
-    for lineno, obj in iter_json_lines(path):
-        if "golden_answers" not in obj and {"prompt", "reward_model"} <= obj.keys():
-            raise DataFormatError(f"{path}:{lineno}: {SEARCH_R1_QA}; this reads FlashRAG QA JSONL "
-                                  "{id, question, golden_answers}")
-        answers = _require(obj, "golden_answers", path, lineno)
-        if isinstance(answers, str):
-            answers = [answers]
-        if isinstance(answers, list):  # null or blank answers are none (as in eval.datasets)
-            try:
-                answers = answer_texts(answers)
-            except ValueError as e:
-                raise DataFormatError(f"{path}:{lineno}: field 'golden_answers' {e}") from None
-        if not isinstance(answers, list) or not answers:
-            raise DataFormatError(f"{path}:{lineno}: field 'golden_answers' must be a non-empty list "
-                                  "(null and blank answers are left out)")
-        metadata = obj.get("metadata") or {}
-        if not isinstance(metadata, dict):
-            raise DataFormatError(f"{path}:{lineno}: field 'metadata' must be a JSON object, got {metadata!r:.60}")
-        raw = _require(obj, "question", path, lineno)
-        question = nonblank_text(raw)
-        if question is None:
-            raise DataFormatError(f"{path}:{lineno}: field 'question' must be a non-empty string, got {raw!r:.60}")
-        raw_id = _require(obj, "id", path, lineno)
-        if (qid := nonblank_text(raw_id)) is None:
-            raise DataFormatError(f"{path}:{lineno}: field 'id' must be a non-empty string or a number, got {raw_id!r:.60}")
-        yield QAExample(
-            id=qid,
-            question=question,
-            golden_answers=answers,
-            metadata=dict(metadata),
-        )
-
-
-def read_qa(path: str | Path) -> list[QAExample]:
-    """Read a whole QA JSONL file (see :func:`iter_qa`)."""
-    return list(iter_qa(path))
 
 
 def write_jsonl(path: str | Path, records: Iterable[Any]) -> int:

@@ -20,20 +20,10 @@ Malformed input raises :class:`~corpora.formats.DataFormatError` naming the file
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from corpora.formats import (
-    _SURROGATE_ESCAPE,
-    DataFormatError,
-    Passage,
-    QAExample,
-    _has_lone_surrogate,
-    iter_json_lines,
-    passage_field,
-    write_jsonl,
-)
+from corpora.formats import DataFormatError, Passage, QAExample, iter_records, passage_field, write_jsonl
 
 
 def _norm(text: str) -> str:
@@ -59,11 +49,12 @@ def chunk_words(text: str, size: int | None, overlap: int = 0) -> list[str]:
     return [" ".join(words[a : a + size]) for a in range(0, max(len(words) - overlap, 1), step)]
 
 
-def _paragraphs(obj: dict, path: Path, lineno: int) -> tuple[list[tuple[str, str, bool]], dict | None] | None:
-    """(title, text, is_supporting) paragraphs and the QA fields of one record; None if it is a passage."""
+def _paragraphs(obj: dict, where: str, n: int) -> tuple[list[tuple[str, str, bool]], dict | None] | None:
+    """(title, text, is_supporting) paragraphs and the QA fields of the ``n``-th record (at ``where``, for
+    errors); None if it is a passage."""
 
     def bad(msg: str) -> DataFormatError:
-        return DataFormatError(f"{path}:{lineno}: {msg}")
+        return DataFormatError(f"{where}: {msg}")
 
     if "contexts" in obj or "paragraphs" in obj:  # IRCoT-processed / raw MuSiQue
         ctxs = obj.get("contexts", obj.get("paragraphs"))
@@ -116,90 +107,12 @@ def _paragraphs(obj: dict, path: Path, lineno: int) -> tuple[list[tuple[str, str
         answers += [a for a in obj.get("answer_aliases", []) if isinstance(a, str)]
         answers = [a for a in answers if a.strip()]  # a blank answer is none (read_qa leaves it out)
         qa = {
-            "id": str(obj.get("question_id", obj.get("_id", obj.get("id", lineno)))),
+            "id": str(obj.get("question_id", obj.get("_id", obj.get("id", n)))),
             "question": str(q),
             "answers": answers,
             "answerable": obj.get("answerable"),
         }
     return paras, qa
-
-
-def _iter_json_array(path: Path, block: int = 1 << 20) -> Iterator[tuple[int, dict]]:
-    """Stream ``(line number, object)`` for the elements of a file holding one JSON array of objects (the raw
-    HotpotQA and 2WikiMultihopQA releases, ``[{...}, {...}]``), reading ``block`` characters at a time, so
-    the file is never loaded whole. The line is where the element starts (1 for every element of a
-    one-line file). Raises :class:`DataFormatError` naming the file and line of an element that is not a
-    JSON object, not valid JSON or not UTF-8."""
-    dec = json.JSONDecoder()
-    with open(path, encoding="utf-8-sig") as f:
-        buf, pos, line, eof, done = "", 0, 1, False, 0  # done: characters dropped before buf
-
-        def more() -> bool:  # read the next block, dropping what was consumed; False at the end of the file
-            nonlocal buf, pos, eof, done
-            try:
-                got = f.read(block)
-            except UnicodeDecodeError as e:
-                raise DataFormatError(f"{path}:{line}: not valid UTF-8 ({e.reason})") from None
-            buf, pos, eof, done = buf[pos:] + got, 0, not got, done + pos
-            return bool(got)
-
-        def skip_space() -> str:  # the next non-blank character ("" at the end of the file)
-            nonlocal pos, line
-            while True:
-                while pos < len(buf) and buf[pos] in " \t\r\n":
-                    line += buf[pos] == "\n"
-                    pos += 1
-                if pos < len(buf) or not more():
-                    return buf[pos : pos + 1]
-
-        if skip_space() != "[":
-            raise DataFormatError(f"{path}:{line}: not valid JSON (expected a JSON array)")
-        pos += 1
-        n = 0
-        while True:
-            c = skip_space()
-            if c == "]":
-                return
-            if n:
-                if c != ",":
-                    raise DataFormatError(f"{path}:{line}: not valid JSON (expected ',' or ']' after element {n})")
-                pos += 1
-                skip_space()
-            last = None
-            while True:
-                try:
-                    obj, end = dec.raw_decode(buf, pos)
-                    break
-                except json.JSONDecodeError as e:
-                    # cut by the block's end, read on; a real error stays where it was with more text
-                    where = (e.msg, done + e.pos)
-                    if eof or (where == last and not e.msg.startswith("Unterminated string")) or not more():
-                        raise DataFormatError(f"{path}:{line}: not valid JSON ({e.msg})") from None
-                    last = where
-            n += 1
-            if not isinstance(obj, dict):
-                raise DataFormatError(f"{path}:{line}: element {n} of the JSON array is {type(obj).__name__}, "
-                                      "expected an object")
-            if _SURROGATE_ESCAPE.search(buf, pos, end) and _has_lone_surrogate(obj):
-                raise DataFormatError(f"{path}:{line}: lone surrogate escape in a string (\\ud800-\\udfff without "
-                                      "its pair): not text, cannot be written as UTF-8")
-            yield line, obj
-            line += buf.count("\n", pos, end)
-            pos = end
-
-
-def _iter_records(path: Path) -> Iterator[tuple[int, dict]]:
-    """``(line number, object)`` of a JSONL file, or of a file holding one JSON array (:func:`_iter_json_array`)."""
-    if path.suffix == ".parquet":
-        raise DataFormatError(
-            f"{path}: parquet input is a Search-R1-format QA file here (no paragraphs); pool a JSONL with paragraphs"
-        )
-    with open(path, "rb") as f:
-        head = f.read(4096).lstrip(b" \t\r\n\xef\xbb\xbf")
-    if head.startswith(b"["):
-        yield from _iter_json_array(path)
-    else:
-        yield from iter_json_lines(path)
 
 
 def pool_corpus(
@@ -258,12 +171,12 @@ def pool_corpus(
         if src is None:
             ids = fresh_ids(len(chunks))
         else:
-            pid, path, lineno = src
+            pid, where = src
             ids = chunk_ids(pid, len(chunks))
             if not taken.isdisjoint(ids):
                 dup = next(i for i in ids if i in taken)
                 raise DataFormatError(
-                    f"{path}:{lineno}: passage id {dup!r} is already taken by an earlier passage of the pool "
+                    f"{where}: passage id {dup!r} is already taken by an earlier passage of the pool "
                     "(ids must be unique; kept corpus ids are never renamed): pool the corpus files first, "
                     "or choose an --id-prefix (id_prefix) that none of their ids start with"
                 )
@@ -276,19 +189,22 @@ def pool_corpus(
             src = Path(src)
             if not src.exists():
                 raise FileNotFoundError(f"source file not found: {src}")
-            for lineno, obj in _iter_records(src):
+            if src.suffix == ".parquet":
+                raise DataFormatError(f"{src}: parquet input is a Search-R1-format QA file here (no paragraphs); "
+                                      "pool a JSONL with paragraphs")
+            for n, (where, obj) in enumerate(iter_records(src), start=1):
                 stats["records"] += 1
-                got = _paragraphs(obj, src, lineno)
+                got = _paragraphs(obj, where, n)
                 if got is None:  # a corpus line
-                    pid = passage_field(obj, "id", src, lineno)
-                    contents = passage_field(obj, "contents" if "contents" in obj else "text", src, lineno)
+                    pid = passage_field(obj, "id", where)
+                    contents = passage_field(obj, "contents" if "contents" in obj else "text", where)
                     title = str(obj.get("title") or "")
                     if not title and "\n" in contents and "contents" in obj:  # wiki-18: '"Title"\ntext', no title field
                         title = contents.partition("\n")[0].strip('"')
                     # the body without the title line, only when the first line is the title (Passage.text)
                     text = Passage(pid, title, contents).text if "contents" in obj else contents
                     stats["paragraphs"] += 1
-                    yield from add(title, text, (pid, src, lineno))
+                    yield from add(title, text, (pid, where))
                     continue
                 paras, qa = got
                 supporting: list[str] = []

@@ -5,16 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from corpora.formats import DataFormatError, QAExample, read_qa
+from corpora.formats import DataFormatError, QAExample
+from corpora.qa import detect_format, musique_hops, read_qa
 from eval.datasets import (
     ALL,
     REGISTRY,
     UnknownBenchmarkError,
-    detect_format,
     expand_benchmarks,
     load_benchmark,
-    musique_hops,
-    read_qa_file,
     resolve_data_dir,
     subsample,
 )
@@ -68,7 +66,7 @@ MUSIQUE_OFFICIAL = [
 
 
 def test_searchr1_jsonl(tmp_path):
-    ex = read_qa_file(_jsonl(tmp_path / "nq.jsonl", SEARCHR1), dataset="nq")
+    ex = read_qa(_jsonl(tmp_path / "nq.jsonl", SEARCHR1), dataset="nq")
     assert [e.id for e in ex] == ["test_0", "test_7"]
     assert ex[0].question == "who wrote hamlet"
     assert ex[0].golden_answers == ["Shakespeare", "William Shakespeare"]  # the list, not the joined string
@@ -83,7 +81,7 @@ def test_searchr1_parquet(tmp_path):
 
     rows = [dict(SEARCHR1[0], extra_info={"answer": "Shakespeare", "index": 3, "question": "who wrote hamlet", "split": "dev"})]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
-    (ex,) = read_qa_file(tmp_path / "d.parquet")
+    (ex,) = read_qa(tmp_path / "d.parquet")
     assert (ex.id, ex.question, ex.golden_answers) == ("dev_3", "who wrote hamlet", ["Shakespeare"])
 
 
@@ -96,19 +94,19 @@ def test_searchr1_parquet_rows_without_an_id_use_the_index(tmp_path):
     info = SEARCHR1[0]["extra_info"]
     rows = [dict(SEARCHR1[0], id="nq_a"), SEARCHR1[0], dict(SEARCHR1[0], extra_info=dict(info, index=8))]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
-    assert [e.id for e in read_qa_file(tmp_path / "d.parquet")] == ["nq_a", "test_0", "test_8"]
+    assert [e.id for e in read_qa(tmp_path / "d.parquet")] == ["nq_a", "test_0", "test_8"]
 
 
 def test_flashrag_jsonl_keeps_metadata(tmp_path):
     recs = [{"id": "test_1", "question": "q?", "golden_answers": ["a", "b"], "metadata": {"s_pop": 3}}]
-    (ex,) = read_qa_file(_jsonl(tmp_path / "p.jsonl", recs), dataset="popqa")
-    assert ex.golden_answers == ["a", "b"] and ex.metadata["s_pop"] == 3 and ex.metadata["hops"] is None
+    (ex,) = read_qa(_jsonl(tmp_path / "p.jsonl", recs), dataset="popqa")
+    assert ex.golden_answers == ["a", "b"] and ex.metadata["s_pop"] == 3 and ex.metadata.get("hops") is None
 
 
 def test_official_hotpotqa_json(tmp_path):
     p = tmp_path / "hotpot_dev_distractor_v1.json"
     p.write_text(json.dumps(HOTPOT_OFFICIAL))
-    (ex,) = read_qa_file(p)
+    (ex,) = read_qa(p)
     assert ex.id == "5a8b57f25542995d1e6f1371" and ex.golden_answers == ["yes"]
     assert ex.metadata["hops"] == 2 and ex.metadata["type"] == "comparison" and ex.metadata["level"] == "hard"
     assert ex.metadata["supporting_titles"] == ["Scott Derrickson", "Ed Wood"]
@@ -118,13 +116,13 @@ def test_official_2wiki_json_hops_from_type(tmp_path):
     p = tmp_path / "dev.json"
     p.write_text(json.dumps(TWOWIKI_OFFICIAL))
     assert detect_format(TWOWIKI_OFFICIAL[0]) == "2wiki"
-    ex = read_qa_file(p, dataset="2wikimultihopqa")
+    ex = read_qa(p, dataset="2wikimultihopqa")
     assert [e.metadata["hops"] for e in ex] == [2, 4]
     assert ex[0].golden_answers == ["Małgorzata Braunek"]
 
 
 def test_official_musique_jsonl(tmp_path):
-    ex = read_qa_file(_jsonl(tmp_path / "musique_ans_v1.0_dev.jsonl", MUSIQUE_OFFICIAL), dataset="musique")
+    ex = read_qa(_jsonl(tmp_path / "musique_ans_v1.0_dev.jsonl", MUSIQUE_OFFICIAL), dataset="musique")
     assert [e.id for e in ex] == ["2hop__482757_12019", "3hop1__9285_5188_23307"]  # unanswerable skipped
     assert [e.metadata["hops"] for e in ex] == [2, 3]
     assert ex[0].golden_answers == ["1960", "in 1960"]
@@ -134,7 +132,7 @@ def test_official_musique_jsonl(tmp_path):
 
 def test_official_musique_says_how_many_unanswerable_it_skipped(tmp_path, caplog):
     with caplog.at_level("INFO", logger="eval.datasets"):
-        ex = read_qa_file(_jsonl(tmp_path / "musique_full_v1.0_dev.jsonl", MUSIQUE_OFFICIAL), dataset="musique")
+        ex = read_qa(_jsonl(tmp_path / "musique_full_v1.0_dev.jsonl", MUSIQUE_OFFICIAL), dataset="musique")
     assert len(ex) == 2
     said = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert len(said) == 1 and "1 unanswerable" in said[0] and "musique_full_v1.0_dev.jsonl" in said[0]
@@ -142,22 +140,22 @@ def test_official_musique_says_how_many_unanswerable_it_skipped(tmp_path, caplog
 
 def test_searchr1_musique_export_has_no_hops(tmp_path):
     # the registered MuSiQue file is a Search-R1 export: ids test_<index>, no decomposition, so no hop count
-    ex = read_qa_file(_jsonl(tmp_path / "dev.searchr1.jsonl", SEARCHR1), dataset="musique")
-    assert [e.id for e in ex] == ["test_0", "test_7"] and all(e.metadata["hops"] is None for e in ex)
+    ex = read_qa(_jsonl(tmp_path / "dev.searchr1.jsonl", SEARCHR1), dataset="musique")
+    assert [e.id for e in ex] == ["test_0", "test_7"] and all(e.metadata.get("hops") is None for e in ex)
 
 
 def test_ircot_jsonl(tmp_path):
     rec = {"question_id": "q1", "question_text": "Q?", "answers_objects": [{"number": "", "spans": ["A"]}],
            "contexts": [{"id": "0", "title": "T", "paragraph_text": "p", "is_supporting": True}]}
-    (ex,) = read_qa_file(_jsonl(tmp_path / "i.jsonl", [rec]))
+    (ex,) = read_qa(_jsonl(tmp_path / "i.jsonl", [rec]))
     assert (ex.id, ex.golden_answers, ex.metadata["supporting_titles"]) == ("q1", ["A"], ["T"])
 
 
 # -- bad input -----------------------------------------------------------------------------------------
 def test_missing_field_names_field_and_line(tmp_path):
     recs = [{"id": "a", "question": "q", "golden_answers": ["x"]}, {"id": "b", "golden_answers": ["y"]}]
-    with pytest.raises(DataFormatError, match=r"line 2: missing field 'question'"):
-        read_qa_file(_jsonl(tmp_path / "f.jsonl", recs))
+    with pytest.raises(DataFormatError, match=r":2: missing field 'question'"):
+        read_qa(_jsonl(tmp_path / "f.jsonl", recs))
 
 
 @pytest.mark.parametrize("question", [None, "", "   ", ["q"]])
@@ -166,15 +164,13 @@ def test_a_missing_or_blank_question_is_an_error_not_the_text_none(tmp_path, que
     a remote server answers 400 and stops the run; both are errors naming the file, line and field."""
     recs = [{"id": "a", "question": "q", "golden_answers": ["x"]}, {"id": "b", "question": question, "golden_answers": ["y"]}]
     path = _jsonl(tmp_path / "f.jsonl", recs)
-    with pytest.raises(DataFormatError, match=r"line 2: field 'question' must be a non-empty string"):
-        read_qa_file(path)
-    with pytest.raises(DataFormatError, match=r":2: field 'question' must be a non-empty string"):
-        read_qa(path)  # the FlashRAG reader of `--qa` files and the shipped sample
+    with pytest.raises(DataFormatError, match=r"f.jsonl:2: field 'question' must be a non-empty string"):
+        read_qa(path)
     blank = json.loads(json.dumps(SEARCHR1[0]))
     blank["prompt"][0]["content"] = "Answer the question. <search> query </search> Question: "
     blank["extra_info"].pop("question", None)
-    with pytest.raises(DataFormatError, match=r"line 1: empty question"):
-        read_qa_file(_jsonl(tmp_path / "s.jsonl", [blank]))
+    with pytest.raises(DataFormatError, match=r":1: empty question"):
+        read_qa(_jsonl(tmp_path / "s.jsonl", [blank]))
 
 
 @pytest.mark.parametrize("field,value", [
@@ -187,13 +183,11 @@ def test_a_missing_or_blank_question_is_an_error_not_the_text_none(tmp_path, que
 def test_a_golden_answer_or_id_that_is_no_text_is_an_error(tmp_path, field, value):
     """A golden answer that is an object, a list or a bool became its Python text (``"{'text': 'Paris'}"``),
     which no prediction matches, so the question silently scored 0; an id ``null`` became ``"None"``. Both
-    readers (benchmarks and ``--qa``) now name the file, line and field."""
+    are errors naming the file, line and field."""
     recs = [{"id": "a", "question": "q", "golden_answers": ["x"]},
             {"id": "b", "question": "q2", "golden_answers": ["y"]} | {field: value}]
     path = _jsonl(tmp_path / "f.jsonl", recs)
-    with pytest.raises(DataFormatError, match=rf"line 2: field '{field}'"):
-        read_qa_file(path)
-    with pytest.raises(DataFormatError, match=rf":2: field '{field}'"):
+    with pytest.raises(DataFormatError, match=rf"f.jsonl:2: field '{field}'"):
         read_qa(path)
 
 
@@ -201,21 +195,21 @@ def test_searchr1_missing_answer_names_field_and_line(tmp_path):
     bad = json.loads(json.dumps(SEARCHR1[0]))
     del bad["extra_info"]["answer"]
     del bad["reward_model"]
-    with pytest.raises(DataFormatError, match=r"line 2: missing field 'reward_model.ground_truth'"):
-        read_qa_file(_jsonl(tmp_path / "s.jsonl", [SEARCHR1[0], bad]))
+    with pytest.raises(DataFormatError, match=r":2: missing field 'reward_model.ground_truth'"):
+        read_qa(_jsonl(tmp_path / "s.jsonl", [SEARCHR1[0], bad]))
 
 
 def test_bad_text_names_file_and_line(tmp_path):
-    """A byte that is not UTF-8 in a JSONL question file names its line; in a JSON file, its byte offset."""
+    """A byte that is not UTF-8 names the line of the JSONL or JSON file that holds it."""
     good = b'{"id": "a", "question": "q", "golden_answers": ["x"]}\n'
     p = tmp_path / "u.jsonl"
     p.write_bytes(good + b'{"id": "b", "question": "caf\xe9", "golden_answers": ["y"]}\n')
     with pytest.raises(DataFormatError, match=r"u.jsonl:2: not valid UTF-8"):
-        read_qa_file(p)
+        read_qa(p)
     p = tmp_path / "u.json"
     p.write_bytes(b'[{"id": "a", "question": "caf\xe9", "golden_answers": ["y"]}]')
-    with pytest.raises(DataFormatError, match=r"u.json: not valid UTF-8 .*byte 29"):
-        read_qa_file(p)
+    with pytest.raises(DataFormatError, match=r"u.json:1: not valid UTF-8"):
+        read_qa(p)
 
 
 def test_official_json_missing_field_names_record(tmp_path):
@@ -223,20 +217,20 @@ def test_official_json_missing_field_names_record(tmp_path):
     del bad["answer"]
     p = tmp_path / "h.json"
     p.write_text(json.dumps([HOTPOT_OFFICIAL[0] | {"_id": "other"}, bad]))
-    with pytest.raises(DataFormatError, match=r"record 2: missing field 'answer'"):
-        read_qa_file(p)
+    with pytest.raises(DataFormatError, match=r"h.json:1: element 2: missing field 'answer'"):
+        read_qa(p)
 
 
 def test_bad_json_and_duplicates(tmp_path):
     p = tmp_path / "b.jsonl"
     p.write_text('{"id": "a", "question": "q", "golden_answers": ["x"]}\n{not json\n')
     with pytest.raises(DataFormatError, match=r"b.jsonl:2: not valid JSON"):
-        read_qa_file(p)
+        read_qa(p)
     recs = [{"id": "a", "question": "q", "golden_answers": ["x"]}] * 2
     with pytest.raises(DataFormatError, match="duplicate question id 'a'"):
-        read_qa_file(_jsonl(tmp_path / "d.jsonl", recs))
+        read_qa(_jsonl(tmp_path / "d.jsonl", recs))
     with pytest.raises(DataFormatError, match="golden_answers"):
-        read_qa_file(_jsonl(tmp_path / "e.jsonl", [{"id": "a", "question": "q", "golden_answers": []}]))
+        read_qa(_jsonl(tmp_path / "e.jsonl", [{"id": "a", "question": "q", "golden_answers": []}]))
 
 
 def test_unknown_benchmark_lists_known_names():

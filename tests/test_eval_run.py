@@ -420,5 +420,5 @@ def test_cli_a_malformed_benchmark_file_fails_before_the_index_and_the_model_loa
     p = argparse.ArgumentParser()
     evaluate.add_arguments(p)
     args = p.parse_args(["--benchmarks", str(qa), "--method", "rag", "--out", str(tmp_path / "ev"), f"out_dir={tmp_path}"])
-    with pytest.raises(DataFormatError, match=r"bad.jsonl: line 2: missing field 'golden_answers'"):
+    with pytest.raises(DataFormatError, match=r"bad.jsonl:2: missing field 'golden_answers'"):
         evaluate.run(args)

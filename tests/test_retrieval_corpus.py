@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from corpora.formats import DataFormatError, read_corpus, read_qa
+from corpora.formats import DataFormatError, read_corpus
+from corpora.qa import read_qa
 from corpora.pool import chunk_words, pool_corpus
 
 
@@ -386,7 +387,7 @@ def test_pool_wiki18_lines_without_a_title_field_keep_their_title_line(tmp_path)
 def test_pool_streams_raw_hotpotqa_and_2wiki_json_array_files(tmp_path):
     # the raw HotpotQA (hotpot_dev_distractor_v1.json) and 2WikiMultihopQA (dev.json) releases are one JSON
     # array, not JSONL: they were refused ('expected a JSON object, got list' / 'not valid JSON')
-    from corpora.pool import _iter_json_array
+    from corpora.formats import iter_json_array
 
     recs = [
         {"_id": f"q{i}", "question": f"q{i} \u00e9?", "answer": f"a{i}",
@@ -398,11 +399,11 @@ def test_pool_streams_raw_hotpotqa_and_2wiki_json_array_files(tmp_path):
     pretty.write_text("\ufeff" + json.dumps(recs, indent=2))
     for src in (one_line, pretty):
         for block in (7, 64, 1 << 20):  # elements cut by block ends
-            assert [o for _, o in _iter_json_array(src, block=block)] == recs
+            assert [o for _, o in iter_json_array(src, block=block)] == recs
     stats = pool_corpus([pretty], tmp_path / "c.jsonl", qa_out=tmp_path / "qa.jsonl")
     assert stats["records"] == 5 and stats["passages"] == 6 and stats["duplicates"] == 4
     assert [q.metadata["supporting_ids"] for q in read_qa(tmp_path / "qa.jsonl")] == [["p0"], ["p2"], ["p3"], ["p4"], ["p5"]]
-    lines = [line for line, _ in _iter_json_array(pretty, block=16)]
+    lines = [line for line, _ in iter_json_array(pretty, block=16)]
     assert lines == [2 + i * len(json.dumps(recs[0], indent=2).splitlines()) for i in range(5)]
     bad = tmp_path / "bad.json"
     bad.write_text('[\n{"_id": "q", "question": "q", "context": []},\n3\n]')
@@ -459,13 +460,14 @@ def test_a_qa_file_without_paragraphs_given_as_a_corpus_says_what_it_is(tmp_path
     assert "not a passage" in str(e.value)
 
 
-def test_a_search_r1_export_given_as_a_flashrag_qa_file_says_which_eval_reads_it(tmp_path):
-    """`sleuth eval --qa ../shared/data/nq/test.searchr1.jsonl` failed with "missing field 'golden_answers'"."""
+def test_a_search_r1_export_is_read_as_a_qa_file(tmp_path):
+    """`sleuth eval --qa ../shared/data/nq/test.searchr1.jsonl` failed with "missing field 'golden_answers'":
+    the --qa reader knew FlashRAG JSONL only. There is one QA reader now, and it reads every format."""
     src = tmp_path / "nq.jsonl"
     src.write_text(json.dumps({"data_source": "nq", "prompt": [{"role": "user", "content": "Q?"}],
                                "reward_model": {"ground_truth": {"target": ["a"]}}}) + "\n")
-    with pytest.raises(DataFormatError, match=r"nq\.jsonl:1: a Search-R1-format QA record .*--benchmarks"):
-        read_qa(src)
+    (ex,) = read_qa(src)
+    assert (ex.question, ex.golden_answers) == ("Q?", ["a"])
 
 
 def test_corpus_contents_without_its_title_line_get_it_so_search_r1_renders_the_title(tmp_path):
