@@ -7,8 +7,8 @@ import json
 import pytest
 
 from corpora.formats import DataFormatError, read_corpus
-from corpora.qa import read_qa
 from corpora.pool import chunk_words, pool_corpus
+from corpora.qa import read_qa
 
 
 def _ircot(qid, ctxs):
