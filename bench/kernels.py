@@ -1,6 +1,6 @@
 """Benchmark: masked log-prob + loss, forward+backward, Sleuth's fused kernel vs naive PyTorch vs Liger-Kernel.
 
-Issue 3's grid: Qwen2.5 vocabulary V = 151,936; hidden H in {896, 2048, 3584}; N in {16k, 64k} tokens;
+The grid: Qwen2.5 vocabulary V = 151,936; hidden H in {896, 2048, 3584}; N in {16k, 64k} tokens;
 30% and 60% tool tokens, plus the target point (H 2048, N 64k, 40% tool). bf16 hidden states and LM head.
 
 Methods (each: loss = masked mean of -log p(target), then backward to hidden and LM-head weight):
@@ -41,7 +41,7 @@ V_QWEN25 = 151_936
 HIDDEN = (896, 2048, 3584)
 TOKENS = (16_384, 65_536)
 TOOL_FRACS = (0.3, 0.6)
-TARGET = (2048, 65_536, 0.4)  # the issue's acceptance point
+TARGET = (2048, 65_536, 0.4)  # the acceptance point
 SWEEP = [(8192, 1024), (8192, 2048), (8192, 4096), (8192, 8192), (16384, 2048), (16384, 4096), (4096, 8192)]
 
 
@@ -292,7 +292,7 @@ def run_cpu_smoke() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sleuth.commands._common import positive_int
+    from sleuth.commands.common import positive_int
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="two grid points only (smallest + the target)")

@@ -311,7 +311,7 @@ def report(res: dict) -> str:
 
 
 def main() -> int:
-    from sleuth.commands._common import positive_int
+    from sleuth.commands.common import positive_int
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", choices=[*RUNS, "hotpot"], metavar="NAME",

@@ -41,7 +41,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from corpora.formats import read_qa, write_jsonl
+from corpora.formats import write_jsonl
+from corpora.qa import read_qa
 from corpora.sample import sample_paths
 from retrieval.index import build_index, load_retriever
 
@@ -418,7 +419,7 @@ def _pct(v: float | None) -> str:
 
 
 def targets(out: dict) -> list[str]:
-    """The issue's targets checked against this run's numbers (markdown bullets)."""
+    """The retrieval targets checked against this run's numbers (markdown bullets)."""
     res = []
     q = out.get("quality") or {}
     if "bm25_top10_overlap_with_pyserini" in q:
@@ -478,7 +479,7 @@ def write_markdown(out: dict, text: str) -> None:
 
 
 def main(argv=None) -> int:
-    from sleuth.commands._common import positive_int
+    from sleuth.commands.common import positive_int
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=positive_int, nargs="*", default=[10_000, 100_000])

@@ -264,7 +264,7 @@ def update_markdown(res: dict) -> None:
 
 
 def main() -> int:
-    from sleuth.commands._common import positive_int
+    from sleuth.commands.common import positive_int
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--questions", type=positive_int, default=32)

@@ -243,7 +243,7 @@ def update_markdown(res: dict, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sleuth.commands._common import positive_int
+    from sleuth.commands.common import positive_int
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--clients", type=positive_int, nargs="+", default=[1, 10, 100])

@@ -35,83 +35,26 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from agent import search_r1
 from agent.config import AgentConfig
-from agent.llm import LLM, Generation, SamplingParams, decode, encode, generate_requests
-from agent.protocol import format_docs
+from agent.llm import LLM, Generation, decode, encode, generate_requests
 from corpora.formats import QAExample
+from eval.prompting import (
+    TAGS,
+    Method,
+    check_tags_protocol,
+    extract_answer,
+    information_ids,
+    prediction_record,
+    sampling,
+    set_wall,
+    task_prompt,
+    trajectory_fields,
+)
+from eval.search_o1 import search_o1
 from retrieval.base import Hit, Retriever
 
-Method = Callable[[list[QAExample]], list[dict[str, Any]]]
-RAW_CHARS = 500
-
-
-def _prompt(llm: LLM, question: str, cfg: AgentConfig) -> list[int]:
-    from agent.protocol import prompt_ids  # the agent's own prompt (chat template or Search-R1 instruction)
-
-    return prompt_ids(llm.tokenizer, question, cfg)
-
-
-def _params(cfg: AgentConfig, temperature: float, seed: int | None, stop: tuple[str, ...], max_new: int | None = None) -> SamplingParams:
-    """Sampling settings of one call: ``max_new`` new tokens per prompt (``None``: ``cfg.max_new_tokens``).
-    Raises ``ValueError`` for ``max_new < 1`` (asking for no tokens is a caller's bug, not the whole budget)."""
-    if max_new is not None and max_new < 1:
-        raise ValueError(f"max_new must be at least 1 token, got {max_new}")
-    return SamplingParams(
-        max_new_tokens=cfg.max_new_tokens if max_new is None else max_new, temperature=temperature,
-        top_p=cfg.top_p, stop=stop, seed=seed
-    )
-
-
-def extract_answer(text: str) -> str | None:
-    """The answer in a continuation that started right after a forced ``<answer>`` tag: the text before
-    ``</answer>`` (or all of it when the budget ran out first), stripped; ``None`` if empty."""
-    ans = text.split("</answer>", 1)[0].replace("<answer>", "").strip()
-    return ans or None
-
-
-def _check_tags_protocol(method: str, cfg: AgentConfig) -> None:
-    """Raise ``ValueError`` when ``cfg`` makes the policy call tools natively (``agent.protocol:
-    function_call``): ``method`` reads the model's ``<search>`` tags and would never see its tool calls."""
-    if getattr(cfg, "protocol", "search_r1") != "search_r1":
-        raise ValueError(f"method {method!r} reads Search-R1 <search> tags; it cannot run with "
-                         f"agent.protocol={cfg.protocol} (use agent.protocol=search_r1, or the 'agent' method)")
-
-
-def _record(ex: QAExample, prediction: str | None, **kw: Any) -> dict[str, Any]:
-    rec: dict[str, Any] = {
-        "id": ex.id,
-        "prediction": prediction,
-        "golden_answers": list(ex.golden_answers),
-        "retrieved_ids": [],
-        "search_calls": 0,
-        "turns": 0,
-        "generated_tokens": 0,
-        "wall_s": 0.0,
-    }
-    rec.update(kw)
-    if isinstance(rec.get("raw"), str):
-        rec["raw"] = rec["raw"][:RAW_CHARS]
-    return rec
-
-
-def _set_wall(records: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
-    per = (time.perf_counter() - t0) / max(len(records), 1)
-    for r in records:
-        r["wall_s"] = per
-    return records
-
-
-def _fit(llm: LLM, body: str, room: int) -> list[int]:
-    """Token ids of ``body`` cut to ``room`` tokens (at least 0)."""
-    return encode(llm.tokenizer, body)[: max(room, 0)]
-
-
-def _info_ids(llm: LLM, docs: list[Hit], cfg: AgentConfig, room: int) -> list[int]:
-    """``<information>`` block of ``docs`` (Search-R1 rendering) whose body fits ``room`` tokens."""
-    head, tail = encode(llm.tokenizer, "\n\n<information>"), encode(llm.tokenizer, "</information>\n\n")
-    body = _fit(llm, format_docs(docs, cfg.max_doc_chars), room - len(head) - len(tail))
-    return head + body + tail
+__all__ = ["METHODS", "Method", "agent", "direct", "extract_answer", "get_method", "ircot", "make_method", "rag",
+           "search_o1"]
 
 
 # -- direct ---------------------------------------------------------------------------------------------
@@ -129,13 +72,13 @@ def direct(
     cfg = cfg or AgentConfig()
     t0 = time.perf_counter()
     ans = encode(llm.tokenizer, "<answer>")
-    prompts = [_prompt(llm, ex.question, cfg) + ans for ex in examples]
-    gens = llm.generate(prompts, _params(cfg, temperature, seed, ("</answer>",))) if prompts else []
+    prompts = [task_prompt(llm, ex.question, cfg) + ans for ex in examples]
+    gens = llm.generate(prompts, sampling(cfg, temperature, seed, ("</answer>",))) if prompts else []
     recs = [
-        _record(ex, extract_answer(g.text), turns=1, generated_tokens=len(g.token_ids), raw=g.text)
+        prediction_record(ex, extract_answer(g.text), turns=1, generated_tokens=len(g.token_ids), raw=g.text)
         for ex, g in zip(examples, gens, strict=True)
     ]
-    return _set_wall(recs, t0)
+    return set_wall(recs, t0)
 
 
 # -- rag ------------------------------------------------------------------------------------------------
@@ -161,23 +104,22 @@ def rag(
     ans = encode(llm.tokenizer, "<answer>")
     prompts = []
     for ex, hs in zip(examples, hits, strict=True):
-        p = _prompt(llm, ex.question, cfg) + encode(llm.tokenizer, f"<search> {ex.question} </search>")
+        p = task_prompt(llm, ex.question, cfg) + encode(llm.tokenizer, f"<search> {ex.question} </search>")
         room = min(cfg.max_obs_tokens, cfg.max_total_tokens - len(p) - len(ans) - cfg.max_new_tokens)
-        prompts.append(p + _info_ids(llm, hs, cfg, room) + ans)
-    gens = llm.generate(prompts, _params(cfg, temperature, seed, ("</answer>",)))
+        prompts.append(p + information_ids(llm, hs, cfg, room) + ans)
+    gens = llm.generate(prompts, sampling(cfg, temperature, seed, ("</answer>",)))
     recs = [
-        _record(ex, extract_answer(g.text), retrieved_ids=[h.id for h in hs], search_calls=1, turns=1,
+        prediction_record(ex, extract_answer(g.text), retrieved_ids=[h.id for h in hs], search_calls=1, turns=1,
                 generated_tokens=len(g.token_ids), raw=g.text)
         for ex, hs, g in zip(examples, hits, gens, strict=True)
     ]
-    return _set_wall(recs, t0)
+    return set_wall(recs, t0)
 
 
 # -- ircot ----------------------------------------------------------------------------------------------
 _SEARCH = re.compile(r"<search>(.*?)(?:</search>|$)", re.DOTALL)
 _ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
 _ANSWER_IS = re.compile(r"answer is:?\s*(.+)", re.IGNORECASE | re.DOTALL)
-_TAGS = re.compile(r"</?(think|search|answer|information)>")
 IRCOT_STOP = (".", "\n", "</think>", "</search>", "</answer>")
 # a "." that ends no sentence: an abbreviation, a single-letter initial or a dotted acronym's letter (U.S.)
 _ABBREV = re.compile(
@@ -262,7 +204,7 @@ def _ircot_steps(llm: LLM, prompts: list[list[int]], cfg: AgentConfig, temperatu
         if not js:
             break
         # each step asks for what it has left (one call for the round; agent.llm.generate_requests)
-        gens = generate_requests(llm, [(prompts[j] + ids[j], _params(cfg, temperature, seed, IRCOT_STOP,
+        gens = generate_requests(llm, [(prompts[j] + ids[j], sampling(cfg, temperature, seed, IRCOT_STOP,
                                                                       cfg.max_new_tokens - used[j])) for j in js])
         nxt: dict[int, re.Pattern[str]] = {}
         for j, g in zip(js, gens, strict=True):
@@ -287,11 +229,11 @@ def _ircot_step(text: str) -> tuple[str, str]:
     m = _ANSWER.search(text)
     if m and m.group(1).strip():
         return "answer", m.group(1).strip()
-    m = _ANSWER_IS.search(_TAGS.sub(" ", text))
+    m = _ANSWER_IS.search(TAGS.sub(" ", text))
     if m and m.group(1).strip(" .\n"):
         return "answer", m.group(1).strip(" .\n")
     m = _SEARCH.search(text)
-    sentence = m.group(1).strip() if m else _TAGS.sub(" ", text).strip()
+    sentence = m.group(1).strip() if m else TAGS.sub(" ", text).strip()
     if ("</think>" in text and not m) or not sentence:
         return "done", ""
     return "sentence", " ".join(sentence.split())
@@ -329,7 +271,7 @@ def ircot(
     if n == 0:
         return []
     tok = llm.tokenizer
-    base = [_prompt(llm, ex.question, cfg) for ex in examples]
+    base = [task_prompt(llm, ex.question, cfg) for ex in examples]
     docs: list[dict[str, Hit]] = [{} for _ in range(n)]
     retrieved: list[list[str]] = [[] for _ in range(n)]
     cot: list[list[str]] = [[] for _ in range(n)]
@@ -347,7 +289,7 @@ def ircot(
     def context(i: int, tail: str) -> list[int]:
         think = encode(tok, "<think> " + " ".join(cot[i]) + tail)
         room = cfg.max_total_tokens - len(base[i]) - len(think) - cfg.max_new_tokens
-        return base[i] + _info_ids(llm, list(docs[i].values()), cfg, room) + think
+        return base[i] + information_ids(llm, list(docs[i].values()), cfg, room) + think
 
     def record(i: int, g: Generation) -> None:
         turns[i] += 1
@@ -379,213 +321,16 @@ def ircot(
     pending = [i for i in range(n) if answer[i] is None]
     if pending:
         gens = llm.generate([context(i, " </think>\n<answer>") for i in pending],
-                            _params(cfg, temperature, seed, ("</answer>",)))
+                            sampling(cfg, temperature, seed, ("</answer>",)))
         for i, g in zip(pending, gens, strict=True):
             record(i, g)
             answer[i] = extract_answer(g.text)
     recs = [
-        _record(ex, answer[i], retrieved_ids=retrieved[i], search_calls=calls[i], turns=turns[i],
+        prediction_record(ex, answer[i], retrieved_ids=retrieved[i], search_calls=calls[i], turns=turns[i],
                 generated_tokens=gen_tokens[i], raw=raw[i], reasoning=" ".join(cot[i]))
         for i, ex in enumerate(examples)
     ]
-    return _set_wall(recs, t0)
-
-
-# -- search_o1 ------------------------------------------------------------------------------------------
-REASON_IN_DOCUMENTS = (
-    "Task: read the searched documents and extract the information that helps answer the current search "
-    "query, given the previous reasoning. Keep only facts stated in the documents.\n"
-    "Previous reasoning: {reasoning}\n"
-    "Current search query: {query}\n"
-    "Searched documents:\n{documents}\n"
-    "If the documents contain helpful information, write it concisely; otherwise write: {none}\n"
-    "Helpful information:"
-)
-NO_INFO = "No helpful information found."
-RID_STOP = ("\n\n", "</information>")
-_ACTION_OR_INFO = re.compile(r"</?(search|answer|information)>")  # <think> may run on over several steps
-
-
-def _user_ids(llm: LLM, text: str, cfg: AgentConfig) -> list[int]:
-    """Token ids of a one-message user prompt, through the chat template exactly when the agent prompt
-    uses one (:func:`agent.protocol.user_message_ids`, as :func:`agent.protocol.prompt_ids`)."""
-    from agent.protocol import user_message_ids
-
-    return user_message_ids(llm.tokenizer, text, cfg)
-
-
-def reason_in_documents_prompt(llm: LLM, reasoning: str, query: str, docs: list[Hit], cfg: AgentConfig,
-                               max_new: int) -> list[int] | None:
-    """Token ids of Search-o1's Reason-in-Documents prompt (our wording of the paper's instruction): the
-    previous reasoning, the current query and the documents (Search-R1 rendering). Documents get at most
-    ``cfg.max_obs_tokens`` tokens, the reasoning keeps its most recent tokens, and the prompt fits
-    ``cfg.max_total_tokens - max_new`` tokens when its fixed parts do. ``None`` when there is nothing to read:
-    no hits, or no room for a single document token (the caller then inserts :data:`NO_INFO` without a call)."""
-    tok = llm.tokenizer
-    limit = cfg.max_total_tokens - max_new
-
-    def build(doc_room: int, reason_room: int) -> list[int]:
-        body = format_docs(docs, cfg.max_doc_chars)
-        reason = encode(tok, " ".join(reasoning.split()))
-        text = REASON_IN_DOCUMENTS.format(
-            reasoning=decode(tok, reason[max(len(reason) - reason_room, 0):] if reason_room > 0 else []) or "(none)",
-            query=query, documents=decode(tok, _fit(llm, body, doc_room)), none=NO_INFO)
-        return _user_ids(llm, text, cfg)
-
-    fixed = len(build(0, 0))
-    doc_room = min(cfg.max_obs_tokens, limit - fixed)
-    if not docs or doc_room < 1:
-        return None
-    reason_room = limit - fixed - max(doc_room, 0)
-    ids = build(doc_room, reason_room)
-    for _ in range(3):  # re-tokenising the cut pieces can shift a few tokens: shrink until it fits
-        over = len(ids) - limit
-        if over <= 0:
-            break
-        cut = min(over, reason_room)
-        reason_room, doc_room = reason_room - cut, doc_room - (over - cut)
-        ids = build(doc_room, reason_room)
-    return ids
-
-
-def _refined(text: str) -> str:
-    """The Reason-in-Documents output as inserted into the chain: tags removed, whitespace collapsed,
-    :data:`NO_INFO` when empty."""
-    out = " ".join(_TAGS.sub(" ", text).split())
-    return out or NO_INFO
-
-
-def search_o1(
-    examples: list[QAExample],
-    llm: LLM,
-    retriever: Retriever,
-    cfg: AgentConfig | None = None,
-    *,
-    top_k: int = 3,
-    max_steps: int | None = None,
-    max_extract_tokens: int | None = None,
-    temperature: float = 0.0,
-    seed: int | None = 0,
-    **_: Any,
-) -> list[dict[str, Any]]:
-    """Search-o1 (Li et al. 2025, "Search-o1: Agentic Search-Enhanced Large Reasoning Models",
-    arXiv:2501.05366) in the tag protocol, batched across questions.
-
-    Agentic retrieval-augmented reasoning with the Reason-in-Documents module. For up to ``max_steps``
-    steps (default ``cfg.max_turns``) over the questions still running: (1) one batched generation
-    continues each reasoning chain (the agent prompt, then the model's own turns) until ``</search>`` or
-    ``</answer>``; an answer ends the question. (2) One batched search with the queries written. (3) One
-    batched Reason-in-Documents generation: for each query, the same backend is given the previous
-    reasoning, the query and the ``top_k`` documents (:func:`reason_in_documents_prompt`) and writes the
-    helpful information (or :data:`NO_INFO`); that text, not the documents, is appended to the chain as
-    ``<information> ... </information>``. A turn cut by the token budget (``finish_reason == "length"``)
-    with no ``<search>``/``<answer>``/``<information>`` tag (``<think>`` may be open) continues at the next
-    step; any other turn without a valid action ends the reasoning.
-    Finally, unanswered questions get a forced ``<answer>`` (closing an open ``<think>``).
-
-    Differences from the original: the Search-R1 tags (``<search>``, ``<information>``, ``<answer>``)
-    replace Search-o1's special tokens (``<|begin_search_query|>``, ``<|begin_search_result|>``,
-    ``\\boxed{}``); the prompts are the agent's task prompt and our short wording of the
-    Reason-in-Documents instruction (no few-shot examples, no "**Final Information**" marker: the whole
-    continuation up to a blank line is the extraction); the search limit is ``max_steps`` reasoning steps
-    (the paper caps searches at 10); documents are passages of the local corpus, not web pages; the
-    chain is cut to the episode budget ``cfg.max_total_tokens``. ``max_extract_tokens`` (default
-    ``cfg.max_new_tokens``; at least 1) bounds each extraction.
-
-    Raises ``ValueError`` with ``agent.protocol: function_call``: the policy's tool calls are not
-    ``<search>`` tags, so it would never search; and for ``max_extract_tokens < 1``.
-
-    Record fields: those of every method, with ``turns`` counting every LLM call for the question
-    (reasoning steps, Reason-in-Documents calls and the forced answer), ``generated_tokens`` all their
-    tokens, plus ``refined`` (the inserted extractions, in order).
-    """
-    cfg = cfg or AgentConfig()
-    _check_tags_protocol("search_o1", cfg)
-    max_steps = cfg.max_turns if max_steps is None else max_steps
-    if max_extract_tokens is not None and max_extract_tokens < 1:  # before any generation
-        raise ValueError(f"max_extract_tokens must be at least 1 token, got {max_extract_tokens}")
-    extract_new = cfg.max_new_tokens if max_extract_tokens is None else max_extract_tokens
-    t0 = time.perf_counter()
-    n = len(examples)
-    if n == 0:
-        return []
-    tok = llm.tokenizer
-    eos = getattr(tok, "eos_token_id", None)
-    ctx = [_prompt(llm, ex.question, cfg) for ex in examples]
-    start = [len(c) for c in ctx]
-    head, tail = encode(tok, "\n\n<information>"), encode(tok, "</information>\n\n")
-    force_room = len(encode(tok, " </think>\n<answer>"))
-    # one more step and its <information> tags (added even when no extraction fits), then the forced answer
-    reserve = cfg.max_new_tokens + len(head) + len(tail) + force_room + cfg.max_new_tokens
-    answer: list[str | None] = [None] * n
-    retrieved: list[list[str]] = [[] for _ in range(n)]
-    refined: list[list[str]] = [[] for _ in range(n)]
-    calls, turns, gen_tokens = [0] * n, [0] * n, [0] * n
-    raw = [""] * n
-
-    def record(i: int, g: Generation) -> None:
-        turns[i] += 1
-        gen_tokens[i] += len(g.token_ids)
-
-    active = list(range(n))
-    for _step in range(max_steps):
-        active = [i for i in active if len(ctx[i]) + reserve <= cfg.max_total_tokens]
-        if not active:
-            break
-        gens = llm.generate([ctx[i] for i in active], _params(cfg, temperature, seed, search_r1.STOP_STRINGS))
-        queries: list[tuple[int, str]] = []
-        going: list[int] = []
-        for i, g in zip(active, gens, strict=True):
-            record(i, g)
-            raw[i] = g.text
-            ids = list(g.token_ids)
-            if ids and eos is not None and ids[-1] == eos:
-                ids = ids[:-1]
-            ctx[i] += ids
-            act = search_r1.parse_action(g.text, cfg.max_query_chars)
-            if act.kind == "answer":
-                answer[i] = act.content
-            elif act.kind == "search":
-                queries.append((i, act.content))
-            elif g.finish_reason == "length" and not _ACTION_OR_INFO.search(g.text):
-                going.append(i)  # reasoning (in or out of <think>) cut by the turn budget: continue it next step
-        if queries:
-            hits = retriever.search([q for _, q in queries], top_k)
-            prompts = []
-            for (i, q), hs in zip(queries, hits, strict=True):
-                calls[i] += 1
-                retrieved[i].extend(h.id for h in hs)
-                prompts.append(reason_in_documents_prompt(llm, decode(tok, ctx[i][start[i]:]), q, hs, cfg, extract_new))
-            asked = [p for p in prompts if p is not None]  # nothing to read: no call, NO_INFO
-            rid = iter(llm.generate(asked, _params(cfg, temperature, seed, RID_STOP, extract_new)) if asked else [])
-            for (i, _), p in zip(queries, prompts, strict=True):
-                g = next(rid) if p is not None else None
-                if g is not None:
-                    record(i, g)
-                info = _refined(g.text) if g is not None else NO_INFO
-                refined[i].append(info[:RAW_CHARS])
-                room = cfg.max_total_tokens - len(ctx[i]) - reserve - len(head) - len(tail)
-                ctx[i] += head + _fit(llm, info, room) + tail
-                going.append(i)
-        active = sorted(going)
-    pending = [i for i in range(n) if answer[i] is None]
-    if pending:
-        prompts = []
-        for i in pending:
-            chain = decode(tok, ctx[i][start[i]:]).rsplit("</information>", 1)[-1]
-            close = " </think>\n" if chain.rfind("<think>") > chain.rfind("</think>") else ""
-            prompts.append(ctx[i] + encode(tok, close + "<answer>"))
-        gens = llm.generate(prompts, _params(cfg, temperature, seed, ("</answer>",)))
-        for i, g in zip(pending, gens, strict=True):
-            record(i, g)
-            raw[i] = g.text
-            answer[i] = extract_answer(g.text)
-    recs = [
-        _record(ex, answer[i], retrieved_ids=retrieved[i], search_calls=calls[i], turns=turns[i],
-                generated_tokens=gen_tokens[i], raw=raw[i], refined=refined[i])
-        for i, ex in enumerate(examples)
-    ]
-    return _set_wall(recs, t0)
+    return set_wall(recs, t0)
 
 
 # -- agent ----------------------------------------------------------------------------------------------
@@ -599,10 +344,14 @@ def agent(
     temperature: float = 0.0,
     seed: int | None = 0,
     run_episodes: Callable[..., list[Any]] | None = None,
+    judge: Callable | None = None,
+    on_trajectories: Callable[[list[Any]], None] | None = None,
     **_: Any,
 ) -> list[dict[str, Any]]:
     """The Sleuth agent: one episode per question through ``run_episodes`` (default
-    :func:`agent.loop.run_episodes`; any callable with its signature works, e.g. a remote agent).
+    :func:`agent.loop.run_episodes`; any callable with its signature works, e.g. a remote agent), judged by
+    ``judge`` (default: the agent config's own; rule metrics score the records either way).
+    ``on_trajectories`` gets each batch's trajectories (e.g. to save them beside the predictions).
 
     Records come from the trajectories: ``prediction = traj.answer``, ``retrieved_ids``,
     ``search_calls = traj.num_search_calls``, ``turns = traj.num_turns``, ``generated_tokens`` = policy
@@ -614,37 +363,19 @@ def agent(
     t0 = time.perf_counter()
     if not examples:
         return []
-    trajs = run_episodes(examples, llm, retriever, cfg, n_samples=1, temperature=temperature, top_k=top_k, seed=seed)
+    kw = {"judge": judge} if judge is not None else {}
+    trajs = run_episodes(examples, llm, retriever, cfg, n_samples=1, temperature=temperature, top_k=top_k, seed=seed,
+                         **kw)
+    if on_trajectories is not None:
+        on_trajectories(trajs)
     if len(trajs) != len(examples):
         raise RuntimeError(f"run_episodes returned {len(trajs)} trajectories for {len(examples)} questions")
     recs = []
     for ex, tr in zip(examples, trajs, strict=True):
         if tr.question_id != ex.id:
             raise RuntimeError(f"run_episodes returned trajectory {tr.question_id!r} where {ex.id!r} was expected")
-        recs.append(_record(ex, tr.answer, **trajectory_fields(tr)))
-    return _set_wall(recs, t0)
-
-
-def trajectory_fields(tr: Any) -> dict[str, Any]:
-    """The prediction-record fields of one agent episode (an :class:`agent.trajectory.Trajectory`):
-    retrieved ids, search calls, turns, generated (policy) tokens, stop reason, the judge's verdict, the
-    last turn's raw text and, for a failed episode, its error."""
-    fields: dict[str, Any] = {
-        "retrieved_ids": list(tr.retrieved_ids), "search_calls": tr.num_search_calls, "turns": tr.num_turns,
-        "generated_tokens": tr.num_policy_tokens, "stop_reason": tr.stop_reason, "verdict": dict(tr.verdict),
-        "raw": tr.turns[-1].text if tr.turns else "",
-    }
-    if tr.metadata.get("error"):
-        fields["error"] = tr.metadata["error"]
-    return fields
-
-
-def trajectory_record(tr: Any) -> dict[str, Any]:
-    """The prediction record of one agent episode, scored by :mod:`eval.metrics` (``id``, ``prediction``,
-    ``golden_answers`` plus :func:`trajectory_fields`, ``supporting_ids`` and ``hops`` from its metadata)."""
-    ex = QAExample(tr.question_id, tr.question, list(tr.golden_answers), tr.metadata)
-    return _record(ex, tr.answer, **trajectory_fields(tr), question=tr.question,
-                   supporting_ids=tr.metadata.get("supporting_ids"), hops=tr.metadata.get("hops"))
+        recs.append(prediction_record(ex, tr.answer, **trajectory_fields(tr)))
+    return set_wall(recs, t0)
 
 
 METHODS: dict[str, Callable[..., list[dict[str, Any]]]] = {
@@ -668,5 +399,5 @@ def make_method(name: str, llm: LLM, retriever: Retriever | None, cfg: AgentConf
     if name != "direct" and retriever is None:
         raise ValueError(f"method {name!r} needs a retriever (an index); only 'direct' runs without one")
     if name == "search_o1":
-        _check_tags_protocol(name, cfg or AgentConfig())
+        check_tags_protocol(name, cfg or AgentConfig())
     return partial(fn, llm=llm, retriever=retriever, cfg=cfg or AgentConfig(), **kw)

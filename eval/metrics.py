@@ -36,7 +36,7 @@ def recall_at_k(retrieved_ids: Sequence[str], supporting_ids: Iterable[str] | No
 
     ``retrieved_ids`` is in retrieval order and may repeat (an agent retrieves the same paragraph in two
     turns); duplicates are dropped before cutting at ``k``. ``k=None`` uses everything retrieved (the
-    "recall of the supporting paragraphs among everything the agent retrieved" of issue 2). Returns
+    recall of the supporting paragraphs among everything the agent retrieved). Returns
     ``None`` when the question has no supporting ids (the dataset does not provide them), so callers
     average only over questions where recall is defined. Raises ``ValueError`` for ``k < 1``.
     """

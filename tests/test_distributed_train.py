@@ -12,7 +12,7 @@ on rank 0 fails rank 1 too, and a rank that never arrives makes the others time 
 As a script (run by torchrun): ``python tests/test_distributed_train.py PHASE POLICY_DIR INDEX_DIR OUT`` with
 PHASE ``train`` (the refill check, then a 3-step run, a 2-step run and a 2-step LoRA run), ``resume`` or
 ``failure``. Each rank writes a ``done`` marker after :func:`training.distributed.shutdown` returns: a
-non-zero exit *after* every rank wrote it is the gloo teardown abort reported in issue 7 and only warns;
+non-zero exit *after* every rank wrote it is a known abort of gloo's teardown and only warns;
 a missing marker or any mismatch fails.
 """
 

@@ -9,8 +9,8 @@ import pytest
 from agent.judges import judge_answers
 from agent.llm import Generation
 from eval.metrics import aggregate, judge_score
-from eval.report import write_report
-from eval.run import _live_postfix, format_summary, judge_records, run_benchmarks
+from eval.report import format_summary, write_report
+from eval.run import _live_postfix, judge_records, run_benchmarks
 from sleuth.config import AgentConfig
 from tests.test_eval_fakes import PASSAGES, CharTokenizer, KeywordRetriever, ScriptedLLM
 
@@ -220,7 +220,7 @@ def test_cli_judge_model(tmp_path, monkeypatch, capsys):
 
 def test_cli_judge_model_on_the_agent_path(tmp_path, monkeypatch, capsys):
     """``sleuth eval --judge-model`` without ``--benchmarks``: the agent's trajectories are judged and the
-    summary JSON carries ``judge_acc``, ``n_judged``, ``judge_unparseable`` and the judge model."""
+    summary JSON carries ``judge_acc``, ``n_judged`` and ``judge_unparseable``."""
     from sleuth import pipeline
     from sleuth.commands import evaluate
 
@@ -231,7 +231,7 @@ def test_cli_judge_model_on_the_agent_path(tmp_path, monkeypatch, capsys):
     evaluate.add_arguments(p)
     args = p.parse_args(["--limit", "3", "--judge-model", "my-judge", "--out", str(tmp_path / "ev"), f"out_dir={tmp_path}"])
     assert evaluate.run(args) == 0
-    (path,) = [q for q in (tmp_path / "ev").glob("*.json")]
-    s = json.loads(path.read_text())
-    assert s["n_judged"] == 3 and s["judge_model"] == "my-judge" and 0.0 <= s["judge_acc"] <= 1.0
+    (path,) = (tmp_path / "ev").glob("agent-*/summary.json")
+    (s,) = json.loads(path.read_text())["benchmarks"].values()
+    assert s["n_judged"] == 3 and 0.0 <= s["judge_acc"] <= 1.0
     assert 1 <= len(judge.prompts) <= 3 and "LLM-judge accuracy (my-judge)" in capsys.readouterr().out

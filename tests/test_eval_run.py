@@ -6,7 +6,8 @@ import pytest
 
 from eval.cache import CacheMismatchError, PredictionCache, fingerprint, path_manifest
 from eval.datasets import UnknownBenchmarkError
-from eval.run import format_summary, run_benchmarks
+from eval.report import format_summary
+from eval.run import run_benchmarks
 from sleuth.config import AgentConfig
 from tests.test_eval_fakes import PASSAGES, KeywordRetriever, ScriptedLLM
 

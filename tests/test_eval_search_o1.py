@@ -5,8 +5,9 @@ import re
 import pytest
 
 from agent.llm import Generation, SamplingParams
-from eval.methods import METHODS, NO_INFO, make_method, search_o1
+from eval.methods import METHODS, make_method, search_o1
 from eval.run import run_benchmarks
+from eval.search_o1 import NO_INFO
 from sleuth.config import AgentConfig
 from tests.test_eval_fakes import PASSAGES, CharTokenizer, KeywordRetriever, examples
 
@@ -244,15 +245,15 @@ def test_function_calling_policy_is_refused_not_run_without_searches():
 
 
 def test_zero_extraction_tokens_is_refused_not_the_whole_budget():
-    """``max_extract_tokens=0`` (and ``_params(max_new=0)``) used to read as "not given" (``0 or default``) and
+    """``max_extract_tokens=0`` (and ``sampling(max_new=0)``) used to read as "not given" (``0 or default``) and
     got the whole ``cfg.max_new_tokens``; asking for no tokens is a caller's bug: ValueError, before any call."""
-    from eval.methods import _params
+    from eval.prompting import sampling
 
     cfg = AgentConfig(max_new_tokens=60)
     with pytest.raises(ValueError, match="at least 1"):
-        _params(cfg, 0.0, 0, ("</answer>",), 0)
-    assert _params(cfg, 0.0, 0, ("</answer>",)).max_new_tokens == 60
-    assert _params(cfg, 0.0, 0, ("</answer>",), 7).max_new_tokens == 7
+        sampling(cfg, 0.0, 0, ("</answer>",), 0)
+    assert sampling(cfg, 0.0, 0, ("</answer>",)).max_new_tokens == 60
+    assert sampling(cfg, 0.0, 0, ("</answer>",), 7).max_new_tokens == 7
     llm = SearchO1LLM(hops=1)
     with pytest.raises(ValueError, match="max_extract_tokens"):
         search_o1(examples(1), llm, KeywordRetriever(PASSAGES), cfg, top_k=1, max_extract_tokens=0)

@@ -1,6 +1,6 @@
 """GPU tests: the CUDA kernels against their PyTorch references (skipped without CUDA).
 
-CPU reference tests beside these: tests/test_kernels_reference.py. Method as /work/.library/device/METHOD.md:
+CPU reference tests beside these: tests/test_kernels_reference.py. Method:
 fresh random inputs per check (never zeros), error as ||out - ref|| / ||ref|| against the reference in float64
 (fp32 kernels: 1e-4 forward / 1e-3 gradients; bf16: 1e-2 forward / 2e-2 gradients, the chunk logits and
 logit gradients being rounded to bf16 as a bf16 LM head's are), NaN never passes, outputs poisoned through

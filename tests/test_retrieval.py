@@ -648,7 +648,7 @@ def test_a_rebuild_replaces_the_files_a_running_memory_mapped_server_reads(tmp_p
 
 
 def test_the_configured_retriever_caches_repeated_queries_across_a_run(index_dir, monkeypatch):
-    """The LRU query cache (issue: "shared across a rollout step") was reachable only through
+    """The LRU query cache ("shared across a rollout step") was reachable only through
     ``serve-retrieval --cache-size`` and the Python API: training, eval and serving searched the index afresh
     for every repeat of a query (GRPO's G rollouts of a question often search the question itself).
     ``open_retriever`` now puts a cache of ``retrieval.cache_size`` keys in front of the index or the server;

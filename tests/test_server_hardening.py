@@ -104,7 +104,7 @@ def test_agent_server_with_an_empty_api_key_is_open(tiny_llm, retriever, agent_c
                                           ("127.0.0.2", False), ("0.0.0.0", True), ("::", True),
                                           ("192.168.1.4", True), ("myhost.example", True)])
 def test_loopback_hosts_are_told_apart(host, exposed):
-    from sleuth.commands._common import is_loopback
+    from sleuth.commands.common import is_loopback
 
     assert is_loopback(host) is not exposed
 

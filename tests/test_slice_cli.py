@@ -52,17 +52,20 @@ def test_simulated_search_is_wired_by_config(tiny_policy_dir, tmp_path):
     assert len(hits) == 2 and all(h.contents for h in hits)
 
 
-def test_ensure_index_loads_no_simulator_model(tiny_policy_dir, tmp_path, monkeypatch):
-    """With ``retrieval.method=simulated`` ``ensure_index`` opened the configured retriever to see whether an
-    index was there, which loaded the simulator LLM (a vLLM engine on a GPU) only to throw it away before SFT
-    and RL load their own. It now returns at once: the simulated engine has no index to build."""
+def test_ensure_index_loads_the_simulator_model_once_and_builds_no_index(tiny_policy_dir, tmp_path, monkeypatch):
+    """With ``retrieval.method=simulated`` ``ensure_index`` loaded the simulator LLM (a vLLM engine on a GPU)
+    only to throw it away, and SFT and RL each loaded their own. It now opens the simulated engine once and
+    returns it for every stage; there is no index to build."""
     import agent.backends
+    from retrieval.simulated import SimulatedSearch
     from sleuth.config import load_config
     from sleuth.pipeline import ensure_index
 
-    monkeypatch.setattr(agent.backends, "make_llm", lambda *a, **k: pytest.fail("loaded the simulator model"))
-    ensure_index(load_config(None, ["retrieval.method=simulated", f"policy.model={tiny_policy_dir}",
-                                    f"out_dir={tmp_path}", f"retrieval.index_dir={tmp_path / 'index'}"]))
+    built = []
+    monkeypatch.setattr(agent.backends, "make_llm", lambda *a, **k: built.append(a) or object())
+    sim = ensure_index(load_config(None, ["retrieval.method=simulated", f"policy.model={tiny_policy_dir}",
+                                          f"out_dir={tmp_path}", f"retrieval.index_dir={tmp_path / 'index'}"]))
+    assert isinstance(sim, SimulatedSearch) and len(built) == 1
     assert not (tmp_path / "index").exists()
 
 
@@ -73,24 +76,32 @@ def test_eval_limit_must_be_a_positive_integer(bad, capsys):
     assert e.value.code == 2 and "--limit" in capsys.readouterr().err
 
 
+def _fake_benchmarks(monkeypatch, seen: list, pipeline) -> None:
+    """`sleuth eval` without an index, a model or a run: run_benchmarks records what it was asked and answers
+    with the questions load_benchmark selects (as the real one scores them)."""
+    import eval.run
+    from eval.datasets import load_benchmark
+
+    def fake(targets, method, limit, seed, out, llm, retriever, agent_cfg, data_dir=None, **kw):
+        ids = [e.id for e in load_benchmark(targets[0], data_dir, limit, seed)]
+        seen.append({"targets": targets, "method": method, "limit": limit, "seed": seed, "ids": ids, **kw})
+        return {"method": method, "run_dir": str(out), "benchmarks": {targets[0]: {"n": len(ids)}}}
+
+    monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: None)
+    monkeypatch.setattr(pipeline, "load_llm", lambda cfg, model=None, **kw: None)
+    monkeypatch.setattr(eval.run, "run_benchmarks", fake)
+
+
 def test_eval_limit_config_key_is_validated_and_used(tmp_path, monkeypatch, capsys):
     """`sleuth eval` evaluates at most eval.limit questions (the --limit default), as the quickstart does."""
     from sleuth import pipeline
 
     assert main(["eval", "eval.limit=0"]) == 2 and "eval.limit" in capsys.readouterr().err
-    seen = []
-
-    def fake_eval(llm, retriever, examples, cfg):
-        seen.append(len(examples))
-        return {"n": len(examples)}, []
-
-    monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: None)
-    monkeypatch.setattr(pipeline, "load_llm", lambda cfg, model=None: None)
-    monkeypatch.setattr(pipeline, "evaluate_agent", fake_eval)
-    monkeypatch.setattr(pipeline, "write_eval_outputs", lambda *a: None)
+    seen: list = []
+    _fake_benchmarks(monkeypatch, seen, pipeline)
     assert main(["eval", "eval.limit=7", "--out", str(tmp_path)]) == 0
     assert main(["eval", "eval.limit=7", "--limit", "3", "--out", str(tmp_path)]) == 0
-    assert seen == [7, 3]
+    assert [len(r["ids"]) for r in seen] == [7, 3] and all(r["method"] == "agent" for r in seen)
 
 
 def test_eval_subsample_seed_defaults_to_the_config_seed_and_qa_excludes_benchmarks(tmp_path, monkeypatch, capsys):
@@ -99,16 +110,12 @@ def test_eval_subsample_seed_defaults_to_the_config_seed_and_qa_excludes_benchma
     from eval import datasets
     from sleuth import pipeline
 
-    seeds = []
-    real = datasets.subsample
-    monkeypatch.setattr(datasets, "subsample", lambda ex, limit, seed: seeds.append(seed) or real(ex, limit, seed))
-    monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: None)
-    monkeypatch.setattr(pipeline, "load_llm", lambda cfg, model=None: None)
-    monkeypatch.setattr(pipeline, "evaluate_agent", lambda llm, r, ex, cfg: ({"n": len(ex)}, []))
-    monkeypatch.setattr(pipeline, "write_eval_outputs", lambda *a: None)
+    seen: list = []
+    _fake_benchmarks(monkeypatch, seen, pipeline)
     assert main(["eval", "seed=5", "--limit", "3", "--out", str(tmp_path)]) == 0
     assert main(["eval", "seed=5", "--limit", "3", "--seed", "2", "--out", str(tmp_path)]) == 0
-    assert seeds == [5, 2]
+    assert [r["seed"] for r in seen] == [5, 2]
+    assert seen[0]["ids"] == [e.id for e in datasets.load_benchmark(seen[0]["targets"][0], None, 3, 5)]
     assert main(["eval", "--qa", "q.jsonl", "--benchmarks", "nq"]) == 2
     assert "--qa" in capsys.readouterr().err
 
@@ -143,10 +150,10 @@ def test_eval_checks_benchmarks_and_method_before_loading_anything(tmp_path, cap
 
 
 def test_eval_checks_method_and_qa_file_before_loading_anything(tmp_path, capsys):
-    """Without --benchmarks, a --method other than agent or a missing --qa file is reported at once."""
+    """An unknown --method or a missing --qa file is reported at once (any method runs on a QA file)."""
     nope = f"retrieval.index_dir={tmp_path / 'nope'}"  # loading the index would fail with another error
-    assert main(["eval", "--method", "rag", nope]) == 2
-    assert "needs --benchmarks" in capsys.readouterr().err
+    assert main(["eval", "--method", "reflexion", nope]) == 2
+    assert "unknown method 'reflexion'" in capsys.readouterr().err
     assert main(["eval", "--qa", str(tmp_path / "missing.jsonl"), nope]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
 
@@ -213,16 +220,14 @@ def test_judge_model_none_means_no_judge(tmp_path, monkeypatch):
     import eval.run
     from sleuth import pipeline
 
-    loaded, judged = [], []
-    monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: None)
-    monkeypatch.setattr(pipeline, "load_llm", lambda cfg, model=None: loaded.append(model))
-    monkeypatch.setattr(pipeline, "evaluate_agent", lambda llm, r, ex, cfg: ({"n": len(ex)}, []))
-    monkeypatch.setattr(pipeline, "write_eval_outputs", lambda *a: None)
-    monkeypatch.setattr(eval.run, "judge_records", lambda recs, llm, **kw: judged.append(llm) or recs)
+    loaded, seen = [], []
+    _fake_benchmarks(monkeypatch, seen, pipeline)
+    monkeypatch.setattr(pipeline, "load_llm", lambda cfg, model=None, **kw: loaded.append(model))
     for argv in (["--judge-model", "none"], ["--judge-model", "None", "eval.judge_model=some/judge"],
                  ["eval.judge_model=none"]):
         assert main(["eval", "--limit", "2", "--out", str(tmp_path), *argv]) == 0
-    assert loaded == [None] * 3 and judged == []
+    assert loaded == [None] * 3 and [r["judge_llm"] for r in seen] == [None] * 3
+    assert eval.run is not None
 
 
 @pytest.mark.parametrize("argv", [["--chunk-words", "0"], ["--chunk-words", "-5"], ["--overlap", "-1"],
@@ -250,7 +255,7 @@ def test_eval_direct_needs_no_index(tmp_path, monkeypatch, capsys):
 
     got = []
     monkeypatch.setattr(pipeline, "open_retriever", no_index)
-    monkeypatch.setattr(pipeline, "load_llm", lambda cfg, model=None: None)
+    monkeypatch.setattr(pipeline, "load_llm", lambda cfg, model=None, **kw: None)
     monkeypatch.setattr(eval.run, "run_benchmarks", lambda names, method, limit, seed, out, llm, retriever, *a, **kw:
                         got.append(retriever) or {"method": method, "run_dir": str(tmp_path), "benchmarks": {}})
     assert main(["eval", "--benchmarks", "sample", "--method", "direct", "--out", str(tmp_path)]) == 0
@@ -262,25 +267,26 @@ def test_eval_direct_needs_no_index(tmp_path, monkeypatch, capsys):
 def test_quickstart_and_eval_score_the_same_questions_under_eval_limit(tmp_path, monkeypatch):
     """With eval.limit below the test set, the quickstart took the first N questions and `sleuth eval` (same
     config) a seeded sub-sample, so `sleuth eval` of the quickstart's checkpoint scored other questions."""
+    import eval.run
     from sleuth import pipeline
 
-    seen = []
+    seen, evals = [], []
 
-    def fake_eval(llm, retriever, examples, cfg):
+    def fake_eval(llm, retriever, examples, agent_cfg, **kw):
         seen.append([e.id for e in examples])
         return {"n": len(examples), "em": 0.0, "f1": 0.0, "search_calls": 0.0}, []
 
-    for name, fn in {"ensure_index": lambda cfg, log=None: None, "open_retriever": lambda cfg, index=None: None,
-                     "load_llm": lambda cfg, model=None: None, "evaluate_agent": fake_eval,
-                     "write_eval_outputs": lambda out, *a: out.mkdir(parents=True, exist_ok=True),
-                     "tiny_policy_path": lambda cfg, log=None: "tiny",
-                     "run_sft_stage": lambda cfg, log=None: "sft",
-                     "run_rl_stage": lambda cfg, init, resume=False, log=None: "final"}.items():
+    for name, fn in {"ensure_index": lambda cfg, log=None: None, "tiny_policy_path": lambda cfg, log=None: "tiny",
+                     "run_sft_stage": lambda cfg, retriever, log=None: "sft",
+                     "run_rl_stage": lambda cfg, init, retriever, resume=False, log=None: "final"}.items():
         monkeypatch.setattr(pipeline, name, fn)
+    _fake_benchmarks(monkeypatch, evals, pipeline)
+    monkeypatch.setattr(eval.run, "evaluate_agent", fake_eval)
+    monkeypatch.setattr(eval.run, "write_eval_outputs", lambda out, *a: out.mkdir(parents=True, exist_ok=True))
     over = ["eval.limit=5", "seed=3", f"out_dir={tmp_path}"]
     assert main(["quickstart", *over]) == 0
     assert main(["eval", *over, "--out", str(tmp_path / "eval")]) == 0
-    assert len(seen) == 3 and seen[0] == seen[1] == seen[2] and len(seen[0]) == 5
+    assert len(seen) == 2 and seen[0] == seen[1] == evals[0]["ids"] and len(seen[0]) == 5
 
 
 def test_an_index_of_another_corpus_is_flagged(tiny_data, tmp_path):
@@ -314,14 +320,11 @@ def test_an_index_of_another_corpus_is_flagged(tiny_data, tmp_path):
 def test_eval_judge_line_says_when_no_answer_reached_the_judge(tmp_path, monkeypatch, capsys):
     """`sleuth eval --qa ... --judge-model M` with no answered question printed 'unparseable verdicts: 0.0%'
     (judge_unparseable is None: nothing was sent to the judge); it now says so."""
-    import eval.run
     from sleuth import pipeline
 
-    monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: None)
+    seen: list = []
+    _fake_benchmarks(monkeypatch, seen, pipeline)
     monkeypatch.setattr(pipeline, "load_llm", lambda cfg, model=None, **kw: object())
-    monkeypatch.setattr(pipeline, "evaluate_agent", lambda llm, r, ex, cfg: ({"n": len(ex)}, []))
-    monkeypatch.setattr(pipeline, "write_eval_outputs", lambda *a: None)
-    monkeypatch.setattr(eval.run, "judge_records", lambda recs, llm, **kw: recs)
     assert main(["eval", "--limit", "2", "--out", str(tmp_path), "--judge-model", "J"]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "LLM-judge" in ln)
     assert "unparseable verdicts: 0.0%" not in line and "no answer" in line, line
@@ -390,14 +393,11 @@ def test_quickstart_refuses_an_empty_question_file_before_training(tmp_path, mon
     from sleuth import pipeline
 
     stages = []
-    for name, fn in {"ensure_index": lambda cfg, log=None: None, "open_retriever": lambda cfg, index=None: None,
-                     "load_llm": lambda cfg, model=None: None,
-                     "evaluate_agent": lambda llm, r, ex, cfg: ({"n": len(ex), "em": None, "f1": None,
-                                                                 "search_calls": None}, []),
-                     "write_eval_outputs": lambda out, *a: None,
+    for name, fn in {"ensure_index": lambda cfg, log=None: None, "load_llm": lambda cfg, model=None: None,
                      "tiny_policy_path": lambda cfg, log=None: "tiny",
-                     "run_sft_stage": lambda cfg, log=None: stages.append("sft") or "sft",
-                     "run_rl_stage": lambda cfg, init, resume=False, log=None: stages.append("rl") or "final"}.items():
+                     "run_sft_stage": lambda cfg, retriever, log=None: stages.append("sft") or "sft",
+                     "run_rl_stage": lambda cfg, init, retriever, resume=False, log=None: stages.append("rl") or "final",
+                     }.items():
         monkeypatch.setattr(pipeline, name, fn)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
@@ -490,7 +490,7 @@ def test_llm_judge_model_judges_the_training_episodes(tiny_policy_dir, tiny_llm,
     seen = {}
     monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: retriever)
     monkeypatch.setattr(training.trainer, "rl_train", lambda *a, **kw: seen.update(kw))
-    pipeline.run_rl_stage(cfg, tiny_policy_dir, log=lambda *a, **k: None)
+    pipeline.run_rl_stage(cfg, tiny_policy_dir, retriever, log=lambda *a, **k: None)
     assert seen["judge"] is not None and len(built) == 2  # the trainer got a judge built from the model
     seen["judge"](traj)
     assert len(asked) == 2
@@ -508,12 +508,12 @@ def test_resume_without_a_checkpoint_says_it_starts_from_the_beginning(tiny_poli
     monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: retriever)
     monkeypatch.setattr(training.trainer, "rl_train", lambda *a, **kw: seen.update(kw))
     cfg = load_config(None, [f"out_dir={tmp_path}", "train.steps=1"])
-    pipeline.run_rl_stage(cfg, tiny_policy_dir, resume=True, log=lambda *a, **k: logs.append(" ".join(map(str, a))))
+    pipeline.run_rl_stage(cfg, tiny_policy_dir, retriever, resume=True, log=lambda *a, **k: logs.append(" ".join(map(str, a))))
     assert seen["resume"] is False
     assert any("no checkpoint" in m and "step 0" in m for m in logs), logs
     assert not any("--resume" in m for m in logs)  # the quickstart resumes without the user passing --resume
     logs.clear()
-    pipeline.run_rl_stage(cfg, tiny_policy_dir, resume=False, log=lambda *a, **k: logs.append(" ".join(map(str, a))))
+    pipeline.run_rl_stage(cfg, tiny_policy_dir, retriever, resume=False, log=lambda *a, **k: logs.append(" ".join(map(str, a))))
     assert not any("no checkpoint" in m for m in logs)
 
 
@@ -527,8 +527,8 @@ def test_each_algorithm_trains_in_its_own_run_directory(tiny_policy_dir, retriev
     """Every algorithm's run went to ``<out_dir>/grpo``: a PPO run sat in a folder named for GRPO, and
     switching ``train.algorithm`` under one ``out_dir`` with ``--resume`` resumed the other algorithm's
     checkpoint (GRPO weights as PPO, with a fresh critic and no word). The run directory is now
-    ``<out_dir>/<algorithm>``; a run written to ``grpo/`` by an earlier version resumes from there; and
-    :func:`training.trainer.rl_train` refuses a checkpoint written by another algorithm."""
+    ``<out_dir>/<algorithm>``, and :func:`training.trainer.rl_train` refuses a checkpoint written by another
+    algorithm."""
     import training.trainer
     from sleuth import pipeline
     from sleuth.config import load_config
@@ -541,23 +541,17 @@ def test_each_algorithm_trains_in_its_own_run_directory(tiny_policy_dir, retriev
     seen = []
     monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: retriever)
     monkeypatch.setattr(training.trainer, "rl_train", lambda *a, **kw: seen.append((a[6], kw["resume"])))
-    pipeline.run_rl_stage(ppo, tiny_policy_dir, resume=True, log=lambda *a, **k: None)
+    pipeline.run_rl_stage(ppo, tiny_policy_dir, retriever, resume=True, log=lambda *a, **k: None)
     assert seen[-1] == (tmp_path / "ppo", False)
 
     _fake_checkpoint(tmp_path / "grpo", "grpo")  # a GRPO run beside it: not PPO's
     assert pipeline.rl_run_dir(ppo) == tmp_path / "ppo"
-    legacy = tmp_path / "old"
-    _fake_checkpoint(legacy / "grpo", "ppo")  # a PPO run written by an earlier version
-    old_ppo = load_config(None, [f"out_dir={legacy}", "train.steps=1", "train.algorithm=ppo", "train.critic=separate"])
-    assert pipeline.rl_run_dir(old_ppo) == legacy / "grpo"
-    _fake_checkpoint(legacy / "ppo", "ppo")  # once the new folder has a checkpoint, it is the run
-    assert pipeline.rl_run_dir(old_ppo) == legacy / "ppo"
 
     monkeypatch.undo()
     with pytest.raises(ValueError, match="train.algorithm=grpo, not ppo"):
         run_rl(ppo, None, None, retriever, [], tmp_path / "grpo", resume=True)
     with pytest.raises(ValueError, match="already has checkpoints"):  # a new run never overwrites an old one
-        pipeline.run_rl_stage(grpo, tiny_policy_dir, log=lambda *a, **k: None)
+        pipeline.run_rl_stage(grpo, tiny_policy_dir, retriever, log=lambda *a, **k: None)
 
 
 def test_an_episode_budget_beyond_the_models_context_is_refused_before_loading(tiny_policy_dir, tmp_path, monkeypatch):
@@ -573,7 +567,7 @@ def test_an_episode_budget_beyond_the_models_context_is_refused_before_loading(t
     with pytest.raises(ValueError, match="agent.max_total_tokens=4096.*1024"):
         pipeline.load_llm(cfg, tiny_policy_dir)  # the fixture policy has 1,024 positions
     with pytest.raises(ValueError, match="agent.max_total_tokens"):
-        pipeline.run_rl_stage(cfg, tiny_policy_dir, log=lambda *a, **k: None)
+        pipeline.run_rl_stage(cfg, tiny_policy_dir, None, log=lambda *a, **k: None)
     ok = load_config(None, [f"out_dir={tmp_path}", "agent.max_total_tokens=1024"])
     assert pipeline.load_llm(ok, tiny_policy_dir) == "loaded"
     assert pipeline.load_llm(cfg, "some/hub-id") == "loaded"  # no local config to read: not checked
@@ -599,7 +593,7 @@ def test_sft_trains_in_process_under_any_rollout_backend(tiny_data, bm25_index, 
     monkeypatch.setattr(agent.backends, "make_llm", lambda *a, **k: pytest.fail("SFT built the rollout backend"))
     cfg = _run_cfg(tiny_data, bm25_index, tmp_path, f"policy.model={tiny_policy_dir}", "sft.epochs=1",
                    "agent.backend.kind=openai", "agent.max_new_tokens=8", "agent.max_total_tokens=256")
-    out = pipeline.run_sft_stage(cfg, log=lambda *a, **k: None)
+    out = pipeline.run_sft_stage(cfg, pipeline.open_retriever(cfg), log=lambda *a, **k: None)
     assert (out / "config.json").exists() and (out / "sft_history.json").exists()
 
 
@@ -618,11 +612,11 @@ def test_train_eval_every_evaluates_the_held_out_questions(tiny_data, bm25_index
     seen = {}
     monkeypatch.setattr(training.trainer, "rl_train", lambda *a, **kw: seen.update(kw))
     quiet = lambda *a, **k: None
-    pipeline.run_rl_stage(_run_cfg(tiny_data, bm25_index, tmp_path / "off"), tiny_policy_dir, log=quiet)
+    pipeline.run_rl_stage(_run_cfg(tiny_data, bm25_index, tmp_path / "off"), tiny_policy_dir, None, log=quiet)
     assert seen["evaluate"] is None  # eval_every=0 (the default): never
     cfg = _run_cfg(tiny_data, bm25_index, tmp_path / "on", "train.eval_every=2", "eval.limit=1",
                    "agent.max_new_tokens=8", "agent.max_total_tokens=256")
-    pipeline.run_rl_stage(cfg, tiny_policy_dir, log=quiet)
+    pipeline.run_rl_stage(cfg, tiny_policy_dir, pipeline.open_retriever(cfg), log=quiet)
     model = TransformersLLM.from_pretrained(str(tiny_policy_dir)).model
     rng = torch.get_rng_state()
     scores = seen["evaluate"](model)
@@ -684,17 +678,17 @@ def test_rl_rollouts_run_on_the_configured_backend(tiny_data, bm25_index, tiny_p
     monkeypatch.setattr(agent.backends, "make_llm", make_llm)
     monkeypatch.setattr(training.trainer, "rl_train", fake_rl_train)
     quiet = lambda *a, **k: None
-    pipeline.run_rl_stage(_run_cfg(tiny_data, bm25_index, tmp_path / "t"), tiny_policy_dir, log=quiet)
+    pipeline.run_rl_stage(_run_cfg(tiny_data, bm25_index, tmp_path / "t"), tiny_policy_dir, None, log=quiet)
     assert seen["llm_factory"] is None and built == []  # transformers: the trainer's own default
     pipeline.run_rl_stage(_run_cfg(tiny_data, bm25_index, tmp_path / "v", "agent.backend.kind=vllm"), tiny_policy_dir,
-                          log=quiet)
+                          None, log=quiet)
     assert built == [("vllm", str(tiny_policy_dir))]
     assert closed == [seen["engine"]]  # the engine (its process and memory) is shut down after training
     cfg = _run_cfg(tiny_data, bm25_index, tmp_path / "o", "agent.backend.kind=openai")
     with pytest.raises(ValueError, match="agent.backend.kind=openai"):
         pipeline.check_rollout_backend(cfg)
     with pytest.raises(ValueError, match="agent.backend.kind=openai"):
-        pipeline.run_rl_stage(cfg, tiny_policy_dir, log=quiet)
+        pipeline.run_rl_stage(cfg, tiny_policy_dir, None, log=quiet)
     for cmd in ("train", "quickstart"):  # before the index, the tiny policy and SFT
         assert main([cmd, f"out_dir={tmp_path / cmd}", "agent.backend.kind=openai"]) == 2
         assert not (tmp_path / cmd).exists()
@@ -738,15 +732,15 @@ def test_evaluation_runs_no_llm_judge(tiny_llm, retriever, tmp_path):
     LLM judge, though the evaluation scores answers with EM/F1 and used the verdict only for format_ok: one
     wasted generation per question. Evaluation episodes are judged by the rules now."""
     from corpora.formats import QAExample
-    from sleuth import pipeline
+    from eval.run import evaluate_agent
     from sleuth.config import load_config
     from tests.test_agent_fakes import Recorder, ScriptLLM
 
     rec = Recorder(ScriptLLM(tiny_llm.tokenizer, {"capital": ["<search> Paris </search>", "<answer> Paris </answer>"]}))
     cfg = load_config(None, [f"out_dir={tmp_path}", "agent.judge=llm"])
 
-    summary, _ = pipeline.evaluate_agent(rec, retriever, [QAExample("q", "What is the capital of France?",
-                                                                         ["Paris"])], cfg)
+    summary, _ = evaluate_agent(rec, retriever, [QAExample("q", "What is the capital of France?", ["Paris"])],
+                                cfg.agent)
     assert summary["em"] == 1.0 and summary["format_ok"] == 1.0
     assert not any("VERDICT" in tiny_llm.tokenizer.decode(p) for p in rec.prompts)
 
@@ -888,13 +882,15 @@ def test_eval_reports_episodes_that_stopped_on_an_error(tiny_llm, tmp_path, monk
 
     llm = ScriptLLM(tiny_llm.tokenizer, {"capital": ["<search> Paris </search>", "<answer> Paris </answer>"]})
     monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: Down())
-    monkeypatch.setattr(pipeline, "load_llm", lambda cfg, model=None: llm)
+    monkeypatch.setattr(pipeline, "load_llm", lambda cfg, model=None, **kw: llm)
     qa = tmp_path / "qa.jsonl"
     qa.write_text('{"id": "q1", "question": "What is the capital of France?", "golden_answers": ["Paris"]}\n')
     assert main(["eval", "--qa", str(qa), "--out", str(tmp_path / "ev"), f"out_dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
-    assert "1 of 1 episodes stopped on an error" in out and "is it running?" in out, out
-    assert json.loads((tmp_path / "ev" / "qa.json").read_text())["errors"] == 1
+    assert "stopped on an error" in out and ": 1 of 1" in out and "is it running?" in out, out
+    (summary,) = (tmp_path / "ev").glob("agent-*/summary.json")
+    (metrics,) = json.loads(summary.read_text())["benchmarks"].values()
+    assert metrics["errors"] == 1
 
 
 def test_a_missing_question_does_not_call_the_overrides_required(capsys):
@@ -925,7 +921,7 @@ def test_training_starts_from_a_checkpoints_latest_pointer(tmp_path, monkeypatch
     monkeypatch.setattr(hf.TransformersLLM, "from_pretrained", staticmethod(stop))
     cfg = load_config(None, [f"out_dir={tmp_path / 'new'}", f"policy.model={ckpts / 'latest'}"])
     with pytest.raises(KeyboardInterrupt):
-        pipeline.run_sft_stage(cfg)
+        pipeline.run_sft_stage(cfg, None)
     assert seen == [str(ckpts / "step_000003")]
 
 

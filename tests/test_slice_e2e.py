@@ -39,7 +39,9 @@ train: {{steps: 2, questions_per_step: 2, group_size: 2, save_every: 1}}
     assert (ckpt / "config.json").exists()
     capsys.readouterr()
     assert main(["eval", "--config", str(cfg), "--model", str(ckpt)]) == 0
-    summary = json.loads((out / "eval" / "test.json").read_text())
+    (run,) = (out / "eval").glob("agent-*")
+    (summary,) = json.loads((run / "summary.json").read_text())["benchmarks"].values()
     assert summary["n"] == 2 and 0.0 <= summary["em"] <= 1.0 and "| EM | F1 |" in capsys.readouterr().out
+    assert len(list(run.glob("*.trajectories.jsonl"))) == 1  # the agent's episodes beside its predictions
     assert main(["ask", "What is the capital of France?", "--config", str(cfg), "--model", str(ckpt)]) == 0
     assert "answer:" in capsys.readouterr().out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sleuth.commands._common import add_config_arguments, config_from_args
+from sleuth.commands.common import add_config_arguments, config_from_args
 
 HELP = "ask the agent a question; prints the answer and the turn-by-turn trajectory"
 

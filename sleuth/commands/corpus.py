@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from sleuth.commands._common import non_negative_int, positive_int
+from sleuth.commands.common import non_negative_int, positive_int
 
 HELP = ("Pool the context paragraphs of multi-hop QA files into a deduplicated (title+text) corpus JSONL; convert "
         "wiki-18 (--wiki18) or a QA file (--qa-from)")

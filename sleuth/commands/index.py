@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from sleuth.commands._common import positive_int
+from sleuth.commands.common import positive_int
 
 HELP = (
     "Build a BM25 (bm25s) and dense (MiniLM + FAISS) index of a corpus JSONL {id, title, contents}; "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sleuth.commands._common import add_config_arguments
+from sleuth.commands.common import add_config_arguments
 
 HELP = "run the quickstart: index, SFT warm start, short GRPO run, evaluation before/after on test questions"
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
@@ -39,28 +39,25 @@ def _run(cfg, t0: float) -> int:
     import json
     import time
 
+    import eval.run as run_eval
     from corpora import read_qa
+    from eval.report import markdown_table
     from sleuth.pipeline import (
         data_paths,
         ensure_index,
-        evaluate_agent,
         held_out_questions,
         load_llm,
-        markdown_table,
-        open_retriever,
         resolve_model_path,
         run_rl_stage,
         run_sft_stage,
         save_run_config,
         tiny_policy_path,
-        write_eval_outputs,
     )
 
     out = Path(cfg.out_dir)
     save_run_config(cfg)
     log = lambda msg: print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
-    ensure_index(cfg, log)
-    retriever = open_retriever(cfg)
+    retriever = ensure_index(cfg, log)  # opened once, for SFT, RL and both evaluations
     test = held_out_questions(cfg)  # the questions `sleuth eval` scores under the same config
     train_ids = {e.id for e in read_qa(data_paths(cfg)["train"])}
     for split, n in (("test", len(test)), ("train", len(train_ids))):  # before minutes of SFT and GRPO
@@ -73,15 +70,16 @@ def _run(cfg, t0: float) -> int:
 
     def evaluate(name: str, model_path) -> None:
         llm = load_llm(cfg, model_path)
-        summary, trajs = evaluate_agent(llm, retriever, test, cfg)
-        write_eval_outputs(out / "eval", name, summary, trajs)
+        summary, trajs = run_eval.evaluate_agent(llm, retriever, test, cfg.agent, top_k=cfg.retrieval.top_k,
+                                                 temperature=cfg.eval.temperature, seed=cfg.seed)
+        run_eval.write_eval_outputs(out / "eval", name, summary, trajs)
         rows[name] = summary
         log(f"eval {name}: EM {summary['em']:.3f}  F1 {summary['f1']:.3f}  searches {summary['search_calls']:.2f}")
 
     init = resolve_model_path(cfg.policy.model or tiny_policy_path(cfg, log))
-    sft = run_sft_stage(cfg, log) if cfg.sft.enabled else init
+    sft = run_sft_stage(cfg, retriever, log) if cfg.sft.enabled else init
     evaluate("after SFT (before RL)" if cfg.sft.enabled else "initial policy", sft)
-    final = run_rl_stage(cfg, sft, resume=True, log=log)
+    final = run_rl_stage(cfg, sft, retriever, resume=True, log=log)
     evaluate("after GRPO", final)
 
     table = markdown_table(rows, first=f"{len(test)} test questions")

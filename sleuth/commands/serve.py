@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from sleuth.commands._common import (
+from sleuth.commands.common import (
     add_config_arguments,
     check_port_free,
     config_from_args,

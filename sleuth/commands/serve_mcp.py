@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sleuth.commands._common import check_port_free, non_negative_int, port_number, positive_int
+from sleuth.commands.common import check_port_free, non_negative_int, port_number, positive_int
 
 HELP = "Serve an index as an MCP server with a search(query, k) tool, over stdio or streamable HTTP."
 

@@ -7,7 +7,7 @@ import os
 
 from retrieval.bm25 import BACKENDS
 from retrieval.client import API_KEY_ENV
-from sleuth.commands._common import (
+from sleuth.commands.common import (
     check_port_free,
     non_negative_int,
     non_negative_number,

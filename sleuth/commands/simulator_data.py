@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from sleuth.commands._common import add_config_arguments, config_from_args, positive_int
+from sleuth.commands.common import add_config_arguments, config_from_args, positive_int
 
 HELP = "build the simulated-search (ZeroSearch) fine-tuning data from the real retriever"
 

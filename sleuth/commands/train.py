@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 
-from sleuth.commands._common import add_config_arguments, config_from_args
+from sleuth.commands.common import add_config_arguments, config_from_args
 
 HELP = ("train the policy: SFT warm start, then multi-turn RL (train.algorithm; metrics, checkpoints, --resume; "
         "torchrun)")
@@ -31,6 +31,7 @@ def run(args) -> int:
     from sleuth.pipeline import (
         check_rollout_backend,
         ensure_index,
+        open_retriever,
         resolve_model_path,
         rl_run_dir,
         run_rl_stage,
@@ -46,16 +47,20 @@ def run(args) -> int:
     rank, _W = init_from_env(timeout_s=cfg.train.dist_timeout_s)  # torchrun: the process group; else a no-op
     ok = False
     held = contextlib.ExitStack()
+    opened: dict = {}
     try:
         def setup() -> str:  # writes files: rank 0 only, the others wait for its result
             # out_dir for the whole command (config.yaml, index, SFT, RL run): a second training there is refused
             held.enter_context(run_dir_lock(cfg.out_dir))  # before it writes anything (RunDirBusyError)
             save_run_config(cfg)
-            ensure_index(cfg)
-            return str(run_sft_stage(cfg) if cfg.sft.enabled else resolve_model_path(cfg.policy.model or tiny_policy_path(cfg)))
+            opened["retriever"] = retriever = ensure_index(cfg)  # opened once, for SFT and RL
+            if cfg.sft.enabled:
+                return str(run_sft_stage(cfg, retriever))
+            return str(resolve_model_path(cfg.policy.model or tiny_policy_path(cfg)))
 
         init = run_on_rank0(setup)
-        final = run_rl_stage(cfg, init, resume=args.resume)
+        retriever = opened.get("retriever") or open_retriever(cfg)  # the other ranks open their own
+        final = run_rl_stage(cfg, init, retriever, resume=args.resume)
         ok = True
     finally:
         held.close()

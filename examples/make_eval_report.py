@@ -1,16 +1,16 @@
-"""Rebuild the example report in this folder: the five methods on the shipped HotpotQA sample.
+"""Rebuild the example report in ``eval/example/``: the five methods on the shipped HotpotQA sample.
 
 Steps (CPU, a few minutes on 2 cores): BM25 index of ``corpora/sample/corpus.jsonl``; the tiny policy
 (BPE tokenizer + tiny Qwen2 from seed 0, :mod:`training.policy`) warm-started by SFT on oracle trajectories
 of the *train* questions (:mod:`training.sft`); then ``direct``, ``rag``, ``ircot``, ``search_o1`` and
 ``agent`` on the 100 *test* questions through :func:`eval.run.run_benchmarks`, and
-:func:`eval.report.write_report` into this folder. Work files go to ``runs/eval_example`` (re-running reuses
+:func:`eval.report.write_report` into ``eval/example/``. Work files go to ``runs/eval_example`` (re-running reuses
 the index, the model and every cached prediction). Agent, policy and SFT settings come from ``--config``
 (default ``configs/quickstart.yaml``: a checkpoint is only fair to evaluate in the prompt format it was
 trained on). The committed report evaluates the quickstart's RL checkpoint (``sleuth quickstart`` first):
 ``--model runs/quickstart/grpo/checkpoints/step_000008``.
 
-    .venv/bin/python -m eval.example.make_example [--work runs/eval_example] [--epochs 6] [--limit 100]
+    .venv/bin/python examples/make_eval_report.py [--work runs/eval_example] [--epochs 6] [--limit 100]
         [--config YAML] [--model CHECKPOINT_DIR]   # skip the SFT and evaluate an existing checkpoint
 """
 
@@ -20,8 +20,9 @@ import argparse
 import json
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-QUICKSTART_CONFIG = HERE.parents[1] / "configs" / "quickstart.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+HERE = ROOT / "eval" / "example"
+QUICKSTART_CONFIG = ROOT / "configs" / "quickstart.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,10 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from agent.hf import TransformersLLM, load_model_and_tokenizer
-    from corpora.formats import read_corpus, read_qa
+    from corpora.formats import read_corpus
+    from corpora.qa import read_qa
     from corpora.sample import sample_paths
-    from eval.report import write_report
-    from eval.run import format_summary, run_benchmarks
+    from eval.report import format_summary, write_report
+    from eval.run import run_benchmarks
     from retrieval.index import build_index, load_retriever
     from sleuth.config import load_config
     from training.policy import create_tiny_policy
