@@ -50,7 +50,8 @@ from agent.hf import TransformersLLM
 from agent.llm import SamplingParams
 from agent.trajectory import Role
 from training import kernels as K
-from training.batch import Batch, micro_batches, policy_logprobs
+from training.actor import policy_logprobs
+from training.batch import Batch, micro_batches
 from training.masking import loss_mask_from_roles
 
 VOCAB = 151_936

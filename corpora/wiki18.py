@@ -26,8 +26,8 @@ def wiki18_passage(obj: dict, path: str | Path, lineno: int) -> Passage:
     without its quotes (a record with no newline: all of it, as :func:`corpora.formats.iter_corpus` reads an
     untitled ``{id, contents}`` line, so the converted file reads back the same). Raises :class:`DataFormatError` naming the
     file, line and field for a missing or non-text ``id`` or ``contents``."""
-    pid = passage_field(obj, "id", path, lineno)
-    contents = passage_field(obj, "contents", path, lineno)
+    pid = passage_field(obj, "id", f"{path}:{lineno}")
+    contents = passage_field(obj, "contents", f"{path}:{lineno}")
     head = contents.partition("\n")[0].strip()
     title = head[1:-1] if len(head) > 1 and head[0] == head[-1] == '"' else head
     return Passage(id=pid, title=title, contents=contents)

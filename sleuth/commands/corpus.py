@@ -100,11 +100,11 @@ def _convert_wiki18(args: argparse.Namespace) -> int:
 
 def _convert_qa(args: argparse.Namespace) -> int:
     from corpora.formats import write_jsonl
-    from eval.datasets import read_qa_file
+    from corpora.qa import read_qa
 
     if not args.qa_out or args.out or args.limit:
         raise ValueError("--qa-from writes the questions to --qa-out (and takes no --out or --limit)")
-    examples = read_qa_file(args.qa_from, dataset=args.dataset)
+    examples = read_qa(args.qa_from, dataset=args.dataset)
     n = write_jsonl(args.qa_out, examples)
     print(f"{n} questions from {args.qa_from} -> {args.qa_out}")
     return 0
