@@ -135,7 +135,7 @@ def encode_rate(n_passages: int) -> dict:
     """Passages/s of the shipped MiniLM encoder on this CPU over ``n_passages`` sample passages."""
     from corpora import read_corpus
     from corpora.sample import sample_paths
-    from retrieval.dense import Encoder
+    from retrieval.encoder import Encoder
 
     texts = [p.contents for p in read_corpus(sample_paths()["corpus"])[:n_passages]]
     enc = Encoder(device="cpu")

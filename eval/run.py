@@ -311,8 +311,7 @@ def run_benchmarks(
         kw["run_episodes"] = run_episodes
     summary_path = cache.dir / SUMMARY
     summary: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    summary.update({"method": method, "fingerprint": cache.fingerprint, "run_dir": str(cache.dir)})
-    summary.setdefault("benchmarks", {})
+    summary.update({"method": method, "fingerprint": cache.fingerprint, "run_dir": str(cache.dir), "benchmarks": {}})
     datasets = {n: load_benchmark(n, data_dir, limit, seed) for n in names}  # load all first: fail early
     ours: dict[str, Any] = {}  # the benchmarks this call scored
     for name, examples in datasets.items():
@@ -326,14 +325,20 @@ def run_benchmarks(
         reuse = unjudged.load(name) if unjudged is not None else None
         records, computed = evaluate_benchmark(name, examples, fn, cache, batch_size, progress, judge, reuse)
         ours[name] = benchmark_metrics(name, examples, records, computed, data_dir, limit, seed, t0)
-        if summary_path.exists():  # another run of this config may have written other benchmarks meanwhile
-            summary["benchmarks"] = json.loads(summary_path.read_text()).get("benchmarks", {})
-        summary["benchmarks"].update(ours)
-        summary["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        tmp = summary_path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(summary, indent=1, default=str))
-        tmp.replace(summary_path)
+        write_summary(summary_path, summary, ours)
     return summary
+
+
+def write_summary(path: Path, summary: dict[str, Any], ours: dict[str, Any]) -> None:
+    """Write ``summary`` with this call's benchmarks ``ours`` to ``path`` (through a temporary file renamed into
+    place), keeping the other benchmarks another run of the same config may have written meanwhile."""
+    if path.exists():
+        summary["benchmarks"] = json.loads(path.read_text()).get("benchmarks", {})
+    summary["benchmarks"].update(ours)
+    summary["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(summary, indent=1, default=str))
+    tmp.replace(path)
 
 
 def make_judge(judge_llm: Any, judge_options: dict[str, Any] | None,

@@ -120,7 +120,7 @@ def rows_to_reply(
     every piece once into the reply buffer (about 0.4 ms for 2,560 passages, 1.7 MB), returned as a
     ``memoryview`` (bytes-like; the HTTP response sends it without another copy).
 
-    ``rows`` int64 and ``scores`` float32, both ``[Q, k]``; ``store`` a :class:`retrieval.index.DocStore`.
+    ``rows`` int64 and ``scores`` float32, both ``[Q, k]``; ``store`` a :class:`retrieval.docstore.DocStore`.
     ``fmt`` ``"search-r1"`` (default) is Search-R1's ``retrieval_server.py`` reply (``{"result": [[{"document",
     "score"}, ...]]}``, or bare documents when ``return_scores`` is false). ``"columns"``, which Sleuth's client
     asks for, keeps documents and scores apart: ``{"result": [[document, ...], ...], "scores": [s, ...]}``, the
@@ -147,10 +147,10 @@ def _columns(rows: np.ndarray, scores: np.ndarray, store, end: bytes) -> memoryv
 def rows_json(rows: np.ndarray, store) -> memoryview:
     """The stored documents of ``[Q, k]`` int64 ``rows`` (row -1 = no hit, skipped) as one JSON array of
     arrays, ``[[{"id", "title", "contents"}, ...], ...]`` (``Q`` inner arrays), spliced from the store's memory
-    map like :func:`rows_to_reply`; ``store`` a :class:`retrieval.index.DocStore`. One ``orjson.loads`` of it
+    map like :func:`rows_to_reply`; ``store`` a :class:`retrieval.docstore.DocStore`. One ``orjson.loads`` of it
     builds a search's documents in about 25% less time than a parse per passage (2,560 passages, batch 256 at
     top-10: 9.6 against 12.8 ms on this project's 2-vCPU machine in a slow spell;
-    :meth:`retrieval.index.DocStore.hits`). Raises ``IndexError`` for a row outside the store."""
+    :meth:`retrieval.docstore.DocStore.hits`). Raises ``IndexError`` for a row outside the store."""
     return _splice_rows(rows, store, _LIST_HEAD, _LIST_TAIL)
 
 

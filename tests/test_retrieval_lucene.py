@@ -21,7 +21,8 @@ import httpx2
 
 from corpora.sample import sample_paths
 from retrieval.base import IndexNotFoundError
-from retrieval.index import DocStore, LuceneRetriever, build_index, load_retriever
+from retrieval.docstore import DocStore
+from retrieval.index import LuceneRetriever, build_index, load_retriever
 from retrieval.server import ServerLimits, create_app, row_source
 from tests.test_retrieval_server import _Server
 
