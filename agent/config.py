@@ -94,6 +94,12 @@ class AgentConfig(Section):
     llm_judge: LLMJudgeConfig = LLMJudgeConfig()
     backend: BackendConfig = BackendConfig()
     simulator: SimulatorConfig = SimulatorConfig()
+    kind: Literal["builtin", "external"] = Field(
+        "builtin", description="builtin: Sleuth's LangGraph loop; external: the agent.entry function, its model "
+                               "calls served and recorded by the training proxy (agent.external)")
+    entry: str | None = Field(None, description="the external agent, 'module:function': an async function "
+                                                "(question, OpenAI base URL) -> answer")
+    external_timeout_s: float = Field(600.0, gt=0, description="seconds an external agent's episode may take")
 
     @field_validator("chat_template", mode="before")
     @classmethod

@@ -56,6 +56,23 @@ def load_entry(spec: str) -> ExternalAgent:
     return fn
 
 
+def runner_for(llm: LLM, agent_cfg: Any, judge: Judge | None = None,
+               temperature: float | None = None) -> ExternalRunner | None:
+    """The :class:`ExternalRunner` of ``agent.kind: external`` (``agent_cfg.entry``, ``external_timeout_s``)
+    over ``llm``, judged by ``judge`` (default: the agent config's, :func:`agent.judges.configured_judge`);
+    ``None`` for the built-in loop. Raises ``ValueError`` when ``agent.entry`` is missing, and what
+    :func:`load_entry` raises."""
+    if getattr(agent_cfg, "kind", "builtin") != "external":
+        return None
+    if not agent_cfg.entry:
+        raise ValueError("agent.kind=external needs agent.entry=module:function, an async function (question, "
+                         "base_url) -> answer (e.g. examples.react_agent:answer)")
+    from agent.judges import configured_judge
+
+    return ExternalRunner(llm, load_entry(agent_cfg.entry), agent_cfg, temperature=temperature,
+                          judge=judge or configured_judge(agent_cfg, llm), timeout_s=agent_cfg.external_timeout_s)
+
+
 def final_answer(text: Any) -> str | None:
     """The answer in an agent's reply: the text inside ``<answer>...</answer>`` when there is one, else the
     whole reply, stripped; ``None`` for an empty or non-string reply."""

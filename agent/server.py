@@ -67,6 +67,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent.chat_params import MAX_N, ChatParams, ParamError, parse_chat_params
+from agent.external import merged
 from agent.judges import Judge, rule_judge
 from agent.llm import LLM
 from agent.loop import EventSink, make_context, run_episode
@@ -168,10 +169,13 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", retry
 
 def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3, temperature: float = 0.0,
                api_key: str | None = None, model_name: str = "sleuth-agent",
-               limits: ServeLimits | None = None, judge: Judge | None = None) -> FastAPI:
+               limits: ServeLimits | None = None, judge: Judge | None = None, external: Any = None) -> FastAPI:
     """Build the app around one policy backend and one retriever (see the module docstring). ``judge``
     scores answers sent with golden answers (default: :func:`agent.loop.make_context`'s, from
-    ``agent_cfg.judge``)."""
+    ``agent_cfg.judge``). ``external`` (an :class:`agent.external.ExternalRunner`, ``agent.kind: external``)
+    answers with the external agent instead of the built-in loop: its own tools search, so a request's
+    ``top_k``, ``max_turns`` and temperature do not apply, a stream carries no turn or search events, and the
+    evidence is empty."""
     limits = limits or ServeLimits()
     evidence = _EvidenceRetriever(retriever)
     ctx = make_context(llm, evidence, agent_cfg, temperature=temperature, top_k=top_k, judge=judge)
@@ -293,7 +297,12 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
             run_ctx = ctx if same else make_context(llm, evidence, cfg, temperature=t, top_k=k or ctx.top_k,
                                                     judge=rule_judge() if plain else ctx.judge,
                                                     scheduler=ctx.scheduler)
-            traj = await asyncio.wait_for(run_episode(run_ctx, ex, on_event=on_event), limits.request_timeout_s)
+            if external is not None:  # the external agent's episode, one record however the template split it
+                seqs = await asyncio.wait_for(external.run_episode(ex, judge=rule_judge() if plain else None),
+                                              limits.request_timeout_s)
+                traj = merged(seqs)
+            else:
+                traj = await asyncio.wait_for(run_episode(run_ctx, ex, on_event=on_event), limits.request_timeout_s)
         except TimeoutError:
             raise HTTPError(504, f"the episode took longer than {limits.request_timeout_s} s", "timeout") from None
         finally:

@@ -414,7 +414,8 @@ def check_targets(targets: list[str], method: str, data_dir: str | Path | None, 
 
 
 def evaluate_agent(llm: Any, retriever: Any, examples: list[QAExample], agent_cfg: Any, *, top_k: int = 3,
-                   temperature: float = 0.0, seed: int | None = 0) -> tuple[dict[str, Any], list[Trajectory]]:
+                   temperature: float = 0.0, seed: int | None = 0,
+                   run_episodes: Callable[..., list[Any]] | None = None) -> tuple[dict[str, Any], list[Trajectory]]:
     """Run the agent on ``examples`` in memory (no cache) and score it: what a run evaluates between its
     stages (the quickstart's before/after table, ``train.eval_every``). Greedy at ``temperature`` 0; the
     rule judge (an LLM judge, ``agent.judge=llm``, would cost a generation per answer).
@@ -422,10 +423,13 @@ def evaluate_agent(llm: Any, retriever: Any, examples: list[QAExample], agent_cf
     Returns ``(summary, trajectories)``; ``summary`` has n, em, f1, cover_em, recall (of supporting
     paragraphs among everything retrieved), search_calls, turns, generated_tokens, format_ok, wall_s
     (seconds per question) and errors (episodes that stopped on an error, e.g. a failed search, scored 0;
-    the error is in each one's ``metadata["error"]``)."""
+    the error is in each one's ``metadata["error"]``). ``run_episodes``: the agent to run, with
+    :func:`agent.loop.run_episodes`'s signature (default: that loop; an external agent's
+    :meth:`agent.external.ExternalRunner.loop_episodes`)."""
     from agent.judges import rule_judge
-    from agent.loop import run_episodes
 
+    if run_episodes is None:
+        from agent.loop import run_episodes
     t0 = time.time()
     trajs = run_episodes(examples, llm, retriever, agent_cfg, temperature=temperature, top_k=top_k, seed=seed,
                          judge=rule_judge())

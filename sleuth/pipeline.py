@@ -4,7 +4,9 @@ and passes them down; the layers below never build their own."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -315,14 +317,27 @@ def held_out_evaluator(cfg: Config, tokenizer, retriever):
     test = held_out_questions(cfg)
 
     def evaluate(model) -> dict[str, float]:
+        from agent.external import runner_for
+
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-        with torch.random.fork_rng(devices=devices):
-            summary, _ = run_eval.evaluate_agent(TransformersLLM(model, tokenizer), retriever, test, cfg.agent,
-                                                 top_k=cfg.retrieval.top_k, temperature=cfg.eval.temperature,
-                                                 seed=cfg.seed)
+        llm = TransformersLLM(model, tokenizer)
+        with torch.random.fork_rng(devices=devices), contextlib.ExitStack() as stack:
+            external = runner_for(llm, cfg.agent)  # agent.kind=external: its episodes over a proxy of llm
+            if external is not None:
+                stack.callback(external.close)
+            summary, _ = run_eval.evaluate_agent(llm, retriever, test, cfg.agent, top_k=cfg.retrieval.top_k,
+                                                 temperature=cfg.eval.temperature, seed=cfg.seed,
+                                                 run_episodes=external.loop_episodes if external else None)
         return {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
     return evaluate
+
+
+def external_agent_env(cfg: Config, index_dir: str | None = None) -> None:
+    """With ``agent.kind: external``, tell the agent (which runs in this process) where the run's index is:
+    ``$SLEUTH_INDEX`` (unless already set), read by ``examples/react_agent.py``'s search tool."""
+    if cfg.agent.kind == "external":
+        os.environ.setdefault("SLEUTH_INDEX", str(index_dir or cfg.retrieval.index_dir))
 
 
 def check_rollout_backend(cfg: Config) -> None:
@@ -361,6 +376,7 @@ def run_rl_stage(cfg: Config, init_path: str | Path, retriever, resume: bool = F
     from training.trainer import rl_train
 
     check_rollout_backend(cfg)
+    external_agent_env(cfg)
     rank = world()[0]
     if rank != 0:
         log = lambda *a, **k: None  # rank 0 alone reports

@@ -154,3 +154,55 @@ def test_evaluation_runs_the_external_agent_with_one_record_per_episode(tiny_llm
         (rec,) = METHODS["agent"]([FRANCE], None, None, cfg, run_episodes=runner.loop_episodes)
     assert [s.metadata["segment"] for s in seqs] == [0, 1] and all(s.reward == 1.0 for s in seqs)
     assert rec["prediction"] == "Paris" and rec["turns"] == 2
+
+
+def test_sleuth_serve_answers_with_the_external_agent(tiny_llm, react, cfg, retriever):
+    """``create_app(..., external=runner)``: /ask and /v1/chat/completions answer with the external agent (judged
+    when golden answers come with the question); the built-in loop is not run."""
+    import httpx2
+
+    from agent.server import create_app
+    from tests.test_agent_fakes import ServerThread
+
+    tiny_llm.tokenizer.chat_template = CHATML_TOOLS
+    backend = Recording(ScriptedSampler(tiny_llm.tokenizer, [CALLS["chatml"], "<answer> Paris </answer>"]))
+    with ExternalRunner(backend, react, cfg, temperature=0.0) as runner:
+        app = create_app(backend, retriever, cfg.model_copy(update={"kind": "external"}), external=runner)
+        with ServerThread(app) as server, httpx2.Client(base_url=server.url, timeout=60) as http:
+            r = http.post("/ask", json={"question": FRANCE.question, "golden_answers": ["Paris"]})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["answer"] == "Paris" and body["verdict"]["em"] == 1.0 and body["searches"] == 1
+            chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": GERMANY.question}]})
+            assert chat.status_code == 200, chat.text
+            assert chat.json()["choices"][0]["message"]["content"] == "Paris"
+        assert runner.stats["calls"] == 4 and len(backend.calls) == 4  # two episodes of two calls, all external
+
+
+@pytest.mark.slow
+def test_sleuth_train_resume_and_eval_an_external_agent_on_the_shipped_sample(tmp_path, capsys):
+    """The README's commands for your own agent: `sleuth train --config configs/react_agent.yaml` on the shipped
+    sample (the tiny policy, CPU): steps complete with rewards, monitors and the proxy's counters logged, the
+    held-out evaluation runs the external agent, checkpoints resume, and `sleuth eval` reports the agent."""
+    import json
+
+    from sleuth.cli import main
+
+    common = ["--config", "configs/react_agent.yaml", f"out_dir={tmp_path}", f"retrieval.index_dir={tmp_path / 'index'}",
+              "policy.tiny.hidden_size=32", "policy.tiny.num_layers=1", "policy.tiny.vocab_size=1024",
+              "policy.tiny.intermediate_size=64", "train.questions_per_step=2", "train.group_size=2",
+              "train.save_every=1", "train.eval_every=2", "eval.limit=4"]
+    assert main(["train", *common, "train.steps=2"]) == 0
+    records = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for key in ("reward", "em", "format_ok", "entropy", "proxy_calls", "proxy_splits", "pg_loss", "rollout_errors"):
+        assert all(key in r for r in records), key
+    assert all(r["proxy_calls"] >= 4 for r in records) and "eval_em" in records[1]
+    assert main(["train", *common, "train.steps=3", "--resume"]) == 0
+    records = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert (tmp_path / "grpo" / "checkpoints" / "step_000003").is_dir()
+    capsys.readouterr()
+    assert main(["eval", *common, "--model", str(tmp_path / "grpo" / "checkpoints" / "latest")]) == 0
+    out = capsys.readouterr().out
+    assert "| agent | n | EM |" in out and "| 4 |" in out

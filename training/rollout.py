@@ -60,10 +60,15 @@ class RolloutWorker:
     agent: Any
     top_k: int
     judge: Any = None
+    external: Any = None  # an agent.external.ExternalRunner: agent.kind=external
 
     def episodes(self, questions: list[QAExample], n: int) -> list[Trajectory]:
         """``n`` episodes per question, grouped by question (group id = its index); episodes that failed on
-        a retrieval server or backend that went away are run again (:func:`training.faults.run_episodes_retrying`)."""
+        a retrieval server or backend that went away are run again (:func:`training.faults.run_episodes_retrying`).
+        An external agent's episodes run over its proxy (:class:`agent.external.ExternalRunner`, failed ones
+        run again there); one that a chat template split is several sequences of its group."""
+        if self.external is not None:
+            return self.external.run_episodes(questions, n, self.judge)
         kw: dict[str, Any] = {"n_samples": n, "top_k": self.top_k}
         if self.judge is not None:
             kw["judge"] = self.judge
@@ -87,12 +92,16 @@ def rollout(worker: RolloutWorker, questions: list[QAExample], tc: Any,
     after their reruns are left out of the update (:mod:`training.faults`; counted in ``stats``'
     ``rollout_errors`` and ``rollout_dropped``; ``RuntimeError`` when every episode failed). Returns
     ``(trajectories, stats)``; group ids are renumbered 0..G-1."""
+    before = dict(worker.external.stats) if worker.external is not None else None
     trajs = worker.episodes(questions, tc.group_size)
     stats: dict[str, float] = {}
     if tc.dynamic_sampling and data is not None:
         trajs, stats = dynamic_sampling(worker, trajs, len(questions), tc, data)
     trajs, fault_stats = drop_failed(trajs)  # episodes that still failed: left out of the update, counted
     stats.update(fault_stats)
+    if before is not None:  # the proxy's counters this step: calls, and splits (templates rewriting history)
+        after = worker.external.stats
+        stats.update({f"proxy_{k}": float(after[k] - before[k]) for k in ("calls", "splits")})
     remap = {g: i for i, g in enumerate(sorted({t.group for t in trajs}))}
     for t in trajs:
         t.group = remap[t.group]
@@ -128,7 +137,7 @@ def dynamic_sampling(worker: RolloutWorker, trajs: list[Trajectory], want: int, 
         more = worker.episodes(fresh, tc.group_size)
         for t in more:
             t.group += offset
-        offset += len(more) // tc.group_size
+        offset = max(offset, *(t.group + 1 for t in more))  # an external episode may be several sequences
         flat = flat_groups(more)
         dropped += len(flat)
         kept += [t for t in more if t.group not in flat]

@@ -238,6 +238,9 @@ def rl_train(
     weights (vLLM) gets them through ``sync_weights(llm, state)`` or ``llm.update_weights``.
     ``evaluate(model) -> {"em": ...}`` runs every ``tc.eval_every`` steps (logged as ``eval_*``; the best
     ``eval_em`` checkpoint is kept in ``checkpoints/best``). ``judge`` overrides the agent config's judge.
+    With ``agent.kind: external`` the episodes are the ``agent.entry`` function's, run over a training proxy
+    in front of the rollout backend (:func:`agent.external.runner_for`; ``proxy_calls`` / ``proxy_splits``
+    logged per step).
     A non-finite loss skips the step; after ``tc.max_nonfinite_steps`` such steps the run stops
     (``RuntimeError``). Health alarms (``train.alarm_*``) warn or stop the run. Returns a summary dict.
 
@@ -250,16 +253,20 @@ def rl_train(
     ``ValueError`` for settings that cannot train (:func:`check_setup`, :func:`check_world`) and for a
     checkpoint of another algorithm or LoRA setting.
     """
+    from agent.external import runner_for
     from agent.hf import TransformersLLM
 
     check_setup(tc, agent_cfg)
     rank, W = init_from_env(timeout_s=tc.dist_timeout_s)  # torchrun: the process group; else a no-op
     check_gpu_memory()  # logs each device's free memory; warns when something else holds over 10% of one
     check_world(tc, W)
-    with run_dir_lock(run_dir) if rank == 0 else contextlib.nullcontext():  # rank 0 writes run_dir
+    # rank 0 writes run_dir; the stack closes an external agent's proxy however the run ends
+    with run_dir_lock(run_dir) if rank == 0 else contextlib.nullcontext(), contextlib.ExitStack() as stack:
         state = open_run(tc, model, run_dir, train_examples, seed=seed, resume=resume, rank=rank, world_size=W)
         llm = (llm_factory or TransformersLLM)(state.gen_model, tokenizer)
-        worker = RolloutWorker(llm, retriever, agent_cfg, top_k, judge)
+        external = runner_for(llm, agent_cfg, judge)  # agent.kind=external: its proxy serves llm
+        worker = RolloutWorker(llm, retriever, agent_cfg, top_k, judge, external)
+        stack.callback(lambda: external is not None and external.close())
         restore_rng_streams(state, seed)
         logger = None
         if rank == 0:  # a resumed run rewrites the steps after its checkpoint: their old records go

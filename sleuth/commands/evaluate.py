@@ -54,12 +54,24 @@ def run(args) -> int:
     if judge_model:  # the policy judging itself reuses the loaded backend
         judge_llm = llm if judge_model == (args.model or cfg.policy.model) else load_llm(
             other_model_config(cfg), judge_model, episodes=False)  # a judge reads one answer, not an episode
-    result = run_eval.run_benchmarks(
-        targets, args.method, limit, seed, out, llm, retriever, cfg.agent, args.data_dir, top_k=cfg.retrieval.top_k,
-        temperature=cfg.eval.temperature, index_dir=args.index or cfg.retrieval.index_dir,
-        model_dir=args.model or cfg.policy.model or str(Path(cfg.out_dir) / "tiny"), judge_llm=judge_llm,
-        judge_options={"unparseable": cfg.eval.judge_unparseable} if judge_llm else None,
-        judge_model_dir=judge_model, keep_trajectories=args.method == "agent")
+    external = None
+    if args.method == "agent" and cfg.agent.kind == "external":  # its episodes over a proxy of the policy
+        from agent.external import runner_for
+        from sleuth.pipeline import external_agent_env
+
+        external_agent_env(cfg, args.index)
+        external = runner_for(llm, cfg.agent)
+    try:
+        result = run_eval.run_benchmarks(
+            targets, args.method, limit, seed, out, llm, retriever, cfg.agent, args.data_dir,
+            top_k=cfg.retrieval.top_k, temperature=cfg.eval.temperature, index_dir=args.index or cfg.retrieval.index_dir,
+            model_dir=args.model or cfg.policy.model or str(Path(cfg.out_dir) / "tiny"), judge_llm=judge_llm,
+            judge_options={"unparseable": cfg.eval.judge_unparseable} if judge_llm else None,
+            judge_model_dir=judge_model, keep_trajectories=args.method == "agent",
+            **({"run_episodes": external.loop_episodes} if external is not None else {}))
+    finally:
+        if external is not None:
+            external.close()
     print(format_summary(result))
     if judge_llm is not None:
         print("\n" + judge_line(result, judge_model))

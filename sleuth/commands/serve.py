@@ -51,10 +51,12 @@ def run(args) -> int:
     import uvicorn
 
     from agent.backends import make_llm
+    from agent.external import runner_for
     from agent.server import ServeLimits, create_app
     from sleuth.pipeline import (
         answer_judge,
         check_context_length,
+        external_agent_env,
         open_retriever,
         resolve_model_path,
         tiny_policy_path,
@@ -69,8 +71,11 @@ def run(args) -> int:
     llm = make_llm(cfg.agent.backend, str(model), cfg.policy.dtype, cfg.policy.device, cfg.seed)
     limits = ServeLimits(max_body_bytes=args.max_body_bytes, request_timeout_s=args.timeout,
                          max_inflight=args.max_inflight, max_question_chars=cfg.agent.max_query_chars)
+    external_agent_env(cfg, args.index)
+    external = runner_for(llm, cfg.agent, temperature=cfg.eval.temperature)  # agent.kind=external, else None
     app = create_app(llm, retriever, cfg.agent, top_k=cfg.retrieval.top_k, temperature=cfg.eval.temperature,
-                     api_key=args.api_key, model_name=args.name, limits=limits, judge=answer_judge(cfg))
+                     api_key=args.api_key, model_name=args.name, limits=limits, judge=answer_judge(cfg),
+                     external=external)
     # uvicorn's own limit answers a plain-text 503 with no Retry-After: kept above max_inflight (and /health)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info",
                 limit_concurrency=max(1024, 2 * limits.max_inflight))
