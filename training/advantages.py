@@ -33,7 +33,7 @@ from training.registry import Registry
 from training.rewards import information_gain_rewards, turn_table
 
 
-def _segment_stats(values: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def segment_stats(values: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-element mean, unbiased std and count of the segment (equal ``keys``) it belongs to (all ``[N]``).
 
     The mean is taken of the values shifted by the segment's minimum (``lo + mean(v - lo)``): for a segment
@@ -53,7 +53,7 @@ def _segment_stats(values: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tens
 
 def _group_stats(rewards: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-trajectory group mean, unbiased group std and group size (all ``[N]``)."""
-    return _segment_stats(rewards, groups)
+    return segment_stats(rewards, groups)
 
 
 def grpo_advantages(
@@ -103,7 +103,7 @@ def reinforce_pp_advantages(rewards: torch.Tensor, groups: torch.Tensor | None =
     rewards = rewards.float()
     if rewards.numel() < 2:
         return torch.zeros_like(rewards)
-    mean, std, _ = _segment_stats(rewards, torch.zeros_like(rewards, dtype=torch.long))  # exact 0 when all equal
+    mean, std, _ = segment_stats(rewards, torch.zeros_like(rewards, dtype=torch.long))  # exact 0 when all equal
     return (rewards - mean) / (std + eps)
 
 
@@ -123,7 +123,7 @@ def stratified_grpo_advantages(
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
     rewards = rewards.float()
     key = groups.long() * (int(strata.max().item()) + 1 if strata.numel() else 1) + strata.long()
-    mean, std, count = _segment_stats(rewards, key)
+    mean, std, count = segment_stats(rewards, key)
     san = torch.where(count > 1, (rewards - mean) / (std + eps), torch.zeros_like(rewards))
     return alpha * san + (1.0 - alpha) * grpo_advantages(rewards, groups, eps)
 
@@ -210,7 +210,7 @@ def igpo_turn_advantages(
     valid = turn_valid.bool()
     flat_r = turn_rewards.float()[valid]
     flat_g = groups.long().unsqueeze(-1).expand(N, K)[valid]
-    mean, std, count = _segment_stats(flat_r, flat_g)
+    mean, std, count = segment_stats(flat_r, flat_g)
     norm = torch.zeros(N, K)
     norm[valid] = torch.where(count > 1, (flat_r - mean) / (std + eps), torch.zeros_like(flat_r))
     adv = torch.zeros(N, K)
@@ -452,3 +452,7 @@ def _igpo(inp: AdvantageInputs, tc: Any) -> dict[str, torch.Tensor]:
     turn_r[rows, last] = (inp.rewards - tc.kl_coef * inp.kl_seq()) - tc.search_cost * is_search[rows, last].float()
     turn_adv = igpo_turn_advantages(turn_r, valid, inp.groups, tc.gamma)
     return {"advantages": turns_to_tokens(turn_adv, inp.token_turns, inp.mask)}
+
+
+# estimators defined in their own modules register themselves on import (after this module's names exist)
+import training.turn_credit  # noqa: F401

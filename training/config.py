@@ -80,6 +80,7 @@ class TrainConfig(Section):
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(1.0, ge=0.0, le=1.0)
     ig_coef: float = Field(1.0, ge=0.0, description="IGPO: weight of the information gain turn reward")
+    gigpo_omega: float = Field(1.0, ge=0.0, description="GiGPO: weight of the step-level (anchor-state) advantage")
     search_cost: float = Field(0.0, ge=0.0, description="reward cost per search call, folded in by turn")
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal, refill")
     dynamic_sampling_max_tries: int = Field(3, ge=1, description="extra rollout rounds to refill a batch")

@@ -7,6 +7,8 @@ float32 natural logs. Three registries (:mod:`training.registry`), each filled b
 
 * :data:`POLICY_LOSSES` (``train.policy_loss``): the per-token policy-gradient term. ``ppo_clip``: PPO
   (Schulman et al., 2017) with DAPO's clip-higher (Yu et al., 2025) and optional dual-clip (Ye et al., 2020);
+  ``gspo``: GSPO's sequence-level ratio and clipping (Zheng et al., 2025); ``cispo``: CISPO's clipped,
+  stop-gradient importance weights (MiniMax-M1, 2025);
 * :data:`KL_ESTIMATORS` (``train.kl_type``): per-token KL(pi || pi_ref) from sampled tokens, after
   Schulman's "Approximating KL divergence" note and verl's ``core_algos.kl_penalty`` (k1, k2, k3, abs);
 * :data:`LOSS_AGGS` (``train.loss_agg``): how a ``[B, T]`` loss becomes a scalar, verl's ``agg_loss`` modes
@@ -285,6 +287,65 @@ def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: tor
         pg = torch.where(lower, pg3, pg)
         stats["clip_frac_lower"] = token_mean(lower.to(mask.dtype), mask)
     return pg, stats
+
+
+def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B]``: each sequence's length-normalised log importance ratio ``(1/|y|) sum_t log(pi / pi_old)`` over
+    its policy tokens (0 for a row without one); differentiable w.r.t. ``logprobs``."""
+    n = mask.sum(-1).clamp(min=1.0)
+    return _masked(logprobs - old_logprobs, mask).sum(-1) / n
+
+
+@register_policy_loss("gspo")
+def gspo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+         clip_low: float = 3e-4, clip_high: float = 4e-4, clip_ratio_c: float | None = None,
+         options: dict[str, Any] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"; verl's ``compute_policy_loss_gspo``):
+    the importance ratio and its clipping are per *sequence*, not per token.
+
+    ``s_i = exp((1/|y_i|) sum_t log(pi(y_t) / pi_old(y_t)))`` is the length-normalised (geometric-mean)
+    sequence ratio (:func:`sequence_log_ratio`); ``pg = max(-A s, -A clip(s, 1 - clip_low, 1 + clip_high))``.
+    Implemented as the paper's GSPO-token form, ``s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)]``: its value is
+    ``s_i`` on every token and its gradient is GSPO's when the advantage is one number per sequence, while
+    turn-level advantages (GiGPO, IGPO) still weigh each token by its own ``A_t``. A sequence is clipped as
+    a whole (every token of a far-off-policy sequence drops out), where PPO clips token by token. The loss
+    writes the sequence value on each token: aggregate it ``seq-mean-token-mean`` (the paper's
+    ``1/G sum_i``); ``token-mean`` would weight long sequences more. The paper's clip range is tiny
+    (3e-4 / 4e-4) because a sequence ratio moves far less than a token's. ``clip_ratio_c`` is not used.
+    Stats: ``clip_frac`` (the share of policy tokens whose sequence was clipped)."""
+    seq = sequence_log_ratio(logprobs, old_logprobs, mask).detach()  # [B]
+    log_ratio = (seq.unsqueeze(-1) + logprobs - logprobs.detach()).clamp(max=10.0)
+    ratio = torch.exp(log_ratio)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(pg1, pg2)
+    return pg, {"clip_frac": token_mean((pg2 > pg1).to(mask.dtype), mask)}
+
+
+@register_policy_loss("cispo")
+def cispo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+          clip_low: float = 0.2, clip_high: float = 0.2, clip_ratio_c: float | None = None,
+          options: dict[str, Any] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax, 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention",
+    Sec. 3.1; verl's ``compute_policy_loss_cispo``): REINFORCE with a clipped, stop-gradient importance
+    weight, ``J = sum_t sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_t * log pi(y_t)``.
+
+    PPO's clip drops the gradient of a token whose ratio left the trust region (in MiniMax-M1's runs, the
+    rare "fork" tokens of reflective reasoning, which got no gradient after the first off-policy update);
+    CISPO clips the *weight* instead, so every token keeps its gradient ``A_t * r_hat_t * grad log pi``.
+    Written as ``pg = -A * sg(r_hat) * pi / sg(pi)``, whose value is ``-A * r_hat`` (comparable to PPO's
+    loss) and whose gradient is the paper's. The upper bound is ``1 + clip_high``; like the paper (which
+    sets eps_low large), there is no lower bound unless ``options["cispo_clip_low"]`` gives one (the
+    weight is then at least ``1 - cispo_clip_low``); ``clip_low`` and ``clip_ratio_c`` are not used.
+    Aggregate ``token-mean`` (the paper's ``1 / sum_i |o_i|``). Stats: ``clip_frac`` (the share of policy
+    tokens whose weight was clipped)."""
+    low = (options or {}).get("cispo_clip_low")
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-20.0, 20.0)).detach()
+    weight = ratio.clamp(max=1.0 + clip_high)
+    if low is not None:
+        weight = weight.clamp(min=1.0 - float(low))
+    pg = -advantages * weight * torch.exp(logprobs - logprobs.detach())
+    return pg, {"clip_frac": token_mean((weight != ratio).to(mask.dtype), mask)}
 
 
 def policy_loss(
