@@ -176,3 +176,24 @@ def test_outcome_advantages_under_torchrun_equal_one_process_on_the_whole_batch(
         monkeypatch.setattr(A, "gather_objects", lambda obj, parts=parts: parts)
         got = A.gathered_outcome(fn, r[rank], groups[rank], strata[rank], TC)
         torch.testing.assert_close(got, whole[:6] if rank == 0 else whole[6:])
+
+
+def test_an_episode_split_into_several_sequences_counts_once_in_its_group():
+    """An external agent's episode whose chat template rewrote history becomes several training sequences
+    (agent.stitch), each with the episode's reward. GRPO compared every sequence as an episode, so a split
+    episode weighed as many times as it had sequences: here rows (1, 1, 0) gave (0.58, 0.58, -1.15)."""
+    from agent.trajectory import Trajectory
+
+    def traj(ep, segments):
+        return Trajectory(question_id="q", question="x", group=0,
+                          metadata={"episode": ep, "segment": 0, "segments": segments})
+
+    trajs = [traj("a", 2), traj("a", 2), traj("b", 1)]
+    inp = A.AdvantageInputs(rewards=torch.tensor([1.0, 1.0, 0.0]), groups=torch.zeros(3, dtype=torch.long),
+                            mask=torch.ones(3, 2), token_turns=torch.ones(3, 2, dtype=torch.long),
+                            turn_valid=torch.ones(3, 1, dtype=torch.bool), is_search=torch.zeros(3, 1, dtype=torch.bool),
+                            search_calls=torch.tensor([1, 0, 0]), trajs=trajs)
+    adv = A.compute_advantages(TC, inp)["advantages"][:, 0]
+    # two episodes with rewards 1 and 0: GRPO gives +-(0.5 / 0.7071)
+    close(adv, [0.707107, 0.707107, -0.707107])
+    assert A.episode_rows([traj("a", 1), traj("b", 1)]) is None

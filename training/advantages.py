@@ -334,14 +334,22 @@ def register_outcome_adv_est(name: str, *, groups: bool = True, replace: bool = 
     """Decorator: register an outcome-level ``fn(rewards [N], groups [N], search_calls [N], tc) -> [N]`` as
     ``train.algorithm=<name>``. The trainer calls it on ``rewards - kl_coef * KL`` (with
     ``train.kl_mode=reward``) of the whole batch (gathered over ranks under torchrun, so batch statistics are
-    those of one process), broadcasts the result to every policy token of the trajectory and adds the
-    per-turn search cost-to-go (``train.search_cost``). ``groups``: the estimator compares trajectories of a
+    those of one process; an episode split into several training sequences once, :func:`episode_rows`),
+    broadcasts the result to every policy token of the trajectory and adds the per-turn search cost-to-go
+    (``train.search_cost``). ``groups``: the estimator compares trajectories of a
     group, so ``train.group_size`` must be >= 2."""
 
     def wrap(fn):
         def estimate(inp: AdvantageInputs, tc: Any) -> dict[str, torch.Tensor]:
             rewards = inp.rewards - tc.kl_coef * inp.kl_seq()
-            adv = gathered_outcome(fn, rewards, inp.groups, inp.search_calls, tc)
+            split = episode_rows(inp.trajs)
+            if split is None:
+                adv = gathered_outcome(fn, rewards, inp.groups, inp.search_calls, tc)
+            else:  # an episode split into several training sequences counts once in its group's statistics
+                inverse, first = split
+                per_ep = torch.zeros(len(first)).index_add_(0, inverse, rewards - inp.rewards) + inp.rewards[first]
+                calls = torch.zeros(len(first), dtype=torch.long).index_add_(0, inverse, inp.search_calls)
+                adv = gathered_outcome(fn, per_ep, inp.groups[first], calls, tc)[inverse]
             tok = to_token_advantages(adv, inp.mask)
             if tc.search_cost > 0:
                 cost = search_cost_to_go(inp.is_search, inp.turn_valid, tc.search_cost)
@@ -352,6 +360,28 @@ def register_outcome_adv_est(name: str, *, groups: bool = True, replace: bool = 
         return fn
 
     return wrap
+
+
+def episode_rows(trajs: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For a batch where some episodes were split into several training sequences (an external agent whose
+    chat template rewrote history: ``metadata["episode"]`` and ``["segments"] > 1``, :mod:`agent.stitch`):
+    ``(inverse [N], first [E])``, each row's episode among the ``E`` distinct episodes and each episode's
+    first row; ``None`` when every row is a whole episode. Episodes are told apart by (group, episode id)."""
+    keys: list[tuple] = []
+    for i, t in enumerate(trajs):
+        meta = getattr(t, "metadata", None) or {}
+        ep = meta.get("episode") if (meta.get("segments") or 1) > 1 else None
+        keys.append(("episode", t.group, ep) if ep is not None else ("row", i))
+    if len(set(keys)) == len(keys):
+        return None
+    index: dict[tuple, int] = {}
+    inverse, first = [], []
+    for i, k in enumerate(keys):
+        if k not in index:
+            index[k] = len(index)
+            first.append(i)
+        inverse.append(index[k])
+    return torch.tensor(inverse), torch.tensor(first)
 
 
 def gathered_outcome(fn: Callable[..., torch.Tensor], rewards: torch.Tensor, groups: torch.Tensor,
