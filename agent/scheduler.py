@@ -2,7 +2,10 @@
 
 Each LangGraph episode awaits ``scheduler.generate(...)`` / ``scheduler.search(...)`` as if it were alone;
 the scheduler holds requests until every live episode that is not already inside a running batch is
-waiting, then runs one batched backend call per queue in a worker thread. The result is the same batch
+waiting, then runs one batched backend call per queue in that queue's worker thread (one per queue and
+scheduler: the backend always sees the same thread, and what its calls allocate and free stays in one
+allocator arena; on asyncio's shared pool the calls hopped between threads and a server's resident memory
+grew round after round of requests, by glibc arenas per thread). The result is the same batch
 shape a hand-written lock-step loop would use, so the graph costs nothing measurable on top of it, and the
 same scheduler serves concurrent HTTP requests (each request is an episode).
 
@@ -21,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Callable
+import weakref
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -71,13 +74,10 @@ class Scheduler:
         self._inflight = 0
         self._queues: dict[str, list[tuple[Any, asyncio.Future]]] = {"generate": [], "search": []}
         self._busy: dict[str, bool] = {"generate": False, "search": False}
-        self._runners: dict[str, Callable[[list[Any]], list[Any]]] = {
-            "generate": self._run_generate,
-            "search": self._run_search,
-        }
         self.stats = {"generate_batches": 0, "generate_prompts": 0, "search_batches": 0, "search_queries": 0}
         self._stats_lock = threading.Lock()  # a split pass may run several backend calls in threads at once
         self._tasks: set[asyncio.Task] = set()  # the running batches (the loop keeps only weak references)
+        self._workers: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 
     # -- episode accounting ---------------------------------------------------------------------------
     @asynccontextmanager
@@ -89,6 +89,7 @@ class Scheduler:
         finally:
             self.active -= 1
             self._poke()
+            self._release_idle_workers()
 
     # -- requests -------------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
@@ -145,7 +146,7 @@ class Scheduler:
         items, self._queues[kind] = q[: self.max_batch], q[self.max_batch :]
         self._inflight += len(items)
         try:
-            results = await asyncio.to_thread(self._run, kind, [p for p, _ in items])
+            results = await self._in_worker(kind, [p for p, _ in items])
             for (_, fut), res in zip(items, results, strict=True):
                 if not fut.done():
                     fut.set_result(res)
@@ -168,6 +169,7 @@ class Scheduler:
             self._inflight -= len(items)
             self._busy[kind] = False
             self._poke()
+            self._release_idle_workers()
 
     async def _one_by_one(self, kind: str, items: list[tuple[Any, asyncio.Future]], error: Exception) -> None:
         """Settle the futures of a batch whose call raised ``error``: each request still awaited is run alone
@@ -196,7 +198,7 @@ class Scheduler:
                     return
                 try:
                     if pool is None:
-                        (res,) = await asyncio.to_thread(self._run, kind, [payload])
+                        (res,) = await self._in_worker(kind, [payload])
                     else:
                         (res,) = await asyncio.get_running_loop().run_in_executor(pool, self._run, kind, [payload])
                 except Exception as e:  # noqa: BLE001 - this request's own failure
@@ -222,6 +224,26 @@ class Scheduler:
             if not fut.done():
                 fut.set_exception(error)
 
+    def _in_worker(self, kind: str, payloads: list[Any]) -> asyncio.Future:
+        """:meth:`_run` on ``kind``'s worker thread (made on first use; ended when the scheduler goes idle,
+        :meth:`_release_idle_workers`, or is collected). One batch of a kind runs at a time, so one thread
+        loses no concurrency."""
+        pool = self._workers.get(kind)
+        if pool is None:
+            pool = self._workers[kind] = concurrent.futures.ThreadPoolExecutor(1, f"sleuth-{kind}")
+            weakref.finalize(self, pool.shutdown, wait=False)
+        return asyncio.get_running_loop().run_in_executor(pool, self._run, kind, payloads)
+
+    def _release_idle_workers(self) -> None:
+        """End the worker threads once no episode is live, no request waits and no batch runs (the next batch
+        makes them again; a thread that ends hands its allocator arena to the next one): an idle scheduler
+        holds no thread, however long it is kept."""
+        if self.active or any(self._busy.values()) or any(self._queues.values()) or not self._workers:
+            return
+        workers, self._workers = self._workers, {}
+        for pool in workers.values():
+            pool.shutdown(wait=False)
+
     def _run(self, kind: str, payloads: list[Any]) -> list[Any]:
         """The batch's backend call (in the worker thread). A ``StopIteration`` it raises becomes a
         ``RuntimeError``: an asyncio future cannot hold one, so the batch's result would never arrive and the
@@ -230,7 +252,7 @@ class Scheduler:
         event loop): an ``asyncio.CancelledError`` of the backend's own loop would read as the cancellation of
         the batch's task, a ``GeneratorExit`` would end it, and either way its requests would wait forever."""
         try:
-            return self._runners[kind](payloads)
+            return (self._run_generate if kind == "generate" else self._run_search)(payloads)
         except StopIteration as e:
             raise RuntimeError(f"the {kind} backend raised StopIteration{f': {e}' if str(e) else ''}") from e
         except (Exception, KeyboardInterrupt, SystemExit):
