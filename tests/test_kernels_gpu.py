@@ -261,6 +261,27 @@ def test_policy_loss_matches_reference(B, T, agg, kl_type, keep, clip_c):
 
 
 @pytest.mark.parametrize("agg", KERNEL_AGGS)
+@pytest.mark.parametrize("clip_c", [None, 1.5])
+def test_policy_loss_with_importance_weights_matches_reference(agg, clip_c):
+    """The rollout correction's per-token weights reach the kernel folded into the advantages; loss, stats
+    and gradient equal the reference's weighted policy term (CPU side: tests/test_offpolicy.py)."""
+    lp, old, adv, mask, ref, ent = _ppo_inputs(64, 50, seed=5)
+    w = (torch.rand(64, 50, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1)) * 3).clamp(max=2.0)
+    kw = {"clip_low": 0.2, "clip_high": 0.28, "loss_agg": agg, "ref_logprobs": ref, "kl_coef": 0.05,
+          "kl_type": "k3", "entropy_coef": 0.01, "clip_ratio_c": clip_c}
+    lp_k = lp.clone().requires_grad_(True)
+    loss, stats = K.policy_loss(lp_k, old, adv, mask, entropy=ent, impl="cuda", is_weights=w, **kw)
+    loss.backward()
+    lp_r = lp.double().requires_grad_(True)
+    loss_r, stats_r = policy_loss(lp_r, old.double(), adv.double(), mask.double(),
+                                  **{**kw, "ref_logprobs": ref.double()}, entropy=ent.double(), is_weights=w.double())
+    loss_r.backward()
+    assert abs(loss.item() - loss_r.item()) <= 1e-5 * max(1.0, abs(loss_r.item()))
+    assert abs(stats["pg_loss"] - stats_r["pg_loss"]) <= 1e-5 * max(1.0, abs(stats_r["pg_loss"]))
+    assert _rel(lp_k.grad, lp_r.grad) < 1e-5
+
+
+@pytest.mark.parametrize("agg", KERNEL_AGGS)
 def test_policy_loss_k3_clamps_match_reference(agg):
     """k3's two clamps (log-ratio +-20, estimate <= 10, as verl's low_var_kl) in the kernel as in the
     reference: a reference model far from the policy puts many tokens past them."""

@@ -234,6 +234,7 @@ def policy_grads(fwd: LogprobModule, micro: list[Batch], n_real: int, cfg: Any, 
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c, loss_agg=cfg.loss_agg,
             ref_logprobs=ref, kl_coef=cfg.kl_coef, kl_type=cfg.kl_type, entropy=ent,
             entropy_coef=cfg.entropy_coef, loss_scale=loss_scale, options=cfg.options,
+            is_weights=mb.is_weights.to(lp.device) if mb.is_weights is not None else None,
         )
         if not torch.isfinite(loss) and W == 1:
             raise FloatingPointError(f"non-finite policy loss ({float(loss)})")

@@ -28,6 +28,11 @@ class Batch:
     * ``rewards``, ``advantages``: ``[N]`` float32; ``groups``: ``[N]`` int64;
     * ``old_logprobs``, ``ref_logprobs``: optional ``[N, T-1]`` float32: the policy's log-probs before the
       update and the reference model's (:func:`training.actor.score_logprobs`);
+    * ``rollout_logprobs``: optional ``[N, T-1]`` float32, aligned with ``loss_mask``: the behaviour policy's
+      log-probs as the rollout backend reported them when it sampled (:attr:`agent.trajectory.Trajectory.
+      logprobs`), NaN in the rows of trajectories without them; ``None`` when no trajectory has them;
+    * ``is_weights``: optional ``[N, T-1]`` float32: the rollout correction's per-token importance weights on
+      the policy-gradient term (:func:`training.offpolicy.rollout_correction`);
     * ``token_advantages``, ``returns``, ``old_values``: optional ``[N, T-1]`` float32, aligned with
       ``loss_mask`` (set by the trainer: per-token advantages, PPO value targets and values);
     * ``packed``: compute strategy for :func:`training.actor.policy_logprobs` (set by :meth:`select`): run the
@@ -48,6 +53,8 @@ class Batch:
     advantages: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
     token_advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
@@ -126,7 +133,9 @@ def micro_batches(
 
 def collate(trajs: list[Trajectory], pad_id: int, max_len: int | None = None) -> Batch:
     """Pad trajectories into a :class:`Batch`. A trajectory longer than ``max_len`` tokens is truncated
-    from the right with its roles (hence its loss mask) cut at the same place."""
+    from the right with its roles (hence its loss mask) cut at the same place. The sampled tokens'
+    log-probs the backend reported (``Trajectory.logprobs``) become ``rollout_logprobs``, shifted to the
+    targets as the loss mask is; rows of trajectories without them are NaN."""
     if not trajs:
         raise ValueError("cannot collate an empty list of trajectories")
     lens = [min(len(t), max_len) if max_len else len(t) for t in trajs]
@@ -136,12 +145,16 @@ def collate(trajs: list[Trajectory], pad_id: int, max_len: int | None = None) ->
     roles = torch.full((N, T), -1, dtype=torch.long)
     turns = torch.zeros((N, T), dtype=torch.long)
     attn = torch.zeros((N, T), dtype=torch.long)
+    reported = any(t.logprobs is not None for t in trajs)
+    rollout_lp = torch.full((N, T - 1), float("nan")) if reported else None
     for i, (t, n) in enumerate(zip(trajs, lens, strict=True)):
         t.check()
         input_ids[i, :n] = torch.tensor(t.token_ids[:n])
         roles[i, :n] = torch.tensor(t.roles[:n])
         turns[i, :n] = torch.tensor(t.turn_ids[:n])
         attn[i, :n] = 1
+        if t.logprobs is not None and n > 1:  # target t+1's log-prob at position t, as the loss mask
+            rollout_lp[i, : n - 1] = torch.tensor(t.logprobs[1:n], dtype=torch.float32)
     return Batch(
         input_ids=input_ids,
         attention_mask=attn,
@@ -150,4 +163,5 @@ def collate(trajs: list[Trajectory], pad_id: int, max_len: int | None = None) ->
         turn_ids=turns,
         rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
         groups=torch.tensor([t.group for t in trajs], dtype=torch.long),
+        rollout_logprobs=rollout_lp,
     )

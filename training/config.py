@@ -84,6 +84,16 @@ class TrainConfig(Section):
     search_cost: float = Field(0.0, ge=0.0, description="reward cost per search call, folded in by turn")
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal, refill")
     dynamic_sampling_max_tries: int = Field(3, ge=1, description="extra rollout rounds to refill a batch")
+    # rollout correction (training.offpolicy)
+    tis_cap: float | None = Field(
+        2.0, gt=0, description="truncated importance sampling (Yao et al. 2025): each token's policy-gradient term "
+                               "weighted by min(pi_old / pi_rollout, tis_cap), from the log-probs the rollout "
+                               "backend reported; None = off (the drift is still logged)")
+    mis_band: tuple[float, float] | None = Field(
+        None, description="masked importance sampling: drop from the update the episodes whose sequence ratio "
+                          "pi_old / pi_rollout (see mis_level) leaves [low, high], e.g. [0.5, 2.0]; None = off")
+    mis_level: Literal["sequence", "geometric"] = Field(
+        "sequence", description="MIS ratio of an episode: the product over its tokens, or its geometric mean")
     # efficiency and scale
     lora: bool = False
     lora_rank: int = Field(8, ge=1)
@@ -133,6 +143,8 @@ class TrainConfig(Section):
         if est.critic and self.critic == "none":
             raise ValueError(f"train.algorithm={self.algorithm} needs a value model: set train.critic=separate or "
                              "shared")
+        if self.mis_band is not None and not 0 < self.mis_band[0] <= 1.0 <= self.mis_band[1]:
+            raise ValueError(f"train.mis_band must be [low, high] with 0 < low <= 1 <= high, got {list(self.mis_band)}")
         if est.groups and self.group_size < 2:
             raise ValueError(f"train.algorithm={self.algorithm} is group-relative: train.group_size must be >= 2")
         return self

@@ -413,6 +413,7 @@ def policy_loss(
     loss_scale: float | None = None,
     options: dict | None = None,
     impl: str | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The masked actor loss; same signature, semantics and stats as :func:`training.losses.policy_loss`.
 
@@ -424,11 +425,16 @@ def policy_loss(
     advantages and reference log-probs are constants, as in training: if any of them requires grad,
     ``auto`` uses the reference and ``cuda`` raises). Returns ``(loss, stats)``. Raises ``ValueError`` for
     an unknown loss, aggregation or KL kind, mismatched shapes or ``clip_ratio_c <= 1``.
+
+    ``is_weights`` (the rollout correction's per-token weights, ``>= 0``) reach the kernel folded into the
+    advantages: ``ppo_clip`` is positively homogeneous in the advantage (``max(-wA r, -wA clip(r)) = w
+    max(-A r, -A clip(r))`` for ``w >= 0``, and so is the dual-clip bound), so the loss and its gradient are
+    the reference's ``w * pg`` (``tests/test_offpolicy.py`` checks the emulated kernel against it).
     """
     term, agg, kl = L.POLICY_LOSSES.get(loss), L.LOSS_AGGS.get(loss_agg), L.KL_ESTIMATORS.get(kl_type)
     shape = logprobs.shape
     _check_shapes(shape, old_logprobs=old_logprobs, advantages=advantages, mask=mask, ref_logprobs=ref_logprobs,
-                  entropy=entropy)
+                  entropy=entropy, is_weights=is_weights)
     ref_kw = {
         "loss": loss,
         "clip_low": clip_low,
@@ -442,8 +448,9 @@ def policy_loss(
         "clip_ratio_c": clip_ratio_c,
         "loss_scale": loss_scale,
         "options": options,
+        "is_weights": is_weights,
     }
-    tensors = [t for t in (logprobs, old_logprobs, advantages, mask, ref_logprobs, entropy) if t is not None]
+    tensors = [t for t in (logprobs, old_logprobs, advantages, mask, ref_logprobs, entropy, is_weights) if t is not None]
     const_grad = any(t is not None and t.requires_grad for t in (old_logprobs, advantages, ref_logprobs))
     use_kl = ref_logprobs is not None and kl_coef > 0
     unsupported = [f"{key}={val}" for key, val, ok in (
@@ -465,6 +472,9 @@ def policy_loss(
 
     def f32(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.float().contiguous()
+
+    if is_weights is not None:  # w * ppo_clip(A) == ppo_clip(w * A) for w >= 0 (see above)
+        advantages = advantages.float() * is_weights.detach().float()
 
     value, out = _PolicyLoss.apply(
         f32(logprobs),

@@ -366,19 +366,25 @@ def policy_loss(
     clip_ratio_c: float | None = None,
     loss_scale: float | None = None,
     options: dict[str, Any] | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The masked actor loss (reference): the registered policy term ``loss`` aggregated by ``loss_agg``,
     plus ``kl_coef`` times the aggregated KL estimate ``kl_type`` when ``ref_logprobs`` is given and minus
     ``entropy_coef`` times the aggregated entropy when ``entropy`` is given. All inputs ``[B, T]`` float;
-    ``loss_scale`` is the constant of ``seq-mean-token-sum-norm``; ``options`` go to the policy term.
-    Returns ``(loss, stats)`` with ``stats`` = pg_loss, the term's own stats (``ppo_clip``: clip_frac), approx_kl
-    (vs. the old policy), ratio_mean, kl (vs. the reference) and entropy. Raises ``ValueError`` for an
+    ``loss_scale`` is the constant of ``seq-mean-token-sum-norm``; ``options`` go to the policy term;
+    ``is_weights`` (``[B, T]``, non-negative constants: the rollout correction's truncated importance
+    weights, :mod:`training.offpolicy`) multiply the policy term per token before aggregation, as verl's
+    ``rollout_is_weights`` (the KL and entropy terms are not weighted). Returns ``(loss, stats)`` with
+    ``stats`` = pg_loss, the term's own stats (``ppo_clip``: clip_frac), approx_kl (vs. the old policy),
+    ratio_mean, kl (vs. the reference) and entropy. Raises ``ValueError`` for an
     unknown loss, aggregation or KL kind."""
     mask = mask.to(logprobs.dtype)
     term = POLICY_LOSSES.get(loss)
     agg = LOSS_AGGS.get(loss_agg)
     pg, own = term.fn(logprobs, old_logprobs, advantages, mask, clip_low=clip_low, clip_high=clip_high,
                       clip_ratio_c=clip_ratio_c, options=options or {})
+    if is_weights is not None:
+        pg = pg * is_weights.detach().to(pg.dtype)
     pg_loss = agg.fn(_masked(pg, mask), mask, loss_scale)
     out = pg_loss
     log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)

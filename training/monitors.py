@@ -196,10 +196,11 @@ def merge_rank_records(records: list[tuple[dict[str, Any], int]], loss_keys: set
 
     Loss statistics of :func:`update_policy` (``loss_keys``) are each rank's share of the global mean, so
     they are summed (``grad_norm`` and ``lr`` are already global: rank 0's); ``ds_dropped_groups`` and
-    ``ds_kept_groups`` are summed; timings and ``ds_rounds`` take the maximum; ``stop/<reason>`` rates are
-    means over every rank's trajectories (a rank without the key had no such episode: rate 0); other numbers
-    (rollout and health statistics) are means weighted by each rank's trajectory count, over the ranks that
-    have the key (per-dataset splits are therefore approximate); anything else is rank 0's."""
+    ``ds_kept_groups`` are summed; timings, ``ds_rounds`` and the ``offpolicy/..._max`` drift metrics take the
+    maximum; ``stop/<reason>`` rates are means over every rank's trajectories (a rank without the key had no
+    such episode: rate 0); other numbers (rollout and health statistics, the drift's quantiles: an
+    approximation) are means weighted by each rank's trajectory count, over the ranks that have the key
+    (per-dataset splits are therefore approximate); anything else is rank 0's."""
     summed = {k for k in loss_keys if k not in ("grad_norm", "lr", "skipped")} | {"ds_dropped_groups", "ds_kept_groups",
                                                                                   *FAULT_COUNTS}
     maxed = {"rollout_s", "step_s", "ds_rounds"}
@@ -214,7 +215,7 @@ def merge_rank_records(records: list[tuple[dict[str, Any], int]], loss_keys: set
             out[k] = vals[0][0]
         elif k in summed:
             out[k] = float(sum(v for v, _ in vals))
-        elif k in maxed:
+        elif k in maxed or (k.startswith("offpolicy/") and k.endswith("_max")):
             out[k] = float(max(v for v, _ in vals))
         else:
             total = sum(n for _, n in vals)

@@ -50,6 +50,7 @@ from training.distributed import (
 from training.gpu_health import check_gpu_memory
 from training.lora import base_model, merged_lora_state
 from training.monitors import MetricsLogger, drop_steps_after, merge_rank_records
+from training.offpolicy import rollout_correction
 from training.rewards import gold_answer_probs, kl_penalty
 from training.rollout import RolloutWorker, rollout, rollout_stats
 from training.run_state import RunState, open_run, restore_rng_streams, save_run
@@ -284,6 +285,7 @@ def rl_train(
             batch.temperature = agent_cfg.temperature  # score the distribution the rollout sampled from
             extra = score(state, batch, trajs, tc, tokenizer, agent_cfg.max_total_tokens)
             advantage_phase(tc, batch, trajs, extra)
+            stats.update(rollout_correction(batch, tc))  # drift of the rollout's log-probs; TIS / MIS
             loss_stats, moved = update_phase(state, batch, tc, loss_scale, step)
             sync_phase(state, worker, tc, moved, sync_weights)
             stats["step_s"] = time.time() - t0
