@@ -307,10 +307,10 @@ def nan_on_one_rank(rank: int, policy_dir: str, out: Path) -> None:
     import training.kernels as K
     from tests.test_fsdp import build, train_cfg
     from training import distributed as D
-    from training.actor import update_policy
+    from training.actor import LogprobModule, update_policy
 
     model, batch = build()
-    fwd = D.shard(D.LogprobModule(model))
+    fwd = D.shard(LogprobModule(model))
     opt = torch.optim.AdamW(fwd.parameters(), lr=1e-2)
     before = D.full_state_dict(fwd)
     real = K.policy_loss

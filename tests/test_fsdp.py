@@ -83,13 +83,13 @@ def reference_params() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]
 
 def worker(out: str) -> None:
     from training import distributed as D
-    from training.actor import update_policy
+    from training.actor import LogprobModule, update_policy
 
     rank, W = D.init_from_env("gloo")
     torch.set_num_threads(1)
     model, batch = build()
     critic = D.shard_value_model(critic_for(model))  # built from the full policy, before it is sharded
-    fwd = D.shard(D.LogprobModule(model))
+    fwd = D.shard(LogprobModule(model))
     opt = torch.optim.SGD(fwd.parameters(), lr=train_cfg().lr)
     copt = torch.optim.SGD(critic.parameters(), lr=train_cfg().lr)
     rows = torch.arange(len(batch))[rank::W]
