@@ -52,10 +52,8 @@ default (see ``sleuth serve``).
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import secrets
-import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -66,7 +64,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agent.chat_params import MAX_N, ChatParams, ParamError, parse_chat_params
+from agent.chat_params import MAX_N, ChatParams
 from agent.external import merged
 from agent.judges import Judge, rule_judge
 from agent.llm import LLM
@@ -107,7 +105,7 @@ class HTTPError(Exception):
         self.param, self.code = param, code
 
 
-class _EvidenceRetriever:
+class EvidenceRetriever:
     """Wraps the retriever and remembers the hits it returned (bounded LRU by id), to report evidence."""
 
     def __init__(self, inner: Retriever, capacity: int = 100_000):
@@ -125,7 +123,7 @@ class _EvidenceRetriever:
         return res
 
 
-def _check_unicode(s: str, what: str) -> None:
+def check_unicode(s: str, what: str) -> None:
     """Raise a 422 :class:`HTTPError` when ``s`` holds a lone surrogate (``"\\ud800"`` is valid JSON but no
     Unicode text: tokenizers and UTF-8 output cannot take it)."""
     try:
@@ -135,7 +133,7 @@ def _check_unicode(s: str, what: str) -> None:
                              "send valid Unicode text") from None
 
 
-class _SlotStream(StreamingResponse):
+class SlotStream(StreamingResponse):
     """A streamed reply holding an episode slot: when the response ends, however it ends (streamed to the
     end, the client gone, a failure, or never iterated at all), the body generator is closed (its
     ``finally`` cancels a running episode) and ``release`` frees the slot."""
@@ -155,52 +153,50 @@ class _SlotStream(StreamingResponse):
                 self.release()
 
 
-def _int_in(v: Any, lo: int, hi: int) -> bool:
+def int_in(v: Any, lo: int, hi: int) -> bool:
     """Whether ``v`` is an integer (a JSON bool is not) in ``[lo, hi]``."""
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", retry_after: int | None = None,
+def error_reply(status: int, message: str, kind: str = "invalid_request_error", retry_after: int | None = None,
            param: str | None = None, code: str | None = None) -> JSONResponse:
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status, headers=headers)
 
 
-def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3, temperature: float = 0.0,
-               api_key: str | None = None, model_name: str = "sleuth-agent",
-               limits: ServeLimits | None = None, judge: Judge | None = None, external: Any = None) -> FastAPI:
-    """Build the app around one policy backend and one retriever (see the module docstring). ``judge``
-    scores answers sent with golden answers (default: :func:`agent.loop.make_context`'s, from
-    ``agent_cfg.judge``). ``external`` (an :class:`agent.external.ExternalRunner`, ``agent.kind: external``)
-    answers with the external agent instead of the built-in loop: its own tools search, so a request's
-    ``top_k``, ``max_turns`` and temperature do not apply, a stream carries no turn or search events, and the
-    evidence is empty."""
-    limits = limits or ServeLimits()
-    evidence = _EvidenceRetriever(retriever)
-    ctx = make_context(llm, evidence, agent_cfg, temperature=temperature, top_k=top_k, judge=judge)
-    app = FastAPI(title="Sleuth agent", version="0.1")
-    app.state.ctx = ctx
-    app.state.inflight = 0
-    app.state.served = 0
+class AgentService:
+    """What the routes share: the policy backend, the evidence-recording retriever, the agent's context (one
+    scheduler for every request), the limits, and the request checks and episode runs every route uses.
+    ``state`` is the app's ``state`` (``inflight``: episode slots taken; ``served``: episodes answered)."""
 
-    # -- plumbing -------------------------------------------------------------------------------------
-    def check_auth(request: Request) -> None:
-        if not api_key:  # None or "": no key, open (as `sleuth serve --api-key ""` documents)
+    def __init__(self, state: Any, llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int, temperature: float,
+                 api_key: str | None, model_name: str, limits: ServeLimits, judge: Judge | None, external: Any):
+        self.state, self.llm, self.agent_cfg, self.limits = state, llm, agent_cfg, limits
+        self.temperature, self.api_key, self.model_name, self.external = temperature, api_key, model_name, external
+        self.evidence = EvidenceRetriever(retriever)
+        self.ctx = make_context(llm, self.evidence, agent_cfg, temperature=temperature, top_k=top_k, judge=judge)
+        state.ctx, state.inflight, state.served = self.ctx, 0, 0
+
+    # -- request checks -------------------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        if not self.api_key:  # None or "": no key, open (as `sleuth serve --api-key ""` documents)
             return
         got = request.headers.get("authorization", "")
-        if not secrets.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+        if not secrets.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
             raise HTTPError(401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error")
 
-    async def read_json(request: Request) -> dict[str, Any]:
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        """The request's JSON object, read within ``max_body_bytes`` (413), or a 400 :class:`HTTPError`."""
+        limit = self.limits.max_body_bytes
         declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limits.max_body_bytes:
-            raise HTTPError(413, f"request body of {declared} bytes exceeds {limits.max_body_bytes}")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise HTTPError(413, f"request body of {declared} bytes exceeds {limit}")
         body = bytearray()
         async for chunk in request.stream():
             body.extend(chunk)
-            if len(body) > limits.max_body_bytes:
-                raise HTTPError(413, f"request body exceeds {limits.max_body_bytes} bytes")
+            if len(body) > limit:
+                raise HTTPError(413, f"request body exceeds {limit} bytes")
         try:
             obj = json.loads(body)
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past the int-string digit limit
@@ -211,24 +207,26 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
             raise HTTPError(400, "request body must be a JSON object")
         return obj
 
-    def check_question(q: Any) -> str:
+    def check_question(self, q: Any) -> str:
+        """The stripped question, or a 422 :class:`HTTPError` (not text, empty, too long, a lone surrogate, or
+        a prompt that fills the episode's token budget)."""
         if not isinstance(q, str):
             raise HTTPError(422, "the question must be a string")
         q = q.strip()
         if not q:
             raise HTTPError(422, "the question is empty")
-        _check_unicode(q, "the question")
-        if len(q) > limits.max_question_chars:
-            raise HTTPError(422, f"the question has {len(q)} characters; the limit is {limits.max_question_chars}")
+        check_unicode(q, "the question")
+        if len(q) > self.limits.max_question_chars:
+            raise HTTPError(422, f"the question has {len(q)} characters; the limit is {self.limits.max_question_chars}")
         # a short question can still be many tokens (CJK): a prompt that fills the episode's token budget
         # would end at once with no answer (stop_reason max_tokens), so it is refused with the numbers
-        n, budget = len(prompt_ids(ctx.tokenizer, q, agent_cfg)), agent_cfg.max_total_tokens
+        n, budget = len(prompt_ids(self.ctx.tokenizer, q, self.agent_cfg)), self.agent_cfg.max_total_tokens
         if n >= budget:
             raise HTTPError(422, f"the prompt of this question is {n} tokens, {n - budget + 1} more than fit "
                                  f"agent.max_total_tokens={budget} with one token left to generate")
         return q
 
-    def episode_options(obj: dict[str, Any]) -> tuple[list[str], int | None, int | None]:
+    def episode_options(self, obj: dict[str, Any]) -> tuple[list[str], int | None, int | None]:
         """A request's ``golden_answers`` (``[]`` when left out), ``top_k`` and ``max_turns`` (``None`` when
         left out: the server's own), or a 422 :class:`HTTPError` naming the field and its range."""
         golds = obj.get("golden_answers")
@@ -236,98 +234,108 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
         if not isinstance(golds, list) or not all(isinstance(g, str) for g in golds):
             raise HTTPError(422, "golden_answers must be a list of strings")
         for g in golds:
-            _check_unicode(g, "a golden answer")
+            check_unicode(g, "a golden answer")
         k, turns = obj.get("top_k"), obj.get("max_turns")
-        if k is not None and not _int_in(k, 1, limits.max_top_k):
-            raise HTTPError(422, f"top_k must be an integer in [1, {limits.max_top_k}]")
-        if turns is not None and not _int_in(turns, 1, agent_cfg.max_turns):
-            raise HTTPError(422, f"max_turns must be an integer in [1, {agent_cfg.max_turns}] "
+        if k is not None and not int_in(k, 1, self.limits.max_top_k):
+            raise HTTPError(422, f"top_k must be an integer in [1, {self.limits.max_top_k}]")
+        if turns is not None and not int_in(turns, 1, self.agent_cfg.max_turns):
+            raise HTTPError(422, f"max_turns must be an integer in [1, {self.agent_cfg.max_turns}] "
                                  "(the server's agent.max_turns)")
         return golds, k, turns
 
-    def sampling_update(question: str, p: ChatParams) -> dict[str, Any]:
+    def sampling_update(self, question: str, p: ChatParams) -> dict[str, Any]:
         """The ``agent_cfg`` fields a chat request sets: ``top_p``, and for ``max_tokens`` the episode's token
         budget cut to the prompt plus ``max_tokens`` (never above ``agent.max_total_tokens``)."""
         update: dict[str, Any] = {}
         if p.top_p is not None:
             update["top_p"] = p.top_p
         if p.max_tokens is not None:
-            n_prompt = len(prompt_ids(ctx.tokenizer, question, agent_cfg))
-            update["max_total_tokens"] = min(agent_cfg.max_total_tokens, n_prompt + p.max_tokens)
+            n_prompt = len(prompt_ids(self.ctx.tokenizer, question, self.agent_cfg))
+            update["max_total_tokens"] = min(self.agent_cfg.max_total_tokens, n_prompt + p.max_tokens)
         return update
 
-    def take_slot() -> Callable[[], None]:
+    # -- episode slots and runs -----------------------------------------------------------------------
+    def take_slot(self) -> Callable[[], None]:
         """Take one of the ``max_inflight`` episode slots, or raise a 503 :class:`HTTPError` when all are
         taken (with ``Retry-After:`` :data:`BUSY_RETRY_AFTER_S`). The check and the taking are one step (no
         ``await`` between them: two requests cannot both pass a full server). Returns the slot's release,
         which frees it once however often it is called."""
-        if app.state.inflight >= limits.max_inflight:
-            raise HTTPError(503, f"server busy: {limits.max_inflight} episodes in flight", "server_error",
+        state = self.state
+        if state.inflight >= self.limits.max_inflight:
+            raise HTTPError(503, f"server busy: {self.limits.max_inflight} episodes in flight", "server_error",
                             retry_after=BUSY_RETRY_AFTER_S)
-        app.state.inflight += 1
+        state.inflight += 1
         taken = True
 
         def release() -> None:
             nonlocal taken
             if taken:
                 taken = False
-                app.state.inflight -= 1
+                state.inflight -= 1
 
         return release
 
-    async def episode(question: str, golds: list[str], k: int | None, on_event: EventSink | None = None,
-                      release: Callable[[], None] | None = None, turns: int | None = None,
-                      temp: float | None = None, cfg_update: dict[str, Any] | None = None) -> Trajectory:
-        """Run one episode (``k`` documents per search, at most ``turns`` turns, sampled at ``temp``, with
-        ``cfg_update`` over ``agent_cfg``; ``None``: the server's own) in a slot of ``max_inflight``
-        (``release``: one the caller took with :func:`take_slot`; by default it is taken here) and free the
-        slot when it ends, however it ends.
-        Raises :class:`HTTPError` 503 (no slot), 504 (over ``request_timeout_s``) or 502 (backend failure)."""
-        release = release or take_slot()
-        try:
-            ex = QAExample(id=f"req-{uuid.uuid4().hex[:12]}", question=question, golden_answers=golds or [""])
-            # no gold: nothing to judge, and no verdict is returned, so an LLM judge would only cost a generation
-            plain = not golds and getattr(agent_cfg, "judge", "rule") == "llm"
-            update = dict(cfg_update or {})
-            if turns not in (None, agent_cfg.max_turns):
-                update["max_turns"] = turns
-            cfg = agent_cfg.model_copy(update=update) if update else agent_cfg
-            t = temperature if temp is None else temp
-            same = (k is None or k == ctx.top_k) and cfg is agent_cfg and t == temperature and not plain
-            run_ctx = ctx if same else make_context(llm, evidence, cfg, temperature=t, top_k=k or ctx.top_k,
-                                                    judge=rule_judge() if plain else ctx.judge,
-                                                    scheduler=ctx.scheduler)
-            if external is not None:  # the external agent's episode, one record however the template split it
-                seqs = await asyncio.wait_for(external.run_episode(ex, judge=rule_judge() if plain else None),
-                                              limits.request_timeout_s)
-                traj = merged(seqs)
-            else:
-                traj = await asyncio.wait_for(run_episode(run_ctx, ex, on_event=on_event), limits.request_timeout_s)
-        except TimeoutError:
-            raise HTTPError(504, f"the episode took longer than {limits.request_timeout_s} s", "timeout") from None
-        finally:
-            release()
-        if traj.stop_reason == "error":
-            raise HTTPError(502, f"the episode failed: {traj.metadata.get('error')}", "backend_error")
-        app.state.served += 1
-        return traj
-
-    def take_slots(n: int) -> list[Callable[[], None]]:
-        """:func:`take_slot` ``n`` times, all or none (a 503 :class:`HTTPError` frees those taken)."""
+    def take_slots(self, n: int) -> list[Callable[[], None]]:
+        """:meth:`take_slot` ``n`` times, all or none (a 503 :class:`HTTPError` frees those taken)."""
         releases: list[Callable[[], None]] = []
         try:
             for _ in range(n):
-                releases.append(take_slot())
+                releases.append(self.take_slot())
         except HTTPError:
             for r in releases:
                 r()
             raise
         return releases
 
-    async def episodes(run: Callable[..., Awaitable[Trajectory]], n: int) -> list[Trajectory]:
+    def episode_context(self, k: int | None, turns: int | None, temp: float | None,
+                        cfg_update: dict[str, Any] | None, plain: bool):
+        """The agent context of one episode: the server's own, or one over the same scheduler with the
+        request's ``k``, ``turns``, temperature and config fields (``plain``: the rule judge)."""
+        ctx, agent_cfg = self.ctx, self.agent_cfg
+        update = dict(cfg_update or {})
+        if turns not in (None, agent_cfg.max_turns):
+            update["max_turns"] = turns
+        cfg = agent_cfg.model_copy(update=update) if update else agent_cfg
+        t = self.temperature if temp is None else temp
+        if (k is None or k == ctx.top_k) and cfg is agent_cfg and t == self.temperature and not plain:
+            return ctx
+        return make_context(self.llm, self.evidence, cfg, temperature=t, top_k=k or ctx.top_k,
+                            judge=rule_judge() if plain else ctx.judge, scheduler=ctx.scheduler)
+
+    async def episode(self, question: str, golds: list[str], k: int | None, on_event: EventSink | None = None,
+                      release: Callable[[], None] | None = None, turns: int | None = None,
+                      temp: float | None = None, cfg_update: dict[str, Any] | None = None) -> Trajectory:
+        """Run one episode (``k`` documents per search, at most ``turns`` turns, sampled at ``temp``, with
+        ``cfg_update`` over ``agent_cfg``; ``None``: the server's own) in a slot of ``max_inflight``
+        (``release``: one the caller took with :meth:`take_slot`; by default it is taken here) and free the
+        slot when it ends, however it ends.
+        Raises :class:`HTTPError` 503 (no slot), 504 (over ``request_timeout_s``) or 502 (backend failure)."""
+        release = release or self.take_slot()
+        timeout = self.limits.request_timeout_s
+        try:
+            ex = QAExample(id=f"req-{uuid.uuid4().hex[:12]}", question=question, golden_answers=golds or [""])
+            # no gold: nothing to judge, and no verdict is returned, so an LLM judge would only cost a generation
+            plain = not golds and getattr(self.agent_cfg, "judge", "rule") == "llm"
+            run_ctx = self.episode_context(k, turns, temp, cfg_update, plain)
+            if self.external is not None:  # the external agent's episode, one record however the template split it
+                seqs = await asyncio.wait_for(self.external.run_episode(ex, judge=rule_judge() if plain else None),
+                                              timeout)
+                traj = merged(seqs)
+            else:
+                traj = await asyncio.wait_for(run_episode(run_ctx, ex, on_event=on_event), timeout)
+        except TimeoutError:
+            raise HTTPError(504, f"the episode took longer than {timeout} s", "timeout") from None
+        finally:
+            release()
+        if traj.stop_reason == "error":
+            raise HTTPError(502, f"the episode failed: {traj.metadata.get('error')}", "backend_error")
+        self.state.served += 1
+        return traj
+
+    async def episodes(self, run: Callable[..., Awaitable[Trajectory]], n: int) -> list[Trajectory]:
         """``n`` episodes ``run(release=...)`` at once, each in a slot taken here (all or none: 503); the
         first failure fails the request and cancels the others; every slot is freed however it ends."""
-        releases = take_slots(n)
+        releases = self.take_slots(n)
         tasks = [asyncio.ensure_future(run(release=r)) for r in releases]
         try:
             return list(await asyncio.gather(*tasks))
@@ -339,8 +347,9 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
             for r in releases:
                 r()
 
-    async def unless_hung_up(request: Request, coro: Awaitable[Trajectory]) -> Trajectory:
-        """Await ``coro`` (an :func:`episode`) unless the client disconnects first: then the episode is
+    @staticmethod
+    async def unless_hung_up(request: Request, coro: Awaitable[Any]) -> Any:
+        """Await ``coro`` (an :meth:`episode`) unless the client disconnects first: then the episode is
         cancelled (its slot of ``max_inflight`` and its queued backend calls are freed) and a 499
         :class:`HTTPError` is raised (no one reads it). The request body must have been read."""
         task = asyncio.ensure_future(coro)
@@ -361,168 +370,80 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
             raise HTTPError(499, "the client closed the request", "client_closed_request")
         return task.result()
 
-    def evidence_of(traj: Trajectory) -> list[dict[str, Any]]:
+    def evidence_of(self, traj: Trajectory) -> list[dict[str, Any]]:
+        """The distinct documents the episode retrieved, in order, as the evidence of its answer."""
         seen, out = set(), []
         for i in traj.retrieved_ids:
             if i in seen:
                 continue
             seen.add(i)
-            h = evidence.hits.get(i)
+            h = self.evidence.hits.get(i)
             out.append(h.to_json() if h else {"id": i})
         return out
 
-    @app.exception_handler(HTTPError)
-    async def _http_error(request: Request, exc: HTTPError):
-        return _error(exc.status, exc.message, exc.kind, exc.retry_after, exc.param, exc.code)
 
-    @app.exception_handler(StarletteHTTPException)  # an unknown route (404), a wrong method (405)
-    async def _route_error(request: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
+def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3, temperature: float = 0.0,
+               api_key: str | None = None, model_name: str = "sleuth-agent",
+               limits: ServeLimits | None = None, judge: Judge | None = None, external: Any = None) -> FastAPI:
+    """Build the app around one policy backend and one retriever (see the module docstring). ``judge``
+    scores answers sent with golden answers (default: :func:`agent.loop.make_context`'s, from
+    ``agent_cfg.judge``). ``external`` (an :class:`agent.external.ExternalRunner`, ``agent.kind: external``)
+    answers with the external agent instead of the built-in loop: its own tools search, so a request's
+    ``top_k``, ``max_turns`` and temperature do not apply, a stream carries no turn or search events, and the
+    evidence is empty."""
+    from agent.chat_api import chat_completions
 
-    @app.exception_handler(Exception)  # a bug: still a JSON 500 with the reason (the traceback is logged)
-    async def _internal_error(request: Request, exc: Exception):
-        return _error(500, f"internal server error ({type(exc).__name__}: {exc})", "server_error")
-
-    # -- routes ---------------------------------------------------------------------------------------
-    @app.get("/health")
-    async def health():
-        s = ctx.scheduler
-        return {"status": "ok", "model": model_name, "inflight": app.state.inflight, "served": app.state.served,
-                "running_episodes": s.active, "tasks": len(asyncio.all_tasks()),
-                "batches": s.stats["generate_batches"], "prompts": s.stats["generate_prompts"],
-                "limits": {"top_k": ctx.top_k, "max_top_k": limits.max_top_k, "max_turns": agent_cfg.max_turns,
-                           "max_question_chars": limits.max_question_chars}}
-
+    app = FastAPI(title="Sleuth agent", version="0.1")
+    app.state.service = AgentService(app.state, llm, retriever, agent_cfg, top_k=top_k, temperature=temperature,
+                                     api_key=api_key, model_name=model_name, limits=limits or ServeLimits(),
+                                     judge=judge, external=external)
+    app.add_exception_handler(HTTPError, _http_error)
+    app.add_exception_handler(StarletteHTTPException, _route_error)  # an unknown route (404), a wrong method (405)
+    app.add_exception_handler(Exception, _internal_error)  # a bug: still a JSON 500 (the traceback is logged)
+    app.add_api_route("/health", health, methods=["GET"])
     add_page_routes(app)  # GET /: the browser page (no key needed to load it; it asks for the key)
-
-    @app.post("/ask")
-    async def ask(request: Request):
-        check_auth(request)
-        obj = await read_json(request)
-        q = check_question(obj.get("question"))
-        golds, k, turns = episode_options(obj)
-        traj = await unless_hung_up(request, episode(q, golds, k, turns=turns))
-        return {"answer": traj.answer, "stop_reason": traj.stop_reason, "evidence": evidence_of(traj),
-                "searches": traj.num_search_calls, "verdict": traj.verdict if golds else None,
-                "trajectory": traj.to_json()}
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        check_auth(request)
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "sleuth"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        check_auth(request)
-        obj = await read_json(request)
-        msgs = obj.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise HTTPError(422, "messages must be a non-empty list")
-        user = [m for m in msgs if isinstance(m, dict) and m.get("role") == "user"]
-        if not user:
-            raise HTTPError(422, "no user message")
-        content = user[-1].get("content")
-        if isinstance(content, list):  # content parts: the text parts are the question
-            if not all(isinstance(p, dict) and (p.get("type") != "text" or isinstance(p.get("text"), str))
-                       for p in content):
-                raise HTTPError(422, "message content parts must be objects; a text part needs a string 'text'")
-            content = " ".join(p["text"] for p in content if p.get("type") == "text")
-        elif not isinstance(content, str):
-            raise HTTPError(422, "message content must be a string or a list of content parts")
-        q = check_question(content)
-        golds, k, turns = episode_options(obj)
-        try:
-            p = parse_chat_params(obj, model_name, limits.max_n)
-        except ParamError as e:
-            raise HTTPError(e.status, e.message, param=e.param, code=e.code) from None
-        cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        run = functools.partial(episode, q, golds, k, turns=turns, temp=p.temperature,
-                                cfg_update=sampling_update(q, p))
-
-        def reply(traj: Trajectory) -> tuple[str, str, dict[str, Any]]:
-            finish = "stop" if traj.answer is not None else "length"
-            extra = {"stop_reason": traj.stop_reason, "searches": traj.num_search_calls,
-                     "evidence": evidence_of(traj), "verdict": traj.verdict if golds else None}
-            return traj.answer or "", finish, extra
-
-        def usage(trajs: list[Trajectory]) -> dict[str, int]:  # the prompt once, the policy's tokens of every choice
-            n_prompt, n_gen = trajs[0].prompt_len, sum(t.num_policy_tokens for t in trajs)
-            return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
-
-        if not p.stream:
-            trajs = await unless_hung_up(request, episodes(run, p.n))
-            choices = []
-            for i, traj in enumerate(trajs):
-                text, finish, extra = reply(traj)
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "finish_reason": finish, "sleuth": extra})
-            return {"id": cid, "object": "chat.completion", "created": created, "model": p.model,
-                    "choices": choices, "usage": usage(trajs), "sleuth": choices[0]["sleuth"]}
-
-        def chunk(i: int, delta: dict[str, Any], finish: str | None = None, **more: Any) -> str:
-            c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": p.model,
-                 "choices": [{"index": i, "delta": delta, "finish_reason": finish}], **more}
-            if p.include_usage:
-                c["usage"] = None
-            return f"data: {json.dumps(c, ensure_ascii=False)}\n\n"
-
-        def progress(i: int, event: dict[str, Any], first_turn: bool) -> str:
-            if event["type"] == "turn":
-                text = event["text"] if first_turn else "\n\n" + event["text"]
-                more = {f: event[f] for f in ("error", "judgement") if event.get(f) is not None}
-                return chunk(i, {"reasoning_content": text},
-                             sleuth={"event": "turn", "turn": event["turn"], "action": event["action"], **more})
-            hits = [{"id": h.id, "title": h.title, "text": h.text, "score": float(h.score)} for h in event["hits"]]
-            return chunk(i, {}, sleuth={"event": "search", "turn": event["turn"], "query": event["query"],
-                                        "doc_ids": event["doc_ids"], "hits": hits})
-
-        # the slots are taken before the stream starts: a client over max_inflight gets a plain 503 (OpenAI
-        # clients retry it), not a 200 whose stream then carries the error
-        releases = take_slots(p.n)
-
-        async def events():
-            # each episode runs as its own task and hands its progress events over one queue, tagged with its
-            # choice index; (i, None) = episode i ended
-            queue: asyncio.Queue[tuple[int, dict[str, Any] | None]] = asyncio.Queue()
-            tasks = []
-            for i, rel in enumerate(releases):
-                async def sink(event: dict[str, Any], i: int = i) -> None:
-                    await queue.put((i, event))
-
-                tasks.append(asyncio.create_task(run(on_event=sink, release=rel)))
-                tasks[-1].add_done_callback(lambda _, i=i: queue.put_nowait((i, None)))
-            try:
-                for i in range(p.n):
-                    yield chunk(i, {"role": "assistant", "content": ""})
-                first_turn, running = [True] * p.n, p.n
-                while running:
-                    i, event = await queue.get()
-                    if event is None:
-                        running -= 1
-                        if isinstance(e := tasks[i].exception(), HTTPError):
-                            yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind, 'code': e.status}})}\n\n"
-                            return
-                        continue
-                    yield progress(i, event, first_turn[i])
-                    first_turn[i] = first_turn[i] and event["type"] != "turn"
-                trajs = [t.result() for t in tasks]
-                for i, traj in enumerate(trajs):
-                    text, finish, extra = reply(traj)
-                    if text:
-                        yield chunk(i, {"content": text})
-                    yield chunk(i, {}, finish, sleuth=extra)
-                if p.include_usage:  # as OpenAI: a last chunk without choices, carrying the request's usage
-                    last = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": p.model,
-                            "choices": [], "usage": usage(trajs)}
-                    yield f"data: {json.dumps(last)}\n\n"
-                yield "data: [DONE]\n\n"
-            finally:  # the client went away (or the stream ended): never leave an episode running
-                for t in tasks:
-                    if not t.done():
-                        t.cancel()
-                    elif not t.cancelled():
-                        t.exception()  # retrieved: no "exception was never retrieved" after a disconnect
-
-        return _SlotStream(events(), lambda: [r() for r in releases], media_type="text/event-stream")
-
+    app.add_api_route("/ask", ask, methods=["POST"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     return app
+
+
+async def _http_error(request: Request, exc: HTTPError):
+    return error_reply(exc.status, exc.message, exc.kind, exc.retry_after, exc.param, exc.code)
+
+
+async def _route_error(request: Request, exc: StarletteHTTPException):
+    return error_reply(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
+
+
+async def _internal_error(request: Request, exc: Exception):
+    return error_reply(500, f"internal server error ({type(exc).__name__}: {exc})", "server_error")
+
+
+# -- routes -------------------------------------------------------------------------------------------
+async def health(request: Request):
+    svc: AgentService = request.app.state.service
+    s, limits = svc.ctx.scheduler, svc.limits
+    return {"status": "ok", "model": svc.model_name, "inflight": request.app.state.inflight,
+            "served": request.app.state.served, "running_episodes": s.active, "tasks": len(asyncio.all_tasks()),
+            "batches": s.stats["generate_batches"], "prompts": s.stats["generate_prompts"],
+            "limits": {"top_k": svc.ctx.top_k, "max_top_k": limits.max_top_k, "max_turns": svc.agent_cfg.max_turns,
+                       "max_question_chars": limits.max_question_chars}}
+
+
+async def ask(request: Request):
+    svc: AgentService = request.app.state.service
+    svc.check_auth(request)
+    obj = await svc.read_json(request)
+    q = svc.check_question(obj.get("question"))
+    golds, k, turns = svc.episode_options(obj)
+    traj = await svc.unless_hung_up(request, svc.episode(q, golds, k, turns=turns))
+    return {"answer": traj.answer, "stop_reason": traj.stop_reason, "evidence": svc.evidence_of(traj),
+            "searches": traj.num_search_calls, "verdict": traj.verdict if golds else None,
+            "trajectory": traj.to_json()}
+
+
+async def models(request: Request):
+    svc: AgentService = request.app.state.service
+    svc.check_auth(request)
+    return {"object": "list", "data": [{"id": svc.model_name, "object": "model", "owned_by": "sleuth"}]}
