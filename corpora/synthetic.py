@@ -15,7 +15,22 @@ Questions: ``Where was Kalomi born?`` (1 hop, ``Rutevo``), ``In which country wa
 names, the answer last), ``supporting_ids`` and ``dataset="synthetic"``.
 
 The difficulty is fixed here (:data:`SPEC`), before any training run, and not tuned to results.
-Command line: ``python -m corpora.synthetic OUT_DIR`` writes ``corpus.jsonl``, ``train.jsonl``,
+
+**Task v2** (:data:`SPEC_V2`, :func:`generate_v2`): 1-4 hops, with 4-hop questions in the test split only, so
+it asks whether a policy searches deeper than it was trained to. A birthplace question is 1 hop; a currency
+question's place of birth lies in ``h - 2`` nested places before the country that names the currency:
+
+    Kalomi            Kalomi was born in Rutevo.
+    Rutevo            Rutevo lies in Sofade.          (one "lies in" link per hop beyond 2)
+    Sofade            Sofade uses the Pimaru.
+
+so ``Which currency is used where Kalomi was born?`` has 2, 3 or 4 hops and the question does not say
+which: the agent has to read each result and search on while it says "lies in". Every hop needs the entity
+that only the previous result names, and the classes are mixed in both splits. Currencies are capitalised
+like every other name (v1's lowercase currency is a token a tiny from-scratch policy never learns to copy
+from its 20 warm-start examples, which caps v1's 3-hop score whatever the search behaviour).
+
+Command line: ``python -m corpora.synthetic OUT_DIR [--v2]`` writes ``corpus.jsonl``, ``train.jsonl``,
 ``test.jsonl``.
 """
 
@@ -85,11 +100,63 @@ def generate(spec: SyntheticSpec = SPEC) -> tuple[list[Passage], list[QAExample]
     return passages, qas[: spec.n_train], qas[spec.n_train :]
 
 
-def write(out_dir: str | Path, spec: SyntheticSpec = SPEC) -> dict[str, Path]:
-    """Write ``corpus.jsonl``, ``train.jsonl`` and ``test.jsonl`` under ``out_dir``; returns their paths."""
+@dataclass(frozen=True)
+class SyntheticSpecV2:
+    """Task v2's fixed difficulty: split sizes, the hop classes of each split (equal shares, mixed), name
+    length in syllables."""
+
+    n_train: int = 240
+    n_test: int = 120
+    train_hops: tuple[int, ...] = (1, 2, 3)
+    test_hops: tuple[int, ...] = (1, 2, 3, 4)
+    syllables_per_name: int = 2
+    seed: int = 4321
+
+
+SPEC_V2 = SyntheticSpecV2()
+QUESTIONS_V2 = ("Where was {p} born?", "Which currency is used where {p} was born?")
+
+
+def _v2_relations(h: int) -> list[str]:
+    """The relation templates of an ``h``-hop v2 chain: born, then ``h - 2`` "lies in", then "uses"."""
+    return [RELATIONS[0]] if h == 1 else [RELATIONS[0], *[RELATIONS[1]] * (h - 2), RELATIONS[2]]
+
+
+def generate_v2(spec: SyntheticSpecV2 = SPEC_V2) -> tuple[list[Passage], list[QAExample], list[QAExample]]:
+    """Build task v2's ``(passages, train, test)`` deterministically from ``spec`` (see the module docstring):
+    each split holds its hop classes in equal shares (as near as its size allows), shuffled together; no
+    entity is shared between questions. Metadata as v1's, with ``dataset="synthetic-v2"``. Raises
+    ``ValueError`` for a hop class below 1 or a name space too small for the sizes."""
+    if min(spec.train_hops + spec.test_hops) < 1:
+        raise ValueError(f"hop classes must be >= 1, got {spec.train_hops} / {spec.test_hops}")
+    rng = random.Random(spec.seed)
+    splits = []
+    for n, classes in ((spec.n_train, spec.train_hops), (spec.n_test, spec.test_hops)):
+        hops = [classes[i % len(classes)] for i in range(n)]
+        rng.shuffle(hops)
+        splits.append(hops)
+    all_hops = splits[0] + splits[1]
+    names = iter(_names(rng, sum(h + 1 for h in all_hops), spec.syllables_per_name))
+    passages: list[Passage] = []
+    qas: list[QAExample] = []
+    for i, h in enumerate(all_hops):
+        chain = [next(names) for _ in range(h + 1)]
+        ids = []
+        for j, rel in enumerate(_v2_relations(h)):
+            ids.append(f"syn2_{i}_{j}")
+            passages.append(Passage.make(ids[-1], chain[j], rel.format(a=chain[j], b=chain[j + 1])))
+        qas.append(QAExample(f"syn2_{i}", QUESTIONS_V2[h > 1].format(p=chain[0]), [chain[h]],
+                             {"hops": h, "chain": chain, "supporting_ids": ids, "dataset": "synthetic-v2"}))
+    rng.shuffle(passages)
+    return passages, qas[: spec.n_train], qas[spec.n_train :]
+
+
+def write(out_dir: str | Path, spec: SyntheticSpec | SyntheticSpecV2 = SPEC) -> dict[str, Path]:
+    """Write ``corpus.jsonl``, ``train.jsonl`` and ``test.jsonl`` of task v1 (a :class:`SyntheticSpec`) or
+    v2 (a :class:`SyntheticSpecV2`) under ``out_dir``; returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    passages, train, test = generate(spec)
+    passages, train, test = generate_v2(spec) if isinstance(spec, SyntheticSpecV2) else generate(spec)
     paths = {"corpus": out / "corpus.jsonl", "train": out / "train.jsonl", "test": out / "test.jsonl"}
     write_jsonl(paths["corpus"], passages)
     write_jsonl(paths["train"], train)
@@ -98,6 +165,6 @@ def write(out_dir: str | Path, spec: SyntheticSpec = SPEC) -> dict[str, Path]:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m corpora.synthetic OUT_DIR")
-    print(write(sys.argv[1]))
+    if len(sys.argv) not in (2, 3) or (len(sys.argv) == 3 and sys.argv[2] != "--v2"):
+        sys.exit("usage: python -m corpora.synthetic OUT_DIR [--v2]")
+    print(write(sys.argv[1], SPEC_V2 if len(sys.argv) == 3 else SPEC))
