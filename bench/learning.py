@@ -1,20 +1,26 @@
 """Proof that the trainer learns: a tiny model from scratch -> SFT warm start -> RL, on a synthetic task.
 
-Task (:mod:`corpora.synthetic`, difficulty fixed in its ``SPEC``): facts about invented entities, 1-3-hop
+Task v1 (:mod:`corpora.synthetic`, difficulty fixed in its ``SPEC``): facts about invented entities, 1-3-hop
 questions that need as many searches; no entity is shared between questions, so nothing can be memorised.
-Policy: a BPE tokenizer and a small Qwen2 trained from scratch (:data:`TINY`), SFT on a few oracle
-trajectories (:data:`N_SFT`, shared by every run), then RL with each advantage estimator. Reported: test
-EM (greedy) after SFT and after RL, learning curves (test EM every :data:`EVAL_EVERY` steps).
+Task v2 (``--task v2``, ``SPEC_V2``): 1-4 hops, 4-hop questions in the test split only, the depth of a
+currency question readable only from the search results. Policy: a BPE tokenizer and a small Qwen2 trained
+from scratch (:data:`TINY`), SFT on a few oracle trajectories (:data:`N_SFT`, 20 per trained hop class,
+shared by every run of a task), then RL with each advantage estimator. Reported: test EM (greedy) after SFT
+and after RL, EM and searches per hop class, learning curves (test EM every ``eval_every`` steps).
 
 The setup below is fixed before any RL run and not tuned to the results. The sweep resumes where it
 stopped: finished runs are read back from the JSON, an interrupted run continues from its last checkpoint.
 
-    .venv/bin/python bench/learning.py                 # the whole sweep (about 5 minutes a run on 2 cores)
-    .venv/bin/python bench/learning.py --only grpo_s0  # one run
-    .venv/bin/python bench/learning.py --report        # table + plot from the JSON only
+    .venv/bin/python bench/learning.py                      # task v1's first sweep (the ``RUNS`` table)
+    .venv/bin/python bench/learning.py --only grpo_s0       # one run
+    .venv/bin/python bench/learning.py --compare --seeds 0  # every estimator of ``ESTIMATORS``, seed 0
+    .venv/bin/python bench/learning.py --task v2 --compare  # the same on task v2 (3 seeds)
+    .venv/bin/python bench/learning.py --stability gigpo    # the 600-step run of one estimator
+    .venv/bin/python bench/learning.py --report             # tables + plots from the JSON only
 
-Writes ``bench/results/learning.json``, ``bench/results/learning.png`` and ``bench/results/learning.md``;
-work files under ``runs/learning/``.
+Writes ``bench/results/learning.json`` (v1) / ``learning_v2.json`` (v2), ``learning.png``, ``learning.md``,
+``learning_compare.png`` and ``learning_compare.md``; work files under ``runs/learning/`` (v2:
+``runs/learning-v2/``).
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-WORK = Path(os.environ.get("SLEUTH_LEARNING_WORK", ROOT / "runs" / "learning"))
+BASE_WORK = Path(os.environ.get("SLEUTH_LEARNING_WORK", ROOT / "runs" / "learning"))
 RESULTS = Path(os.environ.get("SLEUTH_LEARNING_RESULTS", ROOT / "bench" / "results"))
+WORK = BASE_WORK  # the current task's (use_task)
 JSON_PATH = RESULTS / "learning.json"
 
 # ---- the fixed setup ------------------------------------------------------------------------------------
@@ -63,7 +70,59 @@ RUNS = {  # name -> (algorithm, seed, extra train overrides)
     "grpo_long_s1": ("grpo", 1, {"steps": LONG_STEPS}),
     "grpo_long_s2": ("grpo", 2, {"steps": LONG_STEPS}),
 }
+# ---- the comparison of estimators (both tasks, same budget, fixed before its runs) -------------------------
+COMPARE = {"steps": 200, "eval_every": 20, "save_every": 20, "ppo_epochs": 2,  # 2 epochs: the losses differ off-policy
+           "alarm_search_flat": 0.25, "alarm_collapse_drop": 0.10}  # the health alarms watch every run (warn only)
+ESTIMATORS = {  # name -> (train.algorithm, its own train overrides)
+    "grpo": ("grpo", {}),
+    "dr_grpo": ("dr_grpo", {"loss_agg": "seq-mean-token-sum"}),
+    "rloo": ("rloo", {}),
+    "reinforce_pp": ("reinforce_pp", {}),
+    "stratified_grpo": ("stratified_grpo", {}),
+    "ppo": ("ppo", {"critic": "separate", "critic_lr": 1e-3}),
+    "igpo": ("igpo", {}),
+    "gigpo": ("gigpo", {}),
+    "gspo": ("grpo", {"policy_loss": "gspo", "loss_agg": "seq-mean-token-mean", "clip_low": 3e-4, "clip_high": 4e-4}),
+    "cispo": ("grpo", {"policy_loss": "cispo"}),
+    "evidence_igpo": ("evidence_igpo", {}),
+}
+SEEDS = (0, 1, 2)
+STABILITY_STEPS = 600
+# ---- task v2: its own corpus, tiny tokenizer and SFT (same recipe); turns and tokens for 4 searches ------
+AGENT_V2 = {**AGENT, "max_turns": 6, "max_total_tokens": 224}
+TASKS = {"v1": {"work": "", "json": "learning.json", "agent": AGENT, "hops": (1, 2, 3), "sft_hops": (1, 2, 3)},
+         "v2": {"work": "-v2", "json": "learning_v2.json", "agent": AGENT_V2, "hops": (1, 2, 3, 4),
+                "sft_hops": (1, 2, 3)}}
+TASK = "v1"
 HOTPOT = {"steps": 30, "questions_per_step": 8, "group_size": 4, "eval_limit": 60}
+
+
+def use_task(name: str) -> None:
+    """Point the work directory, JSON and agent settings at task ``name`` (``v1`` or ``v2``)."""
+    global TASK, WORK, JSON_PATH
+    TASK = name
+    WORK = BASE_WORK.with_name(BASE_WORK.name + TASKS[name]["work"])
+    JSON_PATH = RESULTS / TASKS[name]["json"]
+
+
+def run_spec(name: str) -> tuple[str, int, dict]:
+    """``(algorithm, seed, train overrides)`` of a run name: a first-sweep name of ``RUNS`` (task v1), a
+    comparison run ``<estimator>-s<seed>`` or a stability run ``stability-<estimator>``. Raises ``KeyError``."""
+    if name in RUNS and TASK == "v1":
+        return RUNS[name]
+    est, _, tail = name.rpartition("-")
+    if est == "stability" and tail in ESTIMATORS:
+        algo, extra = ESTIMATORS[tail]
+        return algo, 0, {**COMPARE, **extra, "steps": STABILITY_STEPS}
+    if est in ESTIMATORS and tail.startswith("s") and tail[1:].isdigit():
+        algo, extra = ESTIMATORS[est]
+        return algo, int(tail[1:]), {**COMPARE, **extra}
+    raise KeyError(name)
+
+
+def compare_names(seeds=SEEDS) -> list[str]:
+    """The comparison's run names, seed by seed (every estimator of seed 0 first)."""
+    return [f"{e}-s{s}" for s in seeds for e in ESTIMATORS]
 
 
 def log(msg: str) -> None:
@@ -90,7 +149,7 @@ def base_config(seed: int = 0, algorithm: str = "grpo", extra: dict | None = Non
         "retrieval": {"index_dir": str(WORK / "index"), "method": "bm25", "top_k": RETRIEVAL_TOP_K,
                       "build_dense": False},
         "policy": {"tiny": TINY},
-        "agent": AGENT,
+        "agent": TASKS[TASK]["agent"],
         "sft": SFT,
         "train": {**TRAIN, "algorithm": algorithm, **(extra or {})},
         "eval": {"temperature": 0.0},
@@ -102,14 +161,14 @@ def prepare():
     import torch
 
     from corpora import read_corpus, read_qa
-    from corpora.synthetic import write
+    from corpora.synthetic import SPEC, SPEC_V2, write
     from retrieval.index import build_index, load_retriever
     from sleuth.config import SFTConfig, TinyPolicyConfig
     from training.oracle import ChainOracleLLM
     from training.policy import create_tiny_policy
     from training.sft import sft_train
 
-    paths = write(WORK / "data")
+    paths = write(WORK / "data", SPEC_V2 if TASK == "v2" else SPEC)
     if not (WORK / "index" / "manifest.json").exists():
         build_index(paths["corpus"], WORK / "index", build_dense=False, show_progress=False)
     retriever = load_retriever(WORK / "index", "bm25")
@@ -124,13 +183,15 @@ def prepare():
 
         cfg = base_config()
         llm = TransformersLLM.from_pretrained(str(tiny))
-        by_hops = {h: [q for q in train if q.metadata["hops"] == h] for h in (1, 2, 3)}
-        sft_qs = [q for h in (1, 2, 3) for q in by_hops[h][: N_SFT // 3]]
+        hops = TASKS[TASK]["sft_hops"]
+        by_hops = {h: [q for q in train if q.metadata["hops"] == h] for h in hops}
+        sft_qs = [q for h in hops for q in by_hops[h][: N_SFT // len(hops)]]
         trajs = run_episodes(sft_qs, ChainOracleLLM(llm.tokenizer, sft_qs), retriever, cfg.agent,
                              top_k=RETRIEVAL_TOP_K, temperature=0.0)
         assert all(t.verdict["em"] == 1.0 for t in trajs), "the oracle must solve its own questions"
         torch.manual_seed(0)
-        hist = sft_train(llm.model, llm.tokenizer, trajs, SFTConfig(**SFT), seed=0, max_len=AGENT["max_total_tokens"])
+        hist = sft_train(llm.model, llm.tokenizer, trajs, SFTConfig(**SFT), seed=0,
+                         max_len=TASKS[TASK]["agent"]["max_total_tokens"])
         tmp = WORK / "sft.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         llm.model.save_pretrained(tmp)
@@ -142,7 +203,8 @@ def prepare():
 
 
 def evaluate(model, tokenizer, retriever, examples, cfg) -> dict:
-    """Greedy test EM (and search calls, validity, EM by hops) of ``model``."""
+    """Greedy test EM, search calls and validity of ``model``, EM and searches per hop class, and each
+    question's EM in order (``per_question``, for paired bootstrap intervals)."""
     from agent.hf import TransformersLLM
     from agent.loop import run_episodes
 
@@ -151,11 +213,13 @@ def evaluate(model, tokenizer, retriever, examples, cfg) -> dict:
     n = len(trajs)
     out = {"em": sum(t.verdict.get("em", 0.0) for t in trajs) / n,
            "search_calls": sum(t.num_search_calls for t in trajs) / n,
-           "format_ok": sum(float(t.verdict.get("format_ok", False)) for t in trajs) / n}
-    for h in (1, 2, 3):
+           "format_ok": sum(float(t.verdict.get("format_ok", False)) for t in trajs) / n,
+           "per_question": [t.verdict.get("em", 0.0) for t in trajs]}
+    for h in TASKS[TASK]["hops"]:
         ts = [t for t in trajs if t.metadata.get("hops") == h]
         if ts:
             out[f"em_hops{h}"] = sum(t.verdict.get("em", 0.0) for t in ts) / len(ts)
+            out[f"search_hops{h}"] = sum(t.num_search_calls for t in ts) / len(ts)
     return out
 
 
@@ -166,7 +230,7 @@ def run_one(name: str, retriever, train, test, res: dict) -> None:
     from training.checkpoint import latest_checkpoint
     from training.trainer import rl_train
 
-    algorithm, seed, extra = RUNS[name]
+    algorithm, seed, extra = run_spec(name)
     cfg = base_config(seed, algorithm, extra)
     run_dir = WORK / name
     ckpt = latest_checkpoint(run_dir)
@@ -179,13 +243,14 @@ def run_one(name: str, retriever, train, test, res: dict) -> None:
     prev = res["runs"].get(name, {}).get("partial_curve", []) if ckpt else []
     curve.extend(c for c in prev if c["step"] <= (json.loads((ckpt / "trainer_state.json").read_text())["step"] if ckpt else 0))
 
-    def ev(m):
-        return evaluate(m, tok, retriever, test, cfg)
+    def ev(m):  # the periodic evaluation: metrics only (per-question EMs would go to metrics.jsonl)
+        return {k: v for k, v in evaluate(m, tok, retriever, test, cfg).items() if k != "per_question"}
 
     def on_step(step, rec):
         if "eval_em" in rec:
             curve.append({"step": step, "em": rec["eval_em"], "train_reward": rec["reward"],
-                          "search_calls": rec["eval_search_calls"]})
+                          "search_calls": rec["eval_search_calls"],
+                          **{k[5:]: v for k, v in rec.items() if k.startswith("eval_") and "hops" in k}})
             res["runs"].setdefault(name, {}).update(partial_curve=curve, wall_s_before=before + time.time() - t0)
             save_results(res)
             log(f"{name}: step {step} test EM {100 * rec['eval_em']:.1f} reward {rec['reward']:.3f} "
@@ -193,7 +258,7 @@ def run_one(name: str, retriever, train, test, res: dict) -> None:
 
     out = rl_train(cfg.train, cfg.agent, model, tok, retriever, train, run_dir, seed=cfg.seed,
                    top_k=cfg.retrieval.top_k, resume=ckpt is not None, on_step=on_step, evaluate=ev)
-    final = ev(model)
+    final = evaluate(model, tok, retriever, test, cfg)
     res["runs"][name] = {"algorithm": algorithm, "seed": seed, "extra": extra, "sft_em": res["sft"]["em"],
                          "rl_em": final["em"], "final": final, "curve": curve, "best_eval_em": out["best_eval_em"],
                          "wall_s": before + time.time() - t0,
@@ -262,7 +327,7 @@ def report(res: dict) -> str:
 
     lines = ["| run | estimator | seed | test EM after SFT | test EM after RL | delta | best EM | searches | EM 1/2/3-hop | minutes |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    done = {k: v for k, v in res["runs"].items() if "rl_em" in v}
+    done = {k: v for k, v in res["runs"].items() if "rl_em" in v and k in RUNS}
     for name, r in done.items():
         f = r["final"]
         hops = "/".join(f"{100 * f.get(f'em_hops{h}', 0):.0f}" for h in (1, 2, 3))
@@ -286,7 +351,7 @@ def report(res: dict) -> str:
     fig, axes = plt.subplots(1, 2 if "hotpot" in res else 1, figsize=(13 if "hotpot" in res else 7, 4.5), squeeze=False)
     ax = axes[0, 0]
     ax.set_prop_cycle(color=plt.cm.tab20.colors)
-    for name, r in res["runs"].items():
+    for name, r in ((k, v) for k, v in res["runs"].items() if k in RUNS):
         pts = [(0, r.get("sft_em", res["sft"]["em"]))] + [(c["step"], c["em"]) for c in r.get("curve", r.get("partial_curve", []))]
         ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", ms=3, label=name,
                 ls="-" if name.startswith("grpo") else "--")
@@ -314,33 +379,58 @@ def main() -> int:
     from sleuth.commands.common import positive_int
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", nargs="*", choices=[*RUNS, "hotpot"], metavar="NAME",
-                    help=f"run names (default: all): {', '.join(RUNS)}; 'hotpot' for the HotpotQA curve")
-    ap.add_argument("--report", action="store_true", help="only print the table and draw the plot")
+    ap.add_argument("--task", choices=list(TASKS), default="v1", help="the synthetic task version (default v1)")
+    ap.add_argument("--only", nargs="*", metavar="NAME",
+                    help=f"run names: v1's first sweep ({', '.join(RUNS)}; 'hotpot' for the HotpotQA curve), "
+                         f"<estimator>-s<seed> or stability-<estimator> with an estimator of {', '.join(ESTIMATORS)}")
+    ap.add_argument("--compare", action="store_true", help="the comparison runs of every estimator (--seeds)")
+    ap.add_argument("--seeds", nargs="*", type=int, default=list(SEEDS), help="the comparison's seeds")
+    ap.add_argument("--stability", metavar="ESTIMATOR", choices=list(ESTIMATORS),
+                    help=f"the {STABILITY_STEPS}-step run of one estimator")
+    ap.add_argument("--report", action="store_true", help="only print the tables and draw the plots")
     ap.add_argument("--sft-only", action="store_true", help="prepare and evaluate the SFT warm start only")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
     args = ap.parse_args()
+    use_task(args.task)
+    names = list(args.only or [])
+    if args.compare:
+        names += compare_names(args.seeds)
+    if args.stability:
+        names.append(f"stability-{args.stability}")
+    if not names and not args.report:
+        names = [*RUNS, "hotpot"] if args.task == "v1" else compare_names(args.seeds)
+    for name in names:
+        try:
+            if name != "hotpot" or args.task != "v1":
+                run_spec(name)
+        except KeyError:
+            ap.error(f"unknown run name {name!r} for task {args.task}")
     import torch
 
     torch.set_num_threads(args.threads)
     res = load_results()
     if args.report:
-        report(res)
+        write_reports()
         return 0
     retriever, train, test = prepare()
-    if "sft" not in res:
+    if "sft" not in res or "per_question" not in res.get("sft_detail", res["sft"]):
         from agent.hf import load_model_and_tokenizer
 
         model, tok = load_model_and_tokenizer(str(WORK / "sft"), device="cpu")
-        res["sft"] = evaluate(model, tok, retriever, test, base_config())
-        res["setup"] = {"tiny": TINY, "n_sft": N_SFT, "sft": SFT, "agent": AGENT, "train": TRAIN,
-                        "top_k": RETRIEVAL_TOP_K, "task": "corpora.synthetic.SPEC"}
+        ev = evaluate(model, tok, retriever, test, base_config())
+        if "sft" in res:  # a JSON of before per-hop searches: its SFT numbers stay, the details are added
+            res["sft_detail"] = ev
+        else:
+            res["sft"] = ev
+            res["setup"] = {"tiny": TINY, "n_sft": N_SFT, "sft": SFT, "agent": TASKS[TASK]["agent"], "train": TRAIN,
+                            "top_k": RETRIEVAL_TOP_K, "task": f"corpora.synthetic.{'SPEC_V2' if TASK == 'v2' else 'SPEC'}",
+                            "compare": COMPARE, "estimators": ESTIMATORS}
         save_results(res)
-    log(f"SFT warm start: test EM {100 * res['sft']['em']:.1f}, searches {res['sft']['search_calls']:.2f}, "
-        f"valid {100 * res['sft']['format_ok']:.0f}%  {res['sft']}")
+    sft = {k: v for k, v in res["sft"].items() if k != "per_question"}
+    log(f"SFT warm start ({TASK}): test EM {100 * sft['em']:.1f}, searches {sft['search_calls']:.2f}, "
+        f"valid {100 * sft['format_ok']:.0f}%  {sft}")
     if args.sft_only:
         return 0
-    names = args.only or [*RUNS, "hotpot"]
     for name in names:
         if name == "hotpot":
             if "hotpot" not in res:
@@ -350,8 +440,29 @@ def main() -> int:
             log(f"{name}: done (test EM {100 * res['runs'][name]['rl_em']:.1f})")
             continue
         run_one(name, retriever, train, test, res)
-    report(res)
+    write_reports()
     return 0
+
+
+def write_reports() -> None:
+    """v1's first-sweep table and plot, and the comparison's tables and curves over both tasks' JSON."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("learning_report", ROOT / "bench" / "learning_report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    current = TASK
+    use_task("v1")
+    if JSON_PATH.exists():
+        report(load_results())
+    by_task = {}
+    for t in TASKS:
+        use_task(t)
+        if JSON_PATH.exists():
+            by_task[t] = load_results()
+    use_task(current)
+    if by_task:
+        mod.compare_report(by_task, RESULTS, ESTIMATORS, TASKS)
 
 
 if __name__ == "__main__":
