@@ -7,6 +7,7 @@ import json
 import warnings
 
 import pytest
+import torch
 
 from agent.trajectory import Trajectory, Turn
 from training.monitors import (
@@ -177,3 +178,114 @@ def test_dashboard_of_a_run_directory_points_to_its_grpo_folder(tmp_path, capsys
     (tmp_path / "grpo" / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": 0.5}) + "\n")
     assert main(["dashboard", str(tmp_path)]) == 2
     assert f"sleuth dashboard {tmp_path / 'grpo'}" in capsys.readouterr().err
+
+
+def _hop_record(searches: dict[int, float], em: dict[int, float]) -> dict:
+    return {**{f"search_calls/hops={h}": v for h, v in searches.items()}, **{f"em/hops={h}": v for h, v in em.items()}}
+
+
+def test_search_plateau_alarm_fires_on_flat_searches_with_unequal_em():
+    a = Alarms(search_flat=0.3, em_gap=0.2, window=3, patience=2)
+    flat = _hop_record({1: 2.0, 2: 2.1, 3: 2.0}, {1: 0.9, 2: 0.5, 3: 0.0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert a.check(1, dict(flat)) == [] and a.check(2, dict(flat)) == []  # window not full yet
+        rec = dict(flat)
+        assert a.check(3, rec) == []  # full window, first step of the condition: patience 2
+        assert rec["alarm/hop_search_spread"] == pytest.approx(0.1) and rec["alarm/hop_em_spread"] == pytest.approx(0.9)
+        fired = a.check(4, dict(flat))
+    assert len(fired) == 1 and "search plateau" in fired[0] and "1/2/3" in fired[0]
+    # searches that follow the hop count, or classes that succeed alike: no alarm
+    for searches, em in (({1: 1.0, 2: 2.0, 3: 3.0}, {1: 0.9, 2: 0.5, 3: 0.0}), ({1: 2.0, 2: 2.0, 3: 2.0}, {1: 0.5, 2: 0.5, 3: 0.45})):
+        b = Alarms(search_flat=0.3, em_gap=0.2, window=2, patience=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert [b.check(s, _hop_record(searches, em)) for s in range(1, 6)] == [[]] * 5
+    # one hop class only: nothing to compare
+    c = Alarms(search_flat=0.3, window=1, patience=1)
+    assert c.check(1, _hop_record({2: 2.0}, {2: 0.5})) == []
+
+
+def test_collapse_alarm_fires_when_the_held_out_metric_falls_below_its_best():
+    a = Alarms(collapse_drop=0.1)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert a.check(1, {"eval_em": 0.3}) == [] and a.check(2, {"reward": 1.0}) == []  # no eval this step
+        assert a.check(3, {"eval_em": 0.5}) == []
+        rec = {"eval_em": 0.45}
+        assert a.check(4, rec) == [] and rec["alarm/collapse_gap"] == pytest.approx(0.05)  # inside the margin
+        fired = a.check(5, {"eval_em": 0.35})
+    assert len(fired) == 1 and "collapse" in fired[0] and "0.500 (step 3)" in fired[0]
+    assert any("training-health alarm" in str(x.message) for x in w)
+    # the best survives a resume
+    b = Alarms(collapse_drop=0.1)
+    b.restore_signals(json.loads(json.dumps(a.signal_state())))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert b.check(6, {"eval_em": 0.38})
+    # another metric can be watched, e.g. a held-out reward
+    c = Alarms(collapse_drop=0.2, collapse_metric="eval_reward", action="stop")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert c.check(1, {"eval_reward": 1.0, "eval_em": 0.0}) == [] and c.check(2, {"eval_reward": 0.7})
+    assert c.should_stop
+
+
+def test_dashboard_marks_plateau_and_collapse_alarms(tmp_path):
+    from training.monitors import alarm_kind
+
+    recs = [{"step": s, "reward": 0.5, "search_calls/hops=1": 2.0, "search_calls/hops=2": 2.0, "em/hops=1": 0.8,
+             "em/hops=2": 0.1, "alarm/hop_search_spread": 0.0, "alarm/hop_em_spread": 0.7,
+             **({"eval_em": 0.6 - 0.1 * s, "alarm/collapse_gap": 0.1 * (s - 1)} if s % 2 else {}),
+             **({"alarms": ["step 3: collapse: eval_em 0.300 is 0.200 below its best 0.500 (step 1)",
+                            "step 3: search plateau: searches per episode 2.00-2.00 ..."]} if s == 3 else {})}
+            for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert plot_dashboard(tmp_path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [alarm_kind(m) for m in recs[2]["alarms"]] == ["collapse", "search plateau"]
+    assert alarm_kind("step 2: entropy 0.010 below 0.1 for 2 steps") == "threshold"
+
+
+def _format_breaking_judge(traj):
+    """The provocation: reward the episodes that never give a valid answer."""
+    ok = traj.answer is not None
+    return (0.0 if ok else 1.0), {"em": 0.0, "f1": 0.0, "format_ok": ok}
+
+
+def test_collapse_alarm_fires_on_a_provoked_collapse(tiny_policy_dir, retriever, tmp_path):
+    """A real collapse: the tiny policy learns the answer format from oracle trajectories (SFT), then RL with
+    a reward for breaking the format at a high learning rate destroys it; the held-out format validity
+    (greedy, evaluated every step) falls from its best and the collapse alarm fires and stops the run."""
+    from agent.hf import TransformersLLM
+    from agent.loop import run_episodes
+    from sleuth.config import SFTConfig
+    from tests.conftest import PASSAGES, QUESTIONS, run_rl
+    from tests.test_trainer import load, make_cfg
+    from training.oracle import OracleLLM
+    from training.sft import sft_train
+
+    model, tok = load(tiny_policy_dir)
+    cfg = make_cfg("train.steps=8", "train.eval_every=1", "train.lr=2e-3", "train.group_size=4",
+                   "train.questions_per_step=4", "train.alarm_collapse_drop=0.3",
+                   "train.alarm_collapse_metric=eval_format_ok", "train.alarm_action=stop", "train.save_every=10")
+    oracle = OracleLLM(tok, QUESTIONS, {p.id: p.title for p in PASSAGES})
+    trajs = [t for t in run_episodes(QUESTIONS, oracle, retriever, cfg.agent, top_k=1, temperature=0.0)
+             if t.verdict["format_ok"]]  # the oracle's episodes that fit the two turns
+    torch.manual_seed(0)
+    sft_train(model, tok, trajs * 8, SFTConfig(epochs=40, lr=1e-2, batch_size=8), seed=0,
+              max_len=cfg.agent.max_total_tokens)
+
+    def held_out(m):
+        ts = run_episodes(QUESTIONS, TransformersLLM(m, tok), retriever, cfg.agent, top_k=1, temperature=0.0)
+        return {"format_ok": sum(float(t.verdict.get("format_ok", False)) for t in ts) / len(ts)}
+
+    assert held_out(model)["format_ok"] >= 0.75  # the warm start answers in the protocol's format
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = run_rl(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=_format_breaking_judge,
+                     evaluate=held_out)
+    recs = read_metrics(tmp_path)
+    fired = [m for r in recs for m in r.get("alarms", [])]
+    assert out["stopped"] and any("collapse" in m and "eval_format_ok" in m for m in fired)
+    assert max(r["alarm/collapse_gap"] for r in recs if "alarm/collapse_gap" in r) > 0.3

@@ -71,7 +71,7 @@ def load(tiny_policy_dir):
     ("ppo", ["train.critic=separate"]), ("ppo", ["train.critic=shared"]), ("igpo", ["train.search_cost=0.05"]),
     ("ppo", ["train.critic=separate", "train.packing=true", "train.micro_batch_tokens=150"]),
     ("grpo", ["train.kl_coef=0.1", "train.entropy_coef=0.01", "train.micro_batch_tokens=150"]),
-    ("grpo", ["train.clip_ratio_c=3"]), ("gigpo", ["train.search_cost=0.05"]),
+    ("grpo", ["train.clip_ratio_c=3"]), ("gigpo", ["train.search_cost=0.05"]), ("evidence_igpo", []),
     ("grpo", ["train.policy_loss=gspo", "train.loss_agg=seq-mean-token-mean", "train.ppo_epochs=2"]),
     ("rloo", ["train.policy_loss=cispo", "train.ppo_epochs=2"]),
 ])

@@ -110,3 +110,30 @@ def test_gigpo_config():
         TrainConfig(algorithm="gigpo", group_size=1)
     with pytest.raises(ValueError):
         TrainConfig(algorithm="gigpo", gigpo_omega=-1.0)
+
+
+def answered(reward: float, observations: list[str], group: int = 0, question: str = "q") -> Trajectory:
+    t = traj(reward, observations, group)
+    t.question, t.golden_answers = question, ["Paris"]
+    return t
+
+
+def test_evidence_gain_marks_the_search_that_first_retrieves_the_answer():
+    trajs = [answered(1.0, ["Berlin is a city.", "Paris is the capital.", "Paris again."]),
+             answered(0.0, ["The Parisian metro."]),  # not the answer as a whole word
+             answered(0.0, ["Paris."], question="Is Paris big?")]  # the question holds it already: no gain
+    close(C.evidence_gain(trajs, 4), [[0, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+
+
+def test_evidence_igpo_hand_computed():
+    # a reads the answer at its second search and answers right; b reads it at once and answers wrong;
+    # c never retrieves it. Turn rewards: a [0, 1, 1], b [1, 0], c [0, 0] -> over the group's 7 turns mean 3/7,
+    # unbiased std .534522: 1 -> 1.069045, 0 -> -.801784; accumulated from the last turn (gamma 1)
+    group = [answered(1.0, ["Berlin is a city.", "Paris is the capital."]), answered(0.0, ["Paris it is."]),
+             answered(0.0, ["Nothing here."])]
+    out = A.compute_advantages(TrainConfig(algorithm="evidence_igpo"), _inputs(group))["advantages"]
+    close(out[0, ::2], [1.336306, 2.138090, 1.069045])
+    close(out[1, ::2], [0.267261, -0.801784, 0.0])
+    close(out[2, ::2], [-1.603568, -0.801784, 0.0])
+    # the probability-free gain needs no gold-answer forward pass
+    assert not A.ADV_ESTIMATORS.get("evidence_igpo").gold_probs and A.ADV_ESTIMATORS.get("evidence_igpo").groups

@@ -113,6 +113,17 @@ class TrainConfig(Section):
     alarm_min_format_ok: float | None = Field(None, ge=0.0, le=1.0, description="alarm when validity falls below")
     alarm_min_entropy: float | None = Field(None, ge=0.0, description="alarm when policy entropy falls below")
     alarm_patience: int = Field(2, ge=1, description="consecutive steps below a threshold before the alarm")
+    alarm_search_flat: float | None = Field(
+        None, ge=0.0, description="search-depth plateau alarm: mean searches per episode of the hop classes within "
+                                  "this of each other over alarm_window steps while their EM spans more than "
+                                  "alarm_em_gap (needs metadata.hops; None: off)")
+    alarm_em_gap: float = Field(0.2, ge=0.0, le=1.0, description="plateau alarm: EM spread across hop classes")
+    alarm_window: int = Field(10, ge=1, description="plateau alarm: steps averaged per hop class")
+    alarm_collapse_drop: float | None = Field(
+        None, ge=0.0, description="collapse alarm: alarm_collapse_metric falls more than this below its best so far "
+                                  "(None: off)")
+    alarm_collapse_metric: str = Field("eval_em", description="collapse alarm: the step-record key watched (the "
+                                       "held-out eval_em by default; e.g. eval_reward)")
     alarm_action: Literal["warn", "stop"] = Field("warn", description="stop: end the run, keeping the best checkpoint")
     options: dict[str, Any] = Field(default_factory=dict, description="settings of registered estimators and "
                                     "losses beyond the fields above (read by plugins: train.options.my_coef=0.5)")

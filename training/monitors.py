@@ -5,7 +5,9 @@ degenerates into repeated or broken tags before the reward shows it, and GRPO se
 searches whatever the question. :func:`health_stats` measures, per rollout batch: format validity,
 a degeneracy score of the policy's text (:func:`degeneracy_score`), search calls per episode split by
 dataset and by hop count, and response length (entropy, clip fraction and KL come from the loss).
-:class:`Alarms` fires when validity or entropy falls through a threshold; :func:`plot_dashboard` draws a
+:class:`Alarms` fires when validity or entropy falls through a threshold, when searches per episode stay
+flat across hop classes while their EM differs (a search-depth plateau), and when a held-out metric falls
+more than a margin below its best (a collapse); :func:`plot_dashboard` draws a
 run's ``metrics.jsonl`` as one PNG (``sleuth dashboard RUN_DIR``). :class:`MetricsLogger` writes that file
 (and TensorBoard) one record per step; :func:`merge_rank_records` makes one record of every rank's.
 """
@@ -102,33 +104,104 @@ def health_stats(trajs: list[Trajectory]) -> dict[str, float]:
 
 @dataclass
 class Alarms:
-    """Fires when ``format_ok`` or ``entropy`` stays below its threshold for ``patience`` consecutive steps.
+    """Training-health alarms, checked once per step on the step's record.
 
-    ``check(step, record)`` returns the list of alarm messages raised this step (each also issued as a
-    ``RuntimeWarning``); ``should_stop`` is True once an alarm fired with ``action="stop"``.
+    * threshold alarms: ``format_ok`` or ``entropy`` below its threshold for ``patience`` consecutive steps;
+    * search-depth plateau (``search_flat``): over the last ``window`` steps, the mean searches per episode
+      of the hop classes (``search_calls/hops=<h>``) lie within ``search_flat`` of each other while their EM
+      (``em/hops=<h>``) spans more than ``em_gap``: the policy searches as much for a 3-hop question as for
+      a 1-hop one although the classes do not succeed alike (the "one or two searches whatever the question"
+      failure of GRPO search agents); needs two classes or more and a full window, then ``patience``
+      consecutive steps;
+    * collapse (``collapse_drop``): the held-out metric ``collapse_metric`` (``eval_em`` by default; any
+      record key, e.g. a held-out reward) falls more than ``collapse_drop`` below its best so far; checked on
+      the steps that carry it (evaluations are already averages over held-out questions: no patience).
+
+    ``check(step, record)`` returns the messages raised this step (each also a ``RuntimeWarning``) and adds
+    the watched signals to ``record``: ``alarm/hop_search_spread``, ``alarm/hop_em_spread`` (window means)
+    and ``alarm/collapse_gap`` (best - current). ``should_stop`` is True once an alarm fired with
+    ``action="stop"``. :meth:`state` / :meth:`restore` carry the patience counts, and :meth:`signal_state` /
+    :meth:`restore_signals` the window and the best metric, over a resume.
     """
 
     min_format_ok: float | None = None
     min_entropy: float | None = None
     patience: int = 2
     action: str = "warn"
+    search_flat: float | None = None
+    em_gap: float = 0.2
+    window: int = 10
+    collapse_drop: float | None = None
+    collapse_metric: str = "eval_em"
     _below: dict[str, int] = field(default_factory=dict)
+    _hops: list[dict[str, list[float]]] = field(default_factory=list)
+    _best: list[float] = field(default_factory=list)  # [best value, its step] once seen
     should_stop: bool = False
 
+    @classmethod
+    def from_config(cls, tc: Any) -> Alarms:
+        """The alarms of a :class:`training.config.TrainConfig` (its ``alarm_*`` fields)."""
+        return cls(tc.alarm_min_format_ok, tc.alarm_min_entropy, tc.alarm_patience, tc.alarm_action,
+                   tc.alarm_search_flat, tc.alarm_em_gap, tc.alarm_window, tc.alarm_collapse_drop,
+                   tc.alarm_collapse_metric)
+
+    def _fire(self, msg: str, fired: list[str]) -> None:
+        warnings.warn(f"training-health alarm: {msg}", RuntimeWarning, stacklevel=3)
+        fired.append(msg)
+        if self.action == "stop":
+            self.should_stop = True
+
+    def _patient(self, key: str, bad: bool) -> bool:
+        self._below[key] = self._below.get(key, 0) + 1 if bad else 0
+        return self._below[key] >= self.patience
+
     def check(self, step: int, record: dict[str, Any]) -> list[str]:
-        fired = []
+        fired: list[str] = []
         for key, thr in (("format_ok", self.min_format_ok), ("entropy", self.min_entropy)):
             v = record.get(key)
             if thr is None or v is None or not math.isfinite(v):
                 continue
-            self._below[key] = self._below.get(key, 0) + 1 if v < thr else 0
-            if self._below[key] >= self.patience:
-                msg = f"step {step}: {key} {v:.3f} below {thr} for {self._below[key]} steps"
-                warnings.warn(f"training-health alarm: {msg}", RuntimeWarning, stacklevel=2)
-                fired.append(msg)
-                if self.action == "stop":
-                    self.should_stop = True
+            if self._patient(key, v < thr):
+                self._fire(f"step {step}: {key} {v:.3f} below {thr} for {self._below[key]} steps", fired)
+        self._check_plateau(step, record, fired)
+        self._check_collapse(step, record, fired)
         return fired
+
+    def _check_plateau(self, step: int, record: dict[str, Any], fired: list[str]) -> None:
+        per = {k.split("=", 1)[1]: [v, record.get(f"em/hops={k.split('=', 1)[1]}", float("nan"))]
+               for k, v in record.items() if k.startswith("search_calls/hops=")}
+        self._hops = [*self._hops, per][-self.window :]
+        classes = sorted({h for p in self._hops for h in p})
+        if len(classes) < 2 or len(self._hops) < self.window:
+            return
+        means = {}
+        for h in classes:
+            vals = [p[h] for p in self._hops if h in p and all(math.isfinite(x) for x in p[h])]
+            if vals:
+                means[h] = (sum(v[0] for v in vals) / len(vals), sum(v[1] for v in vals) / len(vals))
+        if len(means) < 2:
+            return
+        s_lo, s_hi = min(m[0] for m in means.values()), max(m[0] for m in means.values())
+        e_lo, e_hi = min(m[1] for m in means.values()), max(m[1] for m in means.values())
+        record["alarm/hop_search_spread"], record["alarm/hop_em_spread"] = s_hi - s_lo, e_hi - e_lo
+        if self.search_flat is None:
+            return
+        if self._patient("search_plateau", s_hi - s_lo < self.search_flat and e_hi - e_lo > self.em_gap):
+            cls = "/".join(means)
+            self._fire(f"step {step}: search plateau: searches per episode {s_lo:.2f}-{s_hi:.2f} across hop classes "
+                       f"{cls} while their EM spans {e_lo:.2f}-{e_hi:.2f} (last {len(self._hops)} steps)", fired)
+
+    def _check_collapse(self, step: int, record: dict[str, Any], fired: list[str]) -> None:
+        v = record.get(self.collapse_metric)
+        if not isinstance(v, (int, float)) or not math.isfinite(v):
+            return
+        if not self._best or v > self._best[0]:
+            self._best = [float(v), float(step)]
+        gap = self._best[0] - v
+        record["alarm/collapse_gap"] = gap
+        if self.collapse_drop is not None and gap > self.collapse_drop:
+            self._fire(f"step {step}: collapse: {self.collapse_metric} {v:.3f} is {gap:.3f} below its best "
+                       f"{self._best[0]:.3f} (step {int(self._best[1])})", fired)
 
     def state(self) -> dict[str, int]:
         """``{key: consecutive steps below its threshold}``, for a checkpoint (so a resumed run keeps its count)."""
@@ -137,6 +210,15 @@ class Alarms:
     def restore(self, below: dict[str, int]) -> None:
         """Continue from a :meth:`state` saved in a checkpoint."""
         self._below = {str(k): int(v) for k, v in below.items()}
+
+    def signal_state(self) -> dict[str, Any]:
+        """The plateau window and the best held-out metric, for a checkpoint (JSON-serialisable)."""
+        return {"hops": self._hops, "best": self._best}
+
+    def restore_signals(self, saved: dict[str, Any]) -> None:
+        """Continue from a :meth:`signal_state` saved in a checkpoint (an older checkpoint has none: empty)."""
+        self._hops = [dict(p) for p in saved.get("hops", [])][-self.window :]
+        self._best = [float(x) for x in saved.get("best", [])]
 
 
 # -- the metrics log ----------------------------------------------------------------------------------
@@ -242,18 +324,32 @@ DASHBOARD_PANELS = (
     ("reward / EM", ("reward", "em", "eval_em")),
     ("format validity", ("format_ok",)),
     ("degeneracy", ("degeneracy",)),
-    ("search calls per episode", ("search_calls", "search_calls/hops=*", "search_calls/dataset=*")),
+    ("search calls per episode", ("search_calls", "search_calls/hops=*", "search_calls/dataset=*",
+                                  "eval_search_hops*")),
+    ("EM by hop class", ("em/hops=*", "eval_em_hops*")),
+    ("search-depth plateau: spread across hop classes", ("alarm/hop_search_spread", "alarm/hop_em_spread")),
+    ("collapse: held-out metric and its best", ("alarm/collapse_gap",)),
     ("response tokens", ("response_tokens",)),
     ("policy entropy", ("entropy",)),
     ("clip fraction", ("clip_frac",)),
     ("KL", ("kl", "approx_kl")),
 )
+#: alarm kinds by the word after "step N: " of their message, and the colour that marks them on every panel
+ALARM_COLOURS = {"search plateau": "orange", "collapse": "red"}
 
 
-def plot_dashboard(run_dir: str | Path, out: str | Path | None = None) -> Path:
+def alarm_kind(msg: str) -> str:
+    """``"search plateau"``, ``"collapse"`` or ``"threshold"`` for an :class:`Alarms` message."""
+    body = msg.split(": ", 1)[-1]
+    return next((k for k in ALARM_COLOURS if body.startswith(k)), "threshold")
+
+
+def plot_dashboard(run_dir: str | Path, out: str | Path | None = None, collapse_metric: str = "eval_em") -> Path:
     """Draw a run's health metrics as one PNG (matplotlib, Agg): reward/EM, validity, degeneracy, searches
-    per episode (by hops and dataset), response length, entropy, clip fraction, KL; alarms as red lines.
-    Returns the PNG path (default ``run_dir/dashboard.png``)."""
+    and EM per hop class, the plateau signal (spread of searches and of EM across hop classes), the held-out
+    metric ``collapse_metric`` with its best so far (the collapse signal), response length, entropy, clip
+    fraction, KL, and the list of alarms; each alarm is a vertical line on every panel (orange: search
+    plateau, red: collapse, grey: thresholds). Returns the PNG path (default ``run_dir/dashboard.png``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -262,21 +358,34 @@ def plot_dashboard(run_dir: str | Path, out: str | Path | None = None) -> Path:
     recs = read_metrics(run_dir)
     out = Path(out) if out else Path(run_dir) / "dashboard.png"
     keys = sorted({k for r in recs for k in r})
-    fig, axes = plt.subplots(2, 4, figsize=(18, 7.5))
-    for ax, (title, patterns) in zip(axes.flat, DASHBOARD_PANELS, strict=True):
+    fig, axes = plt.subplots(3, 4, figsize=(20, 11))
+    alarms = [(r["step"], m) for r in recs for m in r.get("alarms") or []]
+    for ax, (title, patterns) in zip(axes.flat, DASHBOARD_PANELS, strict=False):
         for pat in patterns:
             names = [k for k in keys if (k == pat or (pat.endswith("*") and k.startswith(pat[:-1])))]
             for k in names:
                 pts = [(r["step"], r[k]) for r in recs if isinstance(r.get(k), (int, float)) and math.isfinite(r[k])]
                 if pts:
                     ax.plot(*zip(*pts), marker="." if len(pts) < 40 else None, label=k)
-        for r in recs:
-            if r.get("alarms"):
-                ax.axvline(r["step"], color="red", alpha=0.3)
-        ax.set_title(title)
+        if title.startswith("collapse"):
+            pts = [(r["step"], r[collapse_metric]) for r in recs
+                   if isinstance(r.get(collapse_metric), (int, float)) and math.isfinite(r[collapse_metric])]
+            if pts:
+                best = [max(v for _, v in pts[: i + 1]) for i in range(len(pts))]
+                ax.plot(*zip(*pts), marker=".", label=collapse_metric)
+                ax.plot([s for s, _ in pts], best, ls="--", label="best so far")
+        for step, msg in alarms:
+            ax.axvline(step, color=ALARM_COLOURS.get(alarm_kind(msg), "grey"), alpha=0.35)
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
-        if ax.lines:
+        if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
+    text_ax = axes.flat[len(DASHBOARD_PANELS)]
+    text_ax.axis("off")
+    lines = [m for _, m in alarms]
+    shown = lines[:14] + ([f"... and {len(lines) - 14} more"] if len(lines) > 14 else [])
+    text_ax.text(0, 1, "alarms:\n" + ("\n".join(m[:90] for m in shown) if shown else "none"), va="top", fontsize=7,
+                 family="monospace")
     fig.suptitle(f"training health: {Path(run_dir).name}")
     fig.tight_layout()
     fig.savefig(out, dpi=90)

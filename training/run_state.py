@@ -200,7 +200,7 @@ def open_run(tc: Any, model: Any, run_dir: str | Path, train_examples: list[QAEx
     critic_opt = torch.optim.AdamW(critic.trainable_parameters(), lr=tc.critic_lr) if critic is not None else None
     state = RunState(run_dir, rank, W, ckpt, policy, fwd, rollout_model, ref, critic, optimizer, scheduler,
                      critic_opt, DataStream(train_examples, seed),
-                     Alarms(tc.alarm_min_format_ok, tc.alarm_min_entropy, tc.alarm_patience, tc.alarm_action),
+                     Alarms.from_config(tc),
                      base_state)
     if ckpt is not None:
         restore(state, tc)
@@ -237,6 +237,7 @@ def restore(state: RunState, tc: Any) -> None:
         apply_config_lr(state.critic_optimizer, None, tc.critic_lr, "train.critic_lr", rank)
     # the alarm's patience and the skipped-step count run on across the interruption
     state.alarms.restore(saved.get("alarms_below", {}))
+    state.alarms.restore_signals(saved.get("alarms_signals", {}))
     state.nonfinite = int(saved.get("nonfinite", 0))
 
 
@@ -282,7 +283,8 @@ def save_run(state: RunState, step: int, tokenizer: Any, tc: Any, best_metric: f
 
         trainer_state = {"data_position": state.data.position, "best": state.best, "best_step": state.best_step,
                          "algorithm": tc.algorithm, "lora": tc.lora, "world_size": state.world_size,
-                         "alarms_below": state.alarms.state(), "nonfinite": state.nonfinite}
+                         "alarms_below": state.alarms.state(),
+                         "alarms_signals": state.alarms.signal_state(), "nonfinite": state.nonfinite}
         path = save_checkpoint(state.run_dir, step, MergedView(src) if tc.lora else src, tokenizer, None,
                                state.scheduler, trainer_state=trainer_state, keep=tc.keep_checkpoints, extra=extra,
                                optimizer_state=opt_state, rng_states=rngs,

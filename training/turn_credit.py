@@ -11,6 +11,14 @@ found the missing document and the one that wasted a turn are credited alike. Th
   retrieved documents and tool messages so far, in order; the policy's own wording of a query does not
   matter when it retrieved the same documents). The actions taken from one anchor state form a step group;
   each action's discounted return is normalised within it.
+* ``evidence_igpo``: Sleuth's variant of IGPO (Wang et al., 2025) whose information gain is read from the
+  documents instead of the policy: a search turn earns ``train.ig_coef`` when the gold answer enters the
+  episode's context for the first time in its result. IGPO's gain (the policy's probability of the gold
+  answer after the turn) is blind where the policy cannot yet *read* the answer from the evidence it
+  retrieved (a tiny policy that never learnt to copy a kind of token gives p(gold) ~ 0 with the right
+  document in context), so the search chain that found the evidence gets no credit; the rule-based gain
+  credits the search that reached the answer-bearing document at whatever depth, and it costs no forward
+  pass. It reads the gold answer (as the EM reward does), never the hop count.
 
 Turn ``k`` is column ``k - 1`` of the ``[N, K]`` turn tensors (:func:`training.rewards.turn_table`);
 :func:`training.advantages.turns_to_tokens` writes a turn's value on its policy tokens.
@@ -22,9 +30,11 @@ from typing import Any
 
 import torch
 
+from agent.metrics import normalize_answer
 from training.advantages import (
     AdvantageInputs,
     grpo_advantages,
+    igpo_turn_advantages,
     register_adv_est,
     segment_stats,
     turns_to_tokens,
@@ -126,4 +136,38 @@ def _gigpo(inp: AdvantageInputs, tc: Any) -> dict[str, torch.Tensor]:
     turn_r = outcome_turn_rewards(inp, tc)
     states = anchor_states(inp.trajs, inp.turn_valid.shape[1])
     adv = gigpo_advantages(turn_r.sum(-1), inp.groups, turn_r, inp.turn_valid, states, tc.gamma, tc.gigpo_omega)
+    return {"advantages": turns_to_tokens(adv, inp.token_turns, inp.mask)}
+
+
+# -- evidence-gain IGPO ----------------------------------------------------------------------------------
+def _contains(text: str, answers: list[str]) -> bool:
+    """Whether a normalised gold answer occurs in the normalised ``text`` as a whole word sequence."""
+    padded = f" {normalize_answer(text)} "
+    return any(a and f" {a} " in padded for a in (normalize_answer(g) for g in answers))
+
+
+def evidence_gain(trajs: list[Any], K: int) -> torch.Tensor:
+    """``[N, K]`` float32: 1 at the turn whose observation first puts a gold answer (SQuAD-normalised, as a
+    whole word sequence) into the episode's context, 0 elsewhere and for an answer the question already
+    holds. Trajectory ``i``'s turn ``k`` is column ``k - 1``."""
+    out = torch.zeros(len(trajs), K)
+    for i, tr in enumerate(trajs):
+        if not tr.golden_answers or _contains(tr.question, tr.golden_answers):
+            continue
+        for t in sorted(tr.turns, key=lambda t: t.index):
+            if 1 <= t.index <= K and t.observation and _contains(t.observation, tr.golden_answers):
+                out[i, t.index - 1] = 1.0
+                break
+    return out
+
+
+@register_adv_est("evidence_igpo", groups=True)
+def _evidence_igpo(inp: AdvantageInputs, tc: Any) -> dict[str, torch.Tensor]:
+    """IGPO's turn rewards and advantages (:func:`training.advantages.igpo_turn_advantages`: z-normalised
+    over the group's turns, accumulated with ``train.gamma``) with the evidence gain
+    (:func:`evidence_gain`, weight ``train.ig_coef``) in place of the probability gain: the outcome (minus
+    the KL penalty) on the last turn, ``-train.search_cost`` on every search turn."""
+    gain = evidence_gain(inp.trajs, inp.turn_valid.shape[1]) * inp.turn_valid.float()
+    turn_r = tc.ig_coef * gain + outcome_turn_rewards(inp, tc)
+    adv = igpo_turn_advantages(turn_r, inp.turn_valid, inp.groups, tc.gamma)
     return {"advantages": turns_to_tokens(adv, inp.token_turns, inp.mask)}
