@@ -177,6 +177,15 @@ class TransformersLLM:
         return ids, strings
 
     @torch.no_grad()
+    def probe_logprobs(self, ids: list[int]) -> list[float]:
+        """``log p(ids[i] | ids[:i])`` for ``i >= 1`` at temperature 1 (natural log; ``len(ids) - 1`` floats):
+        what the trainer compares with its own after a weight push (:mod:`training.weight_sync`)."""
+        device = next(self.model.parameters()).device
+        x = torch.tensor([ids], device=device)
+        logits = self.model(input_ids=x, use_cache=False).logits[0, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None]).squeeze(-1).tolist()
+
+    @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """Sample one continuation per prompt (see :class:`agent.llm.LLM`); ``logprobs`` are the sampled
         tokens' log-probabilities (natural log) under ``softmax(logits / temperature)`` restricted to

@@ -146,6 +146,21 @@ class VLLMBackend:
             gens.append(Generation(ids, text, reason, lps, meta={"weight_version": version}))
         return gens
 
+    def probe_logprobs(self, ids: list[int]) -> list[float]:
+        """The engine's ``log p(ids[i] | ids[:i])`` for ``i >= 1`` at temperature 1 (natural log; ``len(ids) - 1``
+        floats), from vLLM's prompt log-probs: what the trainer compares with its own after a weight push
+        (:mod:`training.weight_sync`). Raises ``RuntimeError`` when the engine returns none."""
+        from vllm import SamplingParams as VParams
+        from vllm.inputs import TokensPrompt
+
+        sp = VParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, seed=0)
+        with self._lock:
+            (out,) = self._engine().generate([TokensPrompt(prompt_token_ids=list(ids))], [sp], use_tqdm=False)
+        steps = out.prompt_logprobs or []
+        if len(steps) != len(ids):
+            raise RuntimeError(f"vLLM returned {len(steps)} prompt log-probs for the {len(ids)}-token probe")
+        return [float(step[t].logprob) for step, t in zip(steps[1:], ids[1:], strict=True)]
+
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Load new policy weights in place (no restart): ``named_tensors`` are ``(name, tensor)`` pairs
         with Hugging Face checkpoint names, e.g. ``model.state_dict().items()`` of the trained policy.

@@ -127,6 +127,7 @@ def test_rl_train_rolls_out_on_vllm_and_pushes_every_update(engine, tiny_dir, re
     from tests.test_trainer import make_cfg, varying_judge
 
     model, tok = load_model_and_tokenizer(str(tiny_dir[0]), device="cpu")
+    engine.update_weights(model.state_dict().items())  # other tests left other weights in the shared engine
     before = engine.weight_version
     out = run_rl(make_cfg("train.steps=2"), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge,
                    llm_factory=lambda m, t: engine)
@@ -135,3 +136,60 @@ def test_rl_train_rolls_out_on_vllm_and_pushes_every_update(engine, tiny_dir, re
     prompt = encode(tok, "Question: Where was Gustave Eiffel born?\n")
     (g,) = engine.generate([prompt], SamplingParams(max_new_tokens=6, temperature=0.0, stop=()))
     assert g.logprobs == pytest.approx(_hf_logprobs(model.eval(), prompt, g.token_ids), abs=2e-3)
+
+
+def test_probe_logprobs_are_the_engines_prompt_logprobs(engine, tiny_dir):
+    """The weight-sync probe scored by the engine (vLLM's prompt log-probs) equals transformers' scoring of
+    the same weights (fp32 on CPU: to ~1e-6)."""
+    from agent.hf import TransformersLLM
+    from training.weight_sync import probe_ids
+
+    hf = TransformersLLM.from_pretrained(str(tiny_dir[0]))
+    engine.update_weights(hf.model.state_dict().items())
+    ids = probe_ids(hf.tokenizer)
+    assert engine.probe_logprobs(ids) == pytest.approx(hf.probe_logprobs(ids), abs=1e-4)
+
+
+def test_a_push_that_left_one_tensor_stale_is_caught_by_the_probe(engine, tiny_dir):
+    """vLLM's in-place reload keeps the old value of a tensor it is not given new values for: the push below
+    names every weight (so the backend's own name check passes) but carries the engine's old value for one
+    of them, as a loader that skipped it would. The probe check catches it; the full push passes it."""
+    from training.policy import build_tiny_policy
+    from training.weight_sync import WeightSyncError, check_engine, probe_ids
+
+    old = build_tiny_policy(engine.tokenizer, tiny_dir[1], seed=0).eval()
+    new = build_tiny_policy(engine.tokenizer, tiny_dir[1], seed=123).eval()
+    engine.update_weights(old.state_dict().items())
+    ids = probe_ids(engine.tokenizer)
+    stale = "model.layers.0.mlp.down_proj.weight"
+    engine.update_weights({**new.state_dict(), stale: old.state_dict()[stale]}.items())
+    with pytest.raises(WeightSyncError, match="weight-sync probe"):
+        check_engine(engine, new, ids, tol=1e-3)
+    engine.update_weights(new.state_dict().items())
+    assert check_engine(engine, new, ids, tol=1e-4)["sync/probe_lp_diff_mean"] < 1e-5
+
+
+def test_lora_training_on_vllm_checks_that_the_merged_adapters_arrive(engine, tiny_dir, retriever, tmp_path):
+    """LoRA on the vLLM rollout path: the trainer pushes the adapters merged into the base weights and the
+    probe confirms the engine runs them; a push of the base weights alone (adapters not loaded) fails the
+    run at the first check."""
+    from agent.hf import load_model_and_tokenizer
+    from tests.conftest import QUESTIONS, run_rl
+    from tests.test_trainer import make_cfg, varying_judge
+    from training.weight_sync import WeightSyncError
+
+    lora = ["train.lora=true", "train.lora_rank=4", "train.lora_targets=[q_proj,v_proj]", "train.lr=5e-2",
+            "train.steps=2", "train.sync_probe_tol=1e-4"]
+    model, tok = load_model_and_tokenizer(str(tiny_dir[0]), device="cpu")
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.update_weights(base.items())
+    out = run_rl(make_cfg(*lora), model, tok, retriever, QUESTIONS, tmp_path / "merged", judge=varying_judge,
+                 llm_factory=lambda m, t: engine)
+    assert out["last"]["sync/probe_lp_diff_mean"] < 1e-4
+
+    model, tok = load_model_and_tokenizer(str(tiny_dir[0]), device="cpu")
+    engine.update_weights(base.items())
+    with pytest.raises(WeightSyncError, match="weight-sync probe"):
+        run_rl(make_cfg(*lora), model, tok, retriever, QUESTIONS, tmp_path / "unmerged", judge=varying_judge,
+               llm_factory=lambda m, t: engine, sync_weights=lambda llm, full: llm.update_weights(base.items()))
+

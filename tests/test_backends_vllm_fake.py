@@ -180,3 +180,28 @@ def test_each_request_gets_its_own_budget_in_one_engine_call(fake_vllm):
     reqs = [([5, 6, 7], SamplingParams(max_new_tokens=n, temperature=1.0)) for n in (9, 24, 3)]
     out = generate_requests(backend, reqs)
     assert seen == [[9, 24, 3]] and len(out) == 3
+
+
+def test_the_probe_is_scored_from_the_engines_prompt_logprobs(fake_vllm):
+    """``probe_logprobs`` asks vLLM for the prompt's log-probs (``prompt_logprobs=0``, one token generated at
+    temperature 1) and reads each token's own entry (the first prompt token has none)."""
+    import types
+
+    from agent.vllm_backend import VLLMBackend
+
+    asked = []
+
+    def generate(self, reqs, sps, use_tqdm=False):
+        asked.append(sps[0])
+        ids = reqs[0]["prompt_token_ids"]
+        ns = types.SimpleNamespace
+        steps = [None] + [{t: ns(logprob=-0.5 * i), t + 1: ns(logprob=-9.0)} for i, t in enumerate(ids[1:], 1)]
+        return [ns(prompt_logprobs=steps, outputs=[])]
+
+    fake_vllm.generate = generate
+    backend = VLLMBackend("fake")
+    try:
+        assert backend.probe_logprobs([5, 6, 7, 8]) == [-0.5, -1.0, -1.5]
+    finally:
+        backend.close()
+    assert asked[0]["prompt_logprobs"] == 0 and asked[0]["max_tokens"] == 1 and asked[0]["temperature"] == 1.0

@@ -84,7 +84,7 @@ class TrainConfig(Section):
     search_cost: float = Field(0.0, ge=0.0, description="reward cost per search call, folded in by turn")
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal, refill")
     dynamic_sampling_max_tries: int = Field(3, ge=1, description="extra rollout rounds to refill a batch")
-    # rollout correction (training.offpolicy)
+    # rollout correction (training.offpolicy), verified weight sync (training.weight_sync)
     tis_cap: float | None = Field(
         2.0, gt=0, description="truncated importance sampling (Yao et al. 2025): each token's policy-gradient term "
                                "weighted by min(pi_old / pi_rollout, tis_cap), from the log-probs the rollout "
@@ -94,6 +94,12 @@ class TrainConfig(Section):
                           "pi_old / pi_rollout (see mis_level) leaves [low, high], e.g. [0.5, 2.0]; None = off")
     mis_level: Literal["sequence", "geometric"] = Field(
         "sequence", description="MIS ratio of an episode: the product over its tokens, or its geometric mean")
+    verify_sync: bool = Field(
+        True, description="after each weight push to a rollout engine, check that it runs the trainer's weights "
+                          "(tensor comparison for an in-process copy, a probe sequence's log-probs for an engine)")
+    sync_probe_tol: float = Field(
+        0.05, gt=0, description="largest mean |log-prob difference| (nats) over the probe's tokens between the "
+                                "rollout engine and the trainer that still counts as the same weights")
     # efficiency and scale
     lora: bool = False
     lora_rank: int = Field(8, ge=1)

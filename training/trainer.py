@@ -54,6 +54,7 @@ from training.offpolicy import rollout_correction
 from training.rewards import gold_answer_probs, kl_penalty
 from training.rollout import RolloutWorker, rollout, rollout_stats
 from training.run_state import RunState, open_run, restore_rng_streams, save_run
+from training.weight_sync import check_tensors, probe_ids, verify_engine
 
 
 # -- the phases of a step -----------------------------------------------------------------------------
@@ -125,20 +126,29 @@ def update_phase(state: RunState, batch: Batch, tc: Any, loss_scale: float, step
 
 
 def sync_phase(state: RunState, worker: RolloutWorker, tc: Any, moved: bool,
-               sync_weights: Callable[[Any, dict[str, torch.Tensor]], None] | None) -> None:
+               sync_weights: Callable[[Any, dict[str, torch.Tensor]], None] | None,
+               probe: list[int] | None) -> dict[str, float]:
     """Push the updated weights to the rollout side: under torchrun the gathered full weights into every
     rank's rollout copy (what checkpoints and evaluation see); to a backend holding its own weights (vLLM)
-    under the base model's names, LoRA merged (:func:`training.lora.merged_lora_state`)."""
-    full = None
+    under the base model's names, LoRA merged (:func:`training.lora.merged_lora_state`). With
+    ``tc.verify_sync`` each push is checked (:mod:`training.weight_sync`: the copy tensor by tensor, the
+    engine on the ``probe`` sequence) and a rollout side that does not run the new weights raises
+    :class:`training.weight_sync.WeightSyncError`; returns the checks' ``sync/...`` statistics."""
+    full, stats = None, {}
     if moved and state.world_size > 1:
         gathered = {k.removeprefix("model."): v for k, v in full_state_dict(state.fwd).items()}
         sync_rollout_weights(None, state.rollout_model, gathered)
+        if tc.verify_sync:
+            stats["sync/tensors_checked"] = float(check_tensors(state.rollout_model, gathered))
         full = merged_lora_state(state.rollout_model) if tc.lora else gathered
     elif moved and (sync_weights is not None or hasattr(worker.llm, "update_weights")):
         full = merged_lora_state(state.policy) if tc.lora else full_state_dict(base_model(state.policy))
     if full is not None:
         sync_rollout_weights(worker.llm, None, full) if sync_weights is None else sync_weights(worker.llm, full)
+        if tc.verify_sync:
+            stats.update(verify_engine(worker.llm, state.gen_model, full, tc, probe))
     state.policy.eval()
+    return stats
 
 
 def step_record(state: RunState, trajs: list[Trajectory], batch: Batch, stats: dict[str, float],
@@ -268,6 +278,9 @@ def rl_train(
         external = runner_for(llm, agent_cfg, judge)  # agent.kind=external: its proxy serves llm
         worker = RolloutWorker(llm, retriever, agent_cfg, top_k, judge, external)
         stack.callback(lambda: external is not None and external.close())
+        probe = probe_ids(tokenizer) if tc.verify_sync else None
+        if probe is not None:  # an engine started from other weights than the trainer's fails here, not later
+            verify_engine(llm, state.gen_model, None, tc, probe)
         restore_rng_streams(state, seed)
         logger = None
         if rank == 0:  # a resumed run rewrites the steps after its checkpoint: their old records go
@@ -287,7 +300,7 @@ def rl_train(
             advantage_phase(tc, batch, trajs, extra)
             stats.update(rollout_correction(batch, tc))  # drift of the rollout's log-probs; TIS / MIS
             loss_stats, moved = update_phase(state, batch, tc, loss_scale, step)
-            sync_phase(state, worker, tc, moved, sync_weights)
+            stats.update(sync_phase(state, worker, tc, moved, sync_weights, probe))
             stats["step_s"] = time.time() - t0
             record = step_record(state, trajs, batch, stats, loss_stats)
             if evaluate is not None and tc.eval_every and ((step + 1) % tc.eval_every == 0 or step + 1 == tc.steps):
