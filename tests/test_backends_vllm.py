@@ -193,3 +193,18 @@ def test_lora_training_on_vllm_checks_that_the_merged_adapters_arrive(engine, ti
         run_rl(make_cfg(*lora), model, tok, retriever, QUESTIONS, tmp_path / "unmerged", judge=varying_judge,
                llm_factory=lambda m, t: engine, sync_weights=lambda llm, full: llm.update_weights(base.items()))
 
+
+def test_async_rollouts_on_vllm_overlap_the_update_and_verify_each_push(engine, tiny_dir, retriever, tmp_path):
+    """train.async_rollouts with the vLLM engine: the producer thread generates the next step's groups on the
+    engine while the trainer updates; each push is verified on the probe; the rollouts are one update old."""
+    from agent.hf import load_model_and_tokenizer
+    from tests.conftest import QUESTIONS, run_rl
+    from tests.test_trainer import make_cfg, varying_judge
+
+    model, tok = load_model_and_tokenizer(str(tiny_dir[0]), device="cpu")
+    engine.update_weights(model.state_dict().items())
+    out = run_rl(make_cfg("train.steps=3", "train.async_rollouts=true", "train.sync_probe_tol=1e-4"), model, tok,
+                 retriever, QUESTIONS, tmp_path, judge=varying_judge, llm_factory=lambda m, t: engine)
+    rec = out["last"]
+    assert rec["async/staleness_max"] == 1 and rec["sync/probe_lp_diff_mean"] < 1e-4
+    assert "offpolicy/lp_diff_abs_mean" in rec

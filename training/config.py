@@ -84,7 +84,7 @@ class TrainConfig(Section):
     search_cost: float = Field(0.0, ge=0.0, description="reward cost per search call, folded in by turn")
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal, refill")
     dynamic_sampling_max_tries: int = Field(3, ge=1, description="extra rollout rounds to refill a batch")
-    # rollout correction (training.offpolicy), verified weight sync (training.weight_sync)
+    # rollout correction (training.offpolicy), verified weight sync (training.weight_sync), async rollouts
     tis_cap: float | None = Field(
         2.0, gt=0, description="truncated importance sampling (Yao et al. 2025): each token's policy-gradient term "
                                "weighted by min(pi_old / pi_rollout, tis_cap), from the log-probs the rollout "
@@ -100,6 +100,12 @@ class TrainConfig(Section):
     sync_probe_tol: float = Field(
         0.05, gt=0, description="largest mean |log-prob difference| (nats) over the probe's tokens between the "
                                 "rollout engine and the trainer that still counts as the same weights")
+    async_rollouts: bool = Field(
+        False, description="generate the next step's rollouts while this step updates (training.async_rollout): "
+                           "one process only; rollouts are off-policy by up to max_staleness updates")
+    max_staleness: int = Field(
+        1, ge=1, description="async: the most updates a rollout's weights may lag the trainer's when it is "
+                             "trained on; older groups are generated again with the latest weights")
     # efficiency and scale
     lora: bool = False
     lora_rank: int = Field(8, ge=1)

@@ -16,6 +16,7 @@ import json
 import random
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,9 @@ class RunState:
     full copy the rollout side runs under torchrun (``None`` on one process: the policy itself),
     ``base_state`` LoRA's frozen base weights (written into every checkpoint); ``start`` is the first step to
     run, ``best``/``best_step`` the best held-out EM so far, ``nonfinite`` the steps skipped for a non-finite
-    loss; ``resumed`` the trainer state of the checkpoint resumed (``None``: a fresh start)."""
+    loss; ``resumed`` the trainer state of the checkpoint resumed (``None``: a fresh start); ``frontier`` the
+    stream position a checkpoint saves when the asynchronous rollouts read ahead of the training
+    (:meth:`training.async_rollout.AsyncRollouts.frontier`; ``None``: ``data.position``)."""
 
     run_dir: Path
     rank: int
@@ -82,6 +85,7 @@ class RunState:
     best_step: int | None = None
     nonfinite: int = 0
     resumed: dict[str, Any] | None = field(default=None, repr=False)
+    frontier: Callable[[], int] | None = field(default=None, repr=False)
 
     @property
     def gen_model(self) -> Any:
@@ -281,7 +285,8 @@ def save_run(state: RunState, step: int, tokenizer: Any, tc: Any, best_metric: f
             (d / "base").mkdir(exist_ok=True)
             save_file({k: v.contiguous() for k, v in state.base_state.items()}, str(d / "base" / "model.safetensors"))
 
-        trainer_state = {"data_position": state.data.position, "best": state.best, "best_step": state.best_step,
+        position = state.frontier() if state.frontier is not None else state.data.position
+        trainer_state = {"data_position": position, "best": state.best, "best_step": state.best_step,
                          "algorithm": tc.algorithm, "lora": tc.lora, "world_size": state.world_size,
                          "alarms_below": state.alarms.state(),
                          "alarms_signals": state.alarms.signal_state(), "nonfinite": state.nonfinite}

@@ -37,6 +37,7 @@ from corpora.formats import QAExample
 from retrieval.base import Retriever
 from training import advantages as A
 from training.actor import check_packed_masks, score_logprobs, split_micro_batches, update_policy
+from training.async_rollout import AsyncRollouts, rollout_copy
 from training.batch import Batch, collate
 from training.checkpoint import latest_checkpoint, run_dir_lock
 from training.distributed import (
@@ -58,17 +59,22 @@ from training.weight_sync import check_tensors, probe_ids, verify_engine
 
 
 # -- the phases of a step -----------------------------------------------------------------------------
-def rollout_phase(state: RunState, worker: RolloutWorker, tc: Any, step: int) -> tuple[list[Trajectory], dict]:
+def rollout_phase(state: RunState, worker: RolloutWorker, tc: Any, step: int,
+                  producer: AsyncRollouts | None = None) -> tuple[list[Trajectory], dict]:
     """This rank's share of the step's questions, ``tc.group_size`` episodes each, with the policy (and the
-    critic) in eval mode; ZeroSearch's noise curriculum follows the step."""
-    questions = state.data.next(tc.questions_per_step)
-    W = state.world_size
-    per_rank = questions[state.rank :: W] if W > 1 else questions
+    critic) in eval mode; ZeroSearch's noise curriculum follows the step. With ``producer``
+    (``train.async_rollouts``) the groups it generated in the background, at most ``tc.max_staleness``
+    updates old (:meth:`training.async_rollout.AsyncRollouts.take`)."""
     state.policy.eval()
     if state.critic is not None:  # as verl's critic: values estimated in eval mode, the update in train mode
         state.critic.eval()
     if callable(getattr(worker.retriever, "set_step", None)):
         worker.retriever.set_step(step, tc.steps)
+    if producer is not None:
+        return producer.take(step)
+    questions = state.data.next(tc.questions_per_step)
+    W = state.world_size
+    per_rank = questions[state.rank :: W] if W > 1 else questions
     return rollout(worker, per_rank, tc, state.data)
 
 
@@ -193,7 +199,11 @@ def checkpoint_phase(state: RunState, step: int, record: dict[str, Any], tokeniz
 def check_setup(tc: Any, agent_cfg: Any) -> None:
     """Raise ``ValueError`` before anything is built for settings that cannot train: greedy rollouts (log-probs
     are scored at the rollout temperature), a critic estimator without a critic, packing on a transformers
-    without packed-sequence masks (:func:`training.actor.check_packed_masks`)."""
+    without packed-sequence masks (:func:`training.actor.check_packed_masks`), asynchronous rollouts with
+    DAPO's dynamic sampling or an external agent (neither runs in the background producer)."""
+    if tc.async_rollouts and (tc.dynamic_sampling or getattr(agent_cfg, "kind", "builtin") == "external"):
+        raise ValueError("train.async_rollouts runs the built-in agent loop without dynamic sampling: set "
+                         "train.dynamic_sampling=false and agent.kind=builtin, or train.async_rollouts=false")
     if not agent_cfg.temperature > 0:
         raise ValueError(f"RL needs sampled rollouts: agent.temperature must be > 0, got {agent_cfg.temperature}")
     if A.ADV_ESTIMATORS.get(tc.algorithm).critic and tc.critic == "none":  # the config schema checks it too
@@ -207,6 +217,8 @@ def check_world(tc: Any, W: int) -> None:
     do not split evenly)."""
     if W == 1:
         return
+    if tc.async_rollouts:
+        raise ValueError("train.async_rollouts is not supported under torchrun (world size > 1)")
     if A.ADV_ESTIMATORS.get(tc.algorithm).critic and tc.critic == "shared":
         raise ValueError("train.critic=shared is not supported under torchrun (world size > 1): its value head "
                          "rides on the sharded policy's backbone; use train.critic=separate (a value model "
@@ -214,6 +226,33 @@ def check_world(tc: Any, W: int) -> None:
     if tc.questions_per_step % W:
         raise ValueError(f"train.questions_per_step={tc.questions_per_step} must be a multiple of the "
                          f"world size {W} (every rank rolls out as many questions)")
+
+
+def rollout_side(state: RunState, tc: Any, agent_cfg: Any, tokenizer: Any, retriever: Retriever, top_k: int,
+                 judge: Any, llm_factory: Callable[[Any, Any], Any] | None, seed: int,
+                 stack: contextlib.ExitStack) -> RolloutWorker:
+    """The rollout backend and its :class:`training.rollout.RolloutWorker`: ``llm_factory(model, tokenizer)``,
+    by default :class:`agent.hf.TransformersLLM` on the trainer's own model, or with ``tc.async_rollouts`` a
+    worker process on a copy (:class:`agent.process_llm.ProcessLLM`, closed by ``stack``; the backend must
+    hold its own weights: ``ValueError`` for one that generates on the parameters being updated)."""
+    from agent.external import runner_for
+    from agent.hf import TransformersLLM
+
+    if tc.async_rollouts and llm_factory is None:
+        from agent.process_llm import ProcessLLM
+
+        llm = ProcessLLM(rollout_copy(state.policy, tc.lora), tokenizer, threads=torch.get_num_threads(),
+                         seed=seed + 1)
+        stack.callback(llm.close)
+    else:
+        llm = (llm_factory or TransformersLLM)(state.gen_model, tokenizer)
+    if tc.async_rollouts and (getattr(llm, "model", None) is state.gen_model or not hasattr(llm, "update_weights")):
+        raise ValueError("train.async_rollouts needs a rollout backend that holds its own weights and takes "
+                         "update_weights (vLLM, or the default worker process): this one generates on the "
+                         "trainer's parameters, which the update changes under it")
+    external = runner_for(llm, agent_cfg, judge)  # agent.kind=external: its proxy serves llm
+    stack.callback(lambda: external is not None and external.close())
+    return RolloutWorker(llm, retriever, agent_cfg, top_k, judge, external)
 
 
 # -- the loop -----------------------------------------------------------------------------------------
@@ -264,9 +303,6 @@ def rl_train(
     ``ValueError`` for settings that cannot train (:func:`check_setup`, :func:`check_world`) and for a
     checkpoint of another algorithm or LoRA setting.
     """
-    from agent.external import runner_for
-    from agent.hf import TransformersLLM
-
     check_setup(tc, agent_cfg)
     rank, W = init_from_env(timeout_s=tc.dist_timeout_s)  # torchrun: the process group; else a no-op
     check_gpu_memory()  # logs each device's free memory; warns when something else holds over 10% of one
@@ -274,13 +310,15 @@ def rl_train(
     # rank 0 writes run_dir; the stack closes an external agent's proxy however the run ends
     with run_dir_lock(run_dir) if rank == 0 else contextlib.nullcontext(), contextlib.ExitStack() as stack:
         state = open_run(tc, model, run_dir, train_examples, seed=seed, resume=resume, rank=rank, world_size=W)
-        llm = (llm_factory or TransformersLLM)(state.gen_model, tokenizer)
-        external = runner_for(llm, agent_cfg, judge)  # agent.kind=external: its proxy serves llm
-        worker = RolloutWorker(llm, retriever, agent_cfg, top_k, judge, external)
-        stack.callback(lambda: external is not None and external.close())
+        worker = rollout_side(state, tc, agent_cfg, tokenizer, retriever, top_k, judge, llm_factory, seed, stack)
         probe = probe_ids(tokenizer) if tc.verify_sync else None
         if probe is not None:  # an engine started from other weights than the trainer's fails here, not later
-            verify_engine(llm, state.gen_model, None, tc, probe)
+            verify_engine(worker.llm, state.gen_model, None, tc, probe)
+        producer = None
+        if tc.async_rollouts:  # closed before the backend (the stack unwinds in reverse)
+            producer = AsyncRollouts(worker, state.data, tc, version=state.start)
+            stack.callback(producer.close)
+            state.frontier = producer.frontier
         restore_rng_streams(state, seed)
         logger = None
         if rank == 0:  # a resumed run rewrites the steps after its checkpoint: their old records go
@@ -292,7 +330,7 @@ def rl_train(
         stopped = None
         for step in range(state.start, tc.steps):
             t0 = time.time()
-            trajs, stats = rollout_phase(state, worker, tc, step)
+            trajs, stats = rollout_phase(state, worker, tc, step, producer)
             stats["rollout_s"] = time.time() - t0
             batch = collate(trajs, tokenizer.pad_token_id, agent_cfg.max_total_tokens)
             batch.temperature = agent_cfg.temperature  # score the distribution the rollout sampled from
@@ -301,6 +339,8 @@ def rl_train(
             stats.update(rollout_correction(batch, tc))  # drift of the rollout's log-probs; TIS / MIS
             loss_stats, moved = update_phase(state, batch, tc, loss_scale, step)
             stats.update(sync_phase(state, worker, tc, moved, sync_weights, probe))
+            if producer is not None:  # groups started from now on run the weights of this update
+                producer.publish(step + 1)
             stats["step_s"] = time.time() - t0
             record = step_record(state, trajs, batch, stats, loss_stats)
             if evaluate is not None and tc.eval_every and ((step + 1) % tc.eval_every == 0 or step + 1 == tc.steps):
