@@ -435,21 +435,10 @@ def policy_loss(
     shape = logprobs.shape
     _check_shapes(shape, old_logprobs=old_logprobs, advantages=advantages, mask=mask, ref_logprobs=ref_logprobs,
                   entropy=entropy, is_weights=is_weights)
-    ref_kw = {
-        "loss": loss,
-        "clip_low": clip_low,
-        "clip_high": clip_high,
-        "loss_agg": loss_agg,
-        "ref_logprobs": ref_logprobs,
-        "kl_coef": kl_coef,
-        "kl_type": kl_type,
-        "entropy": entropy,
-        "entropy_coef": entropy_coef,
-        "clip_ratio_c": clip_ratio_c,
-        "loss_scale": loss_scale,
-        "options": options,
-        "is_weights": is_weights,
-    }
+    ref_kw = {"loss": loss, "clip_low": clip_low, "clip_high": clip_high, "loss_agg": loss_agg,
+              "ref_logprobs": ref_logprobs, "kl_coef": kl_coef, "kl_type": kl_type, "entropy": entropy,
+              "entropy_coef": entropy_coef, "clip_ratio_c": clip_ratio_c, "loss_scale": loss_scale,
+              "options": options, "is_weights": is_weights}
     tensors = [t for t in (logprobs, old_logprobs, advantages, mask, ref_logprobs, entropy, is_weights) if t is not None]
     const_grad = any(t is not None and t.requires_grad for t in (old_logprobs, advantages, ref_logprobs))
     use_kl = ref_logprobs is not None and kl_coef > 0

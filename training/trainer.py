@@ -255,6 +255,23 @@ def rollout_side(state: RunState, tc: Any, agent_cfg: Any, tokenizer: Any, retri
     return RolloutWorker(llm, retriever, agent_cfg, top_k, judge, external)
 
 
+def start_rollouts(state: RunState, worker: RolloutWorker, tc: Any, tokenizer: Any,
+                   stack: contextlib.ExitStack) -> tuple[list[int] | None, AsyncRollouts | None]:
+    """Before the first step: the weight-sync probe (``None`` without ``tc.verify_sync``), checked on the
+    rollout backend at once (an engine started from other weights than the trainer's fails here, not after
+    a step), and with ``tc.async_rollouts`` the background producer, started on ``state.data`` (closed by
+    ``stack`` before the backend; checkpoints then save its frontier)."""
+    probe = probe_ids(tokenizer) if tc.verify_sync else None
+    if probe is not None:
+        verify_engine(worker.llm, state.gen_model, None, tc, probe)
+    producer = None
+    if tc.async_rollouts:
+        producer = AsyncRollouts(worker, state.data, tc, version=state.start)
+        stack.callback(producer.close)
+        state.frontier = producer.frontier
+    return probe, producer
+
+
 # -- the loop -----------------------------------------------------------------------------------------
 def rl_train(
     tc: Any,
@@ -311,14 +328,7 @@ def rl_train(
     with run_dir_lock(run_dir) if rank == 0 else contextlib.nullcontext(), contextlib.ExitStack() as stack:
         state = open_run(tc, model, run_dir, train_examples, seed=seed, resume=resume, rank=rank, world_size=W)
         worker = rollout_side(state, tc, agent_cfg, tokenizer, retriever, top_k, judge, llm_factory, seed, stack)
-        probe = probe_ids(tokenizer) if tc.verify_sync else None
-        if probe is not None:  # an engine started from other weights than the trainer's fails here, not later
-            verify_engine(worker.llm, state.gen_model, None, tc, probe)
-        producer = None
-        if tc.async_rollouts:  # closed before the backend (the stack unwinds in reverse)
-            producer = AsyncRollouts(worker, state.data, tc, version=state.start)
-            stack.callback(producer.close)
-            state.frontier = producer.frontier
+        probe, producer = start_rollouts(state, worker, tc, tokenizer, stack)
         restore_rng_streams(state, seed)
         logger = None
         if rank == 0:  # a resumed run rewrites the steps after its checkpoint: their old records go
