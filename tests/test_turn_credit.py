@@ -99,6 +99,10 @@ def test_registered_gigpo_writes_turn_advantages_on_tokens():
     close(out[0], [3.0, 3.0, 2.6547, 2.6547, 1.5, 1.5])
     close(out[3], [-1.0, -1.0, -0.5, -0.5, 0.0, 0.0])
     # a search cost makes the return sum(turn rewards): d (1 search) now beats b (2 searches) by 0.1
+    # F_norm = 1 (verl-agent's mean_norm): rewards [1, 0, 0, 0] -> episode [.75, -.25, -.25, -.25]; a's turn 2
+    # step group [1, 0, 0] -> 2/3
+    out = A.compute_advantages(TrainConfig(algorithm="gigpo", gigpo_std_norm=False), _inputs(GROUP))["advantages"]
+    close(out[0], [1.5, 1.5, 0.75 + 2 / 3, 0.75 + 2 / 3, 0.75, 0.75])
     tc = TrainConfig(algorithm="gigpo", search_cost=0.1)
     out = A.compute_advantages(tc, _inputs(GROUP))["advantages"]
     assert out[3, 0] > out[1, 0]

@@ -81,6 +81,8 @@ class TrainConfig(Section):
     lam: float = Field(1.0, ge=0.0, le=1.0)
     ig_coef: float = Field(1.0, ge=0.0, description="IGPO: weight of the information gain turn reward")
     gigpo_omega: float = Field(1.0, ge=0.0, description="GiGPO: weight of the step-level (anchor-state) advantage")
+    gigpo_std_norm: bool = Field(True, description="GiGPO: divide both levels by the group's std (the paper's "
+                                 "F_norm = std); False: F_norm = 1 (mean_norm, verl-agent's default mode)")
     search_cost: float = Field(0.0, ge=0.0, description="reward cost per search call, folded in by turn")
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal, refill")
     dynamic_sampling_max_tries: int = Field(3, ge=1, description="extra rollout rounds to refill a batch")

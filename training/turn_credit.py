@@ -132,10 +132,12 @@ def outcome_turn_rewards(inp: AdvantageInputs, tc: Any) -> torch.Tensor:
 
 @register_adv_est("gigpo", groups=True)
 def _gigpo(inp: AdvantageInputs, tc: Any) -> dict[str, torch.Tensor]:
-    """GiGPO over the observation-history anchor states, ``train.gigpo_omega`` and ``train.gamma``."""
+    """GiGPO over the observation-history anchor states, ``train.gigpo_omega``, ``train.gamma`` and
+    ``train.gigpo_std_norm``."""
     turn_r = outcome_turn_rewards(inp, tc)
     states = anchor_states(inp.trajs, inp.turn_valid.shape[1])
-    adv = gigpo_advantages(turn_r.sum(-1), inp.groups, turn_r, inp.turn_valid, states, tc.gamma, tc.gigpo_omega)
+    adv = gigpo_advantages(turn_r.sum(-1), inp.groups, turn_r, inp.turn_valid, states, tc.gamma, tc.gigpo_omega,
+                           tc.gigpo_std_norm)
     return {"advantages": turns_to_tokens(adv, inp.token_turns, inp.mask)}
 
 
