@@ -12,7 +12,7 @@ Threads: the trainer and the rollout worker process each run torch with ``--thre
 2-core machine the asynchronous mode has one core for each. Wall times depend on what else runs: the
 machine's load average before and after each run is recorded with it, and the modes alternate seed by seed.
 
-    .venv/bin/python bench/async_rollouts.py                     # seeds 0 1 2, both modes (~40 min on 2 cores)
+    .venv/bin/python bench/async_rollouts.py                     # seeds 0 1 2, both modes (~4 min on 2 idle cores)
     .venv/bin/python bench/async_rollouts.py --seeds 0 --steps 20
     .venv/bin/python bench/async_rollouts.py --report            # the table from the JSON only
 
