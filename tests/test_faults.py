@@ -82,26 +82,47 @@ def test_drop_failed_leaves_out_failed_episodes_and_counts_them():
     assert stats == {"rollout_errors": 4.0, "rollout_dropped": 1.0}
 
 
-def test_the_trainer_rollout_neither_trains_on_nor_hides_episodes_of_an_outage(tiny_policy_dir, retriever, no_waits):
+def test_the_trainer_rollout_neither_trains_on_nor_hides_episodes_of_an_outage(tiny_policy_dir, retriever):
     """Before, an episode whose search failed (the retrieval server down) stayed in the batch with reward 0
     and its tokens up to the failed search: the update taught the policy that searching earns nothing. Now
-    the rollout runs it again and the step's stats count the failures."""
+    the rollout runs it again, after the configured waits, and the step's stats count the failures."""
+    import time
+
     from tests.test_trainer import load, make_cfg
     from training.rollout import RolloutWorker, rollout
 
     cfg = make_cfg("train.group_size=2", "agent.max_turns=3", "agent.max_new_tokens=40", "agent.max_total_tokens=400",
-                   "agent.max_obs_tokens=120")
+                   "agent.max_obs_tokens=120", "train.rollout_retry_waits=[0.01,0.01,0.01]")
     _, tok = load(tiny_policy_dir)
     flaky = FlakyRetriever(retriever, fail_calls=1)
-    trajs, stats = rollout(RolloutWorker(ScriptLLM(tok, SCRIPTS), flaky, cfg.agent, cfg.retrieval.top_k),
-                           QUESTIONS[:2], cfg.train)
+
+    def worker():
+        return RolloutWorker(ScriptLLM(tok, SCRIPTS), flaky, cfg.agent, cfg.retrieval.top_k,
+                             retry_waits=tuple(cfg.train.rollout_retry_waits))
+
+    trajs, stats = rollout(worker(), QUESTIONS[:2], cfg.train)
     assert len(trajs) == 4 and all(t.stop_reason == "answer" for t in trajs)
     assert stats["rollout_errors"] == 4.0 and stats["rollout_dropped"] == 0.0
-    # a service that stays down: the episodes are dropped, not trained on; all of them down is an error
+    # a service that stays down: the episodes are dropped after the three waits (not the 30 s default), not
+    # trained on; all of them down is an error
     flaky.down = True
+    t0, calls = time.monotonic(), flaky.calls
     with pytest.raises(RuntimeError, match="all 4 episodes of this rollout failed"):
-        rollout(RolloutWorker(ScriptLLM(tok, SCRIPTS), flaky, cfg.agent, cfg.retrieval.top_k), QUESTIONS[:2],
-                cfg.train)
+        rollout(worker(), QUESTIONS[:2], cfg.train)
+    assert flaky.calls - calls == 4 and time.monotonic() - t0 < 10  # the first try and one rerun per wait
+
+
+def test_rollout_retry_waits_are_validated_and_default_to_the_module_schedule():
+    from training.config import TrainConfig
+    from training.faults import RETRY_WAITS_S
+
+    assert TrainConfig().rollout_retry_waits == list(RETRY_WAITS_S)
+    assert TrainConfig(rollout_retry_waits=[]).rollout_retry_waits == []
+    with pytest.raises(ValueError, match="rollout_retry_waits must be seconds >= 0"):
+        TrainConfig(rollout_retry_waits=[2.0, -1.0])
+    for bad in ([float("nan")], [float("inf")]):  # a wait of for ever would hang the run
+        with pytest.raises(ValueError, match="finite number"):
+            TrainConfig(rollout_retry_waits=bad)
 
 
 def test_rank_records_sum_the_fault_counts():

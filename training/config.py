@@ -14,6 +14,12 @@ from training.advantages import ADV_ESTIMATORS
 from training.losses import KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
 
 
+def _default_retry_waits() -> tuple[float, ...]:
+    from training.faults import RETRY_WAITS_S  # imported when a config is made: faults imports the agent loop
+
+    return RETRY_WAITS_S
+
+
 class SFTConfig(Section):
     """Warm start on oracle trajectories (search the question, read, answer with the gold answer)."""
 
@@ -86,6 +92,10 @@ class TrainConfig(Section):
     search_cost: float = Field(0.0, ge=0.0, description="reward cost per search call, folded in by turn")
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal, refill")
     dynamic_sampling_max_tries: int = Field(3, ge=1, description="extra rollout rounds to refill a batch")
+    rollout_retry_waits: list[float] = Field(
+        default_factory=lambda: list(_default_retry_waits()),
+        description="seconds waited before each rerun of the episodes that failed because the retrieval server "
+                    "or rollout backend was down ([]: no rerun, they are left out of the update)")
     # rollout correction (training.offpolicy), verified weight sync (training.weight_sync), async rollouts
     tis_cap: float | None = Field(
         2.0, gt=0, description="truncated importance sampling (Yao et al. 2025): each token's policy-gradient term "
@@ -141,6 +151,13 @@ class TrainConfig(Section):
     alarm_action: Literal["warn", "stop"] = Field("warn", description="stop: end the run, keeping the best checkpoint")
     options: dict[str, Any] = Field(default_factory=dict, description="settings of registered estimators and "
                                     "losses beyond the fields above (read by plugins: train.options.my_coef=0.5)")
+
+    @field_validator("rollout_retry_waits")
+    @classmethod
+    def _waits(cls, v: list[float]) -> list[float]:
+        if any(w < 0 for w in v):  # NaN and infinity are refused for every number field (Section)
+            raise ValueError(f"train.rollout_retry_waits must be seconds >= 0, got {v}")
+        return v
 
     @field_validator("algorithm")
     @classmethod

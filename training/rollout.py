@@ -52,8 +52,9 @@ class DataStream:
 @dataclass
 class RolloutWorker:
     """What rolls out episodes: the backend ``llm`` (an :class:`agent.llm.LLM` over the current policy), the
-    ``retriever``, the agent's settings (:class:`agent.config.AgentConfig`), the search top-k and the judge
-    (``None``: the agent config's own)."""
+    ``retriever``, the agent's settings (:class:`agent.config.AgentConfig`), the search top-k, the judge
+    (``None``: the agent config's own) and the waits in seconds before rerunning episodes that a service
+    outage failed (``None``: :data:`training.faults.RETRY_WAITS_S`; ``train.rollout_retry_waits``)."""
 
     llm: Any
     retriever: Retriever
@@ -61,6 +62,7 @@ class RolloutWorker:
     top_k: int
     judge: Any = None
     external: Any = None  # an agent.external.ExternalRunner: agent.kind=external
+    retry_waits: tuple[float, ...] | None = None
 
     def episodes(self, questions: list[QAExample], n: int) -> list[Trajectory]:
         """``n`` episodes per question, grouped by question (group id = its index); episodes that failed on
@@ -69,7 +71,7 @@ class RolloutWorker:
         run again there); one that a chat template split is several sequences of its group."""
         if self.external is not None:
             return self.external.run_episodes(questions, n, self.judge)
-        kw: dict[str, Any] = {"n_samples": n, "top_k": self.top_k}
+        kw: dict[str, Any] = {"n_samples": n, "top_k": self.top_k, "waits": self.retry_waits}
         if self.judge is not None:
             kw["judge"] = self.judge
         return run_episodes_retrying(questions, self.llm, self.retriever, self.agent, **kw)

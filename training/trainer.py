@@ -252,7 +252,7 @@ def rollout_side(state: RunState, tc: Any, agent_cfg: Any, tokenizer: Any, retri
                          "trainer's parameters, which the update changes under it")
     external = runner_for(llm, agent_cfg, judge)  # agent.kind=external: its proxy serves llm
     stack.callback(lambda: external is not None and external.close())
-    return RolloutWorker(llm, retriever, agent_cfg, top_k, judge, external)
+    return RolloutWorker(llm, retriever, agent_cfg, top_k, judge, external, tuple(tc.rollout_retry_waits))
 
 
 def start_rollouts(state: RunState, worker: RolloutWorker, tc: Any, tokenizer: Any,
