@@ -228,7 +228,8 @@ class AgentService:
 
     def episode_options(self, obj: dict[str, Any]) -> tuple[list[str], int | None, int | None]:
         """A request's ``golden_answers`` (``[]`` when left out), ``top_k`` and ``max_turns`` (``None`` when
-        left out: the server's own), or a 422 :class:`HTTPError` naming the field and its range."""
+        left out: the server's own), or a 422 :class:`HTTPError` naming the field and its range (for an
+        external agent, any value but the server's own: it would not apply)."""
         golds = obj.get("golden_answers")
         golds = [] if golds is None else golds
         if not isinstance(golds, list) or not all(isinstance(g, str) for g in golds):
@@ -241,6 +242,11 @@ class AgentService:
         if turns is not None and not int_in(turns, 1, self.agent_cfg.max_turns):
             raise HTTPError(422, f"max_turns must be an integer in [1, {self.agent_cfg.max_turns}] "
                                  "(the server's agent.max_turns)")
+        if self.external is not None:  # its own tools search: a value other than the server's would be ignored
+            for name, got, own in (("top_k", k, self.ctx.top_k), ("max_turns", turns, self.agent_cfg.max_turns)):
+                if got is not None and got != own:
+                    raise HTTPError(422, f"{name}={got} does not apply to this server's agent (agent.kind=external "
+                                         f"searches with its own tools): leave it out or send {own}", param=name)
         return golds, k, turns
 
     def sampling_update(self, question: str, p: ChatParams) -> dict[str, Any]:
@@ -389,8 +395,8 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
     scores answers sent with golden answers (default: :func:`agent.loop.make_context`'s, from
     ``agent_cfg.judge``). ``external`` (an :class:`agent.external.ExternalRunner`, ``agent.kind: external``)
     answers with the external agent instead of the built-in loop: its own tools search, so a request's
-    ``top_k``, ``max_turns`` and temperature do not apply, a stream carries no turn or search events, and the
-    evidence is empty."""
+    ``top_k`` and ``max_turns`` other than the server's own are refused (422), its temperature does not apply,
+    a stream carries no turn or search events, and the evidence is empty."""
     from agent.chat_api import chat_completions
 
     app = FastAPI(title="Sleuth agent", version="0.1")

@@ -176,7 +176,14 @@ def test_sleuth_serve_answers_with_the_external_agent(tiny_llm, react, cfg, retr
             chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": GERMANY.question}]})
             assert chat.status_code == 200, chat.text
             assert chat.json()["choices"][0]["message"]["content"] == "Paris"
-        assert runner.stats["calls"] == 4 and len(backend.calls) == 4  # two episodes of two calls, all external
+            # the built-in loop's knobs would be ignored by the external agent: a value of its own is refused,
+            # the server's own (what the browser page sends) is accepted
+            for field, value in (("top_k", 2), ("max_turns", 1)):
+                r = http.post("/ask", json={"question": FRANCE.question, field: value})
+                assert r.status_code == 422 and "agent.kind=external" in r.json()["error"]["message"], r.text
+            r = http.post("/ask", json={"question": FRANCE.question, "max_turns": cfg.max_turns})
+            assert r.status_code == 200, r.text
+        assert runner.stats["calls"] == 6 and len(backend.calls) == 6  # three episodes of two calls, all external
 
 
 @pytest.mark.slow
