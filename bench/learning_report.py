@@ -52,6 +52,12 @@ def _runs_of(res: dict, est: str) -> list[dict]:
             if name.rpartition("-")[0] == est and name.rpartition("-")[2][1:].isdigit() and "rl_em" in r]
 
 
+def _with_long(res: dict, estimators) -> list[str]:
+    """``estimators`` and, after them, each ``<estimator>-long`` that has runs (the longer budget)."""
+    longs = sorted({n.rpartition("-")[0] for n in res["runs"] if n.rpartition("-")[0].endswith("-long")})
+    return [*estimators, *longs]
+
+
 def task_table(task: str, res: dict, estimators: dict, hops: tuple[int, ...]) -> list[str]:
     """The markdown rows of one task's comparison (header included)."""
     sft = {**res["sft"], **res.get("sft_detail", {})}
@@ -63,7 +69,7 @@ def task_table(task: str, res: dict, estimators: dict, hops: tuple[int, ...]) ->
                            for h in hops)
     lines.append(f"| SFT warm start | - | {100 * sft['em']:.1f} | - | - | {hop_cells} | - | - |")
     base = [r["final"]["per_question"] for r in _runs_of(res, "grpo") if "per_question" in r["final"]]
-    for est in estimators:
+    for est in _with_long(res, estimators):
         rs = _runs_of(res, est)
         if not rs:
             continue
@@ -82,7 +88,8 @@ def task_table(task: str, res: dict, estimators: dict, hops: tuple[int, ...]) ->
             cells.append(f"{100 * statistics.mean(em):.0f} / {statistics.mean(sc):.2f}")
         drop = max(max_drop(r["curve"], r["sft_em"]) for r in rs)
         minutes = statistics.mean(r["wall_s"] for r in rs) / 60
-        lines.append(f"| {est} | {len(rs)} | {_mean_sd(ems)} | {100 * gain:+.1f} | {ci} | {' | '.join(cells)} | "
+        label = f"{est[:-5]}, {rs[0]['steps']} steps" if est.endswith("-long") else est
+        lines.append(f"| {label} | {len(rs)} | {_mean_sd(ems)} | {100 * gain:+.1f} | {ci} | {' | '.join(cells)} | "
                      f"{100 * drop:.1f} | {minutes:.1f} |")
     return lines
 
@@ -123,14 +130,14 @@ def compare_report(by_task: dict[str, dict], results: Path, estimators: dict, ta
     fig, axes = plt.subplots(1, len(by_task), figsize=(7 * len(by_task), 4.8), squeeze=False)
     for ax, (task, res) in zip(axes[0], by_task.items(), strict=True):
         ax.set_prop_cycle(color=plt.cm.tab20.colors)
-        for est in estimators:
+        for est in _with_long(res, estimators):
             rs = [r for r in _runs_of(res, est) if r.get("curve")]
             if not rs:
                 continue
             steps = sorted({c["step"] for r in rs for c in r["curve"]})
             mean = [statistics.mean(c["em"] for r in rs for c in r["curve"] if c["step"] == s) for s in steps]
             ax.plot([0, *steps], [100 * res["sft"]["em"], *(100 * m for m in mean)], label=f"{est} ({len(rs)})",
-                    ls="-" if est in ("grpo", "gigpo", "igpo") else "--")
+                    ls="-" if est in ("grpo", "gigpo", "igpo") or est.endswith("-long") else "--")
         for name, r in res["runs"].items():
             if name.startswith("stability-") and r.get("curve"):
                 ax.plot([c["step"] for c in r["curve"]], [100 * c["em"] for c in r["curve"]], color="black",

@@ -362,3 +362,34 @@ def test_serve_load_percentiles_and_counts_must_be_positive(capsys):
     with pytest.raises(SystemExit) as e:
         sl.main(["--clients", "0"])
     assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+
+
+def test_learning_runs_of_one_task_side_by_side_keep_each_others_records(tmp_path, monkeypatch):
+    """Two processes of one task (each its own module state) save to the same JSON: neither loses the
+    other's runs, and each reads the other's back on its next save."""
+    a, b = _load("learning"), _load("learning")
+    for lb in (a, b):
+        monkeypatch.setattr(lb, "RESULTS", tmp_path)
+        monkeypatch.setattr(lb, "JSON_PATH", tmp_path / "learning.json")
+    res_a, res_b = a.load_results(), b.load_results()  # both start from the same (empty) file
+    a._OWN_RUNS.add("grpo-s0")
+    res_a["runs"]["grpo-s0"] = {"rl_em": 0.5}
+    a.save_results(res_a)
+    b._OWN_RUNS.add("ppo-s0")
+    res_b["runs"]["ppo-s0"] = {"rl_em": 0.6}
+    res_b["sft"] = {"em": 0.3}
+    b.save_results(res_b)
+    res_a["runs"]["grpo-s0"]["rl_em"] = 0.55  # a's own run, updated after b saved
+    a.save_results(res_a)
+    on_disk = a.load_results()
+    assert on_disk["runs"] == {"grpo-s0": {"rl_em": 0.55}, "ppo-s0": {"rl_em": 0.6}}
+    assert on_disk["sft"] == {"em": 0.3} and res_a["runs"]["ppo-s0"] == {"rl_em": 0.6}
+
+
+def test_learning_long_budget_run_names():
+    lb = _load("learning")
+    algo, seed, extra = lb.run_spec("evidence_igpo-long-s2")
+    assert (algo, seed) == ("evidence_igpo", 2) and extra["steps"] == lb.LONG_BUDGET["steps"] > lb.COMPARE["steps"]
+    assert lb.run_spec("gspo-long-s0")[2]["policy_loss"] == "gspo"  # the estimator's own overrides kept
+    with pytest.raises(KeyError):
+        lb.run_spec("nonesuch-long-s0")
