@@ -74,6 +74,17 @@ def _names(rng: random.Random, k: int, n_syl: int) -> list[str]:
     return [n.capitalize() for n in rng.sample(pool, k)]
 
 
+def _add_chain(passages: list[Passage], qas: list[QAExample], qid: str, chain: list[str], relations: list[str],
+               question: str, dataset: str) -> None:
+    """Append one question's passages (``relations[j]`` links ``chain[j]`` to ``chain[j + 1]``, passage id
+    ``<qid>_<j>``, titled by ``chain[j]``) and its :class:`QAExample` (id ``qid``, the answer ``chain[-1]``)."""
+    ids = [f"{qid}_{j}" for j in range(len(relations))]
+    for j, (pid, rel) in enumerate(zip(ids, relations, strict=True)):
+        passages.append(Passage.make(pid, chain[j], rel.format(a=chain[j], b=chain[j + 1])))
+    qas.append(QAExample(qid, question.format(p=chain[0]), [chain[-1]],
+                         {"hops": len(relations), "chain": chain, "supporting_ids": ids, "dataset": dataset}))
+
+
 def generate(spec: SyntheticSpec = SPEC) -> tuple[list[Passage], list[QAExample], list[QAExample]]:
     """Build ``(passages, train, test)`` deterministically from ``spec``. Entities are never shared
     between questions (so neither between train and test). Raises ``ValueError`` if the name space is
@@ -86,16 +97,9 @@ def generate(spec: SyntheticSpec = SPEC) -> tuple[list[Passage], list[QAExample]
     qas: list[QAExample] = []
     for i, h in enumerate(hops):
         chain = [next(names) for _ in range(h + 1)]
-        ids = []
-        for j in range(h):
-            pid = f"syn{i}_{j}"
-            ids.append(pid)
-            passages.append(Passage.make(pid, chain[j], RELATIONS[j].format(a=chain[j], b=chain[j + 1].lower()
-                                                                            if j == 2 else chain[j + 1])))
-        answer = chain[h].lower() if h == 3 else chain[h]
-        qas.append(QAExample(f"syn{i}", QUESTIONS[h - 1].format(p=chain[0]), [answer],
-                             {"hops": h, "chain": chain[:h] + [answer], "supporting_ids": ids,
-                              "dataset": "synthetic"}))
+        if h == 3:  # v1's currency is lowercase, in its passage and as the answer
+            chain[3] = chain[3].lower()
+        _add_chain(passages, qas, f"syn{i}", chain, RELATIONS[:h], QUESTIONS[h - 1], "synthetic")
     rng.shuffle(passages)
     return passages, qas[: spec.n_train], qas[spec.n_train :]
 
@@ -141,12 +145,7 @@ def generate_v2(spec: SyntheticSpecV2 = SPEC_V2) -> tuple[list[Passage], list[QA
     qas: list[QAExample] = []
     for i, h in enumerate(all_hops):
         chain = [next(names) for _ in range(h + 1)]
-        ids = []
-        for j, rel in enumerate(_v2_relations(h)):
-            ids.append(f"syn2_{i}_{j}")
-            passages.append(Passage.make(ids[-1], chain[j], rel.format(a=chain[j], b=chain[j + 1])))
-        qas.append(QAExample(f"syn2_{i}", QUESTIONS_V2[h > 1].format(p=chain[0]), [chain[h]],
-                             {"hops": h, "chain": chain, "supporting_ids": ids, "dataset": "synthetic-v2"}))
+        _add_chain(passages, qas, f"syn2_{i}", chain, _v2_relations(h), QUESTIONS_V2[h > 1], "synthetic-v2")
     rng.shuffle(passages)
     return passages, qas[: spec.n_train], qas[spec.n_train :]
 
