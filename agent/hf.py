@@ -63,6 +63,22 @@ def load_model_and_tokenizer(path: str, dtype: str = "float32", device: str = "a
     return model, tok
 
 
+@torch.no_grad()
+def sequence_logprobs(model: Any, ids: list[int]) -> list[float]:
+    """``log p(ids[i] | ids[:i])`` for ``i = 1 .. len(ids)-1`` under ``model`` (a Hugging Face causal LM, a peft
+    wrapper with its adapters active included) at temperature 1, in its own dtype, in eval mode (restored
+    after). Returns ``len(ids) - 1`` floats (natural log)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        x = torch.tensor([ids], device=device)
+        logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
+    finally:
+        model.train(was_training)
+    return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None]).squeeze(-1).tolist()
+
+
 class SampledLogprobs:
     """A logits processor placed last in the chain: it keeps the log-softmax of the step's processed scores
     (``[B, V]`` float32, one step at a time) and, at the next step, reads off the log-probability of the token
@@ -176,14 +192,10 @@ class TransformersLLM:
                 strings.append(s)
         return ids, strings
 
-    @torch.no_grad()
     def probe_logprobs(self, ids: list[int]) -> list[float]:
-        """``log p(ids[i] | ids[:i])`` for ``i >= 1`` at temperature 1 (natural log; ``len(ids) - 1`` floats):
-        what the trainer compares with its own after a weight push (:mod:`training.weight_sync`)."""
-        device = next(self.model.parameters()).device
-        x = torch.tensor([ids], device=device)
-        logits = self.model(input_ids=x, use_cache=False).logits[0, :-1].float()
-        return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None]).squeeze(-1).tolist()
+        """:func:`sequence_logprobs` of ``ids`` under this backend's model: what the trainer compares with its
+        own after a weight push (:mod:`training.weight_sync`)."""
+        return sequence_logprobs(self.model, ids)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from agent.hf import sequence_logprobs
+
 #: the probe sequence (tokenised with the policy's tokenizer, at most :data:`PROBE_MAX_TOKENS` tokens)
 PROBE_TEXT = ("Question: Which city is the capital of France, and who designed its tower?\n"
               "<search> capital of France </search>\n<information> Paris is the capital and most populous "
@@ -48,22 +50,6 @@ def probe_ids(tokenizer: Any) -> list[int]:
     return ids
 
 
-@torch.no_grad()
-def model_probe_logprobs(model: Any, ids: list[int]) -> list[float]:
-    """``log p(ids[i] | ids[:i])`` for ``i = 1 .. len(ids)-1`` under ``model`` (a Hugging Face causal LM, a peft
-    wrapper with its adapters active included) at temperature 1, in its own dtype, in eval mode (restored
-    after). Returns ``len(ids) - 1`` floats (natural log)."""
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
-        x = torch.tensor([ids], device=device)
-        logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
-    finally:
-        model.train(was_training)
-    return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None]).squeeze(-1).tolist()
-
-
 def check_tensors(model: Any, state: dict[str, torch.Tensor], what: str = "the rollout copy") -> int:
     """Compare every tensor of ``state`` (the weights pushed, by name) with ``model``'s tensor of that name,
     exactly. Returns how many were compared. Raises :class:`WeightSyncError` naming the parameters that
@@ -80,11 +66,11 @@ def check_tensors(model: Any, state: dict[str, torch.Tensor], what: str = "the r
 
 def check_engine(llm: Any, model: Any, ids: list[int], tol: float) -> dict[str, float]:
     """Score the probe ``ids`` on the engine (``llm.probe_logprobs(ids)``) and with the trainer's ``model``
-    (:func:`model_probe_logprobs`); returns ``{"sync/probe_lp_diff_mean": ..., "sync/probe_lp_diff_max": ...}``
+    (:func:`agent.hf.sequence_logprobs`); returns ``{"sync/probe_lp_diff_mean": ..., "sync/probe_lp_diff_max": ...}``
     (nats). Raises :class:`WeightSyncError` naming the probe when the mean difference exceeds ``tol`` or the
     engine returns another number of log-probs."""
     got = [float(x) for x in llm.probe_logprobs(ids)]
-    want = model_probe_logprobs(model, ids)
+    want = sequence_logprobs(model, ids)
     if len(got) != len(want):
         raise WeightSyncError(f"the rollout engine scored {len(got)} tokens of the weight-sync probe, not "
                               f"{len(want)}")
