@@ -118,12 +118,12 @@ def run_spec(name: str) -> tuple[str, int, dict]:
     if est == "stability" and tail in ESTIMATORS:
         algo, extra = ESTIMATORS[tail]
         return algo, 0, {**COMPARE, **extra, "steps": STABILITY_STEPS}
-    if est.endswith("-long") and est[:-5] in ESTIMATORS and tail.startswith("s") and tail[1:].isdigit():
-        algo, extra = ESTIMATORS[est[:-5]]
-        return algo, int(tail[1:]), {**COMPARE, **extra, **LONG_BUDGET}
+    budget = {}
+    if est.endswith("-long"):
+        est, budget = est.removesuffix("-long"), LONG_BUDGET
     if est in ESTIMATORS and tail.startswith("s") and tail[1:].isdigit():
         algo, extra = ESTIMATORS[est]
-        return algo, int(tail[1:]), {**COMPARE, **extra}
+        return algo, int(tail[1:]), {**COMPARE, **extra, **budget}
     raise KeyError(name)
 
 
@@ -403,7 +403,8 @@ def main() -> int:
     ap.add_argument("--task", choices=list(TASKS), default="v1", help="the synthetic task version (default v1)")
     ap.add_argument("--only", nargs="*", metavar="NAME",
                     help=f"run names: v1's first sweep ({', '.join(RUNS)}; 'hotpot' for the HotpotQA curve), "
-                         f"<estimator>-s<seed> or stability-<estimator> with an estimator of {', '.join(ESTIMATORS)}")
+                         f"<estimator>-s<seed>, <estimator>-long-s<seed> or stability-<estimator> with an "
+                         f"estimator of {', '.join(ESTIMATORS)}")
     ap.add_argument("--compare", action="store_true", help="the comparison runs of every estimator (--seeds)")
     ap.add_argument("--seeds", nargs="*", type=int, default=list(SEEDS), help="the comparison's seeds")
     ap.add_argument("--stability", metavar="ESTIMATOR", choices=list(ESTIMATORS),

@@ -14,10 +14,10 @@ from training.advantages import ADV_ESTIMATORS
 from training.losses import KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
 
 
-def _default_retry_waits() -> tuple[float, ...]:
+def _default_retry_waits() -> list[float]:
     from training.faults import RETRY_WAITS_S  # imported when a config is made: faults imports the agent loop
 
-    return RETRY_WAITS_S
+    return list(RETRY_WAITS_S)
 
 
 class SFTConfig(Section):
@@ -93,7 +93,7 @@ class TrainConfig(Section):
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal, refill")
     dynamic_sampling_max_tries: int = Field(3, ge=1, description="extra rollout rounds to refill a batch")
     rollout_retry_waits: list[float] = Field(
-        default_factory=lambda: list(_default_retry_waits()),
+        default_factory=_default_retry_waits,
         description="seconds waited before each rerun of the episodes that failed because the retrieval server "
                     "or rollout backend was down ([]: no rerun, they are left out of the update)")
     # rollout correction (training.offpolicy), verified weight sync (training.weight_sync), async rollouts
