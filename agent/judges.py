@@ -29,7 +29,7 @@ from typing import Any
 
 from agent.llm import LLM, SamplingParams, complete
 from agent.metrics import normalize_answer, rule_verdict
-from agent.protocol import docs_content
+from agent.protocols.base import docs_content
 from agent.trajectory import Trajectory
 
 Judge = Callable[[Trajectory], tuple[float, dict[str, Any]]]

@@ -8,7 +8,7 @@ Nodes are plain functions of the episode state; the runtime (scheduler, tokenize
 through LangGraph's ``config["configurable"]["ctx"]``. Every token is appended to the episode's
 :class:`~agent.trajectory.Trajectory` exactly once, with its role and turn, so the trainer trains on
 exactly what the policy saw. Everything that depends on the tool protocol (``agent.protocol``: Search-R1
-tags or native function calling) is asked of the one :class:`agent.protocol.ToolProtocol` object of the run;
+tags or native function calling) is asked of the one :class:`agent.protocols.base.ToolProtocol` object of the run;
 the judges are in :mod:`agent.judges`; optional ReSeek self-judge (``<judge>useful|not useful</judge>``,
 ``agent.self_judge``).
 """
@@ -26,14 +26,8 @@ from langgraph.graph import END, START, StateGraph
 from agent.judges import Judge, configured_judge
 from agent.llm import LLM, SamplingParams, decode, encode, end_of_turn_ids, run_sync
 from agent.metrics import rule_verdict
-from agent.protocol import (
-    Action,
-    ToolProtocol,
-    check_chat_template,
-    format_docs,
-    make_protocol,
-    split_judgement,
-)
+from agent.protocols.base import Action, ToolProtocol, check_chat_template, format_docs, split_judgement
+from agent.protocols.build import make_protocol
 from agent.scheduler import Scheduler, is_global
 from agent.trajectory import Role, Trajectory, Turn
 from corpora.formats import QAExample
@@ -332,7 +326,7 @@ def make_context(llm: LLM, retriever: Retriever | None, cfg: Any, *, temperature
                  top_k: int = 3, judge: Judge | None = None, scheduler: Scheduler | None = None) -> AgentContext:
     """An :class:`AgentContext` for :func:`arun_episodes` / :func:`run_episode` (e.g. inside a server's
     event loop, where one scheduler is shared by all requests): the tool protocol of ``cfg.protocol``
-    (:func:`agent.protocol.make_protocol`) and, unless ``judge`` is given, the judge of ``cfg``
+    (:func:`agent.protocols.build.make_protocol`) and, unless ``judge`` is given, the judge of ``cfg``
     (:func:`agent.judges.configured_judge`; with ``cfg.judge == "llm"`` the policy backend itself judges).
     Raises ``ValueError`` when ``cfg.max_obs_tokens`` cannot hold an observation's framing and one token, or
     for ``agent.chat_template=on`` without a chat template (:func:`check_chat_template`)."""

@@ -69,7 +69,7 @@ from agent.external import merged
 from agent.judges import Judge, rule_judge
 from agent.llm import LLM
 from agent.loop import EventSink, make_context, run_episode
-from agent.protocol import prompt_ids
+from agent.protocols.build import prompt_ids
 from agent.trajectory import Trajectory
 from agent.webui import add_page_routes
 from corpora.formats import QAExample

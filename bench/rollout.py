@@ -39,10 +39,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent import search_r1
 from agent.llm import SamplingParams, decode, encode
 from agent.loop import run_episodes
-from agent.protocol import format_docs, prompt_ids
+from agent.protocols import search_r1
+from agent.protocols.base import format_docs
+from agent.protocols.build import prompt_ids
 from agent.trajectory import Role, Trajectory
 
 

@@ -13,7 +13,7 @@
   the helpful information, and only that is inserted into the reasoning chain.
 * ``agent``: the Sleuth agent (:func:`agent.loop.run_episodes`): the policy decides when and what to search.
 
-All methods speak the agent's Search-R1 tag protocol and use its prompt (:func:`agent.protocol.prompt_ids`), so
+All methods speak the agent's Search-R1 tag protocol and use its prompt (:func:`agent.protocols.build.prompt_ids`), so
 the same checkpoint is compared fairly: ``direct`` forces ``<answer>`` right after the prompt; ``rag`` writes
 the agent's first turn for it (``<search> question </search>`` and the ``<information>`` block) and forces
 ``<answer>``; ``ircot`` puts all retrieved passages in one ``<information>`` block and lets the model reason

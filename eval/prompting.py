@@ -10,7 +10,7 @@ from typing import Any
 
 from agent.config import AgentConfig
 from agent.llm import LLM, SamplingParams, encode
-from agent.protocol import format_docs
+from agent.protocols.base import format_docs
 from corpora.formats import QAExample
 from retrieval.base import Hit
 
@@ -20,7 +20,8 @@ TAGS = re.compile(r"</?(think|search|answer|information)>")
 
 
 def task_prompt(llm: LLM, question: str, cfg: AgentConfig) -> list[int]:
-    from agent.protocol import prompt_ids  # the agent's own prompt (chat template or Search-R1 instruction)
+    # the agent's own prompt (chat template or Search-R1 instruction)
+    from agent.protocols.build import prompt_ids
 
     return prompt_ids(llm.tokenizer, question, cfg)
 

@@ -9,10 +9,10 @@ import re
 import time
 from typing import Any
 
-from agent import search_r1
 from agent.config import AgentConfig
 from agent.llm import LLM, Generation, decode, encode
-from agent.protocol import format_docs, user_message_ids
+from agent.protocols import search_r1
+from agent.protocols.base import format_docs, user_message_ids
 from corpora.formats import QAExample
 from eval.prompting import (
     RAW_CHARS,
@@ -44,7 +44,7 @@ _ACTION_OR_INFO = re.compile(r"</?(search|answer|information)>")  # <think> may 
 
 def _user_ids(llm: LLM, text: str, cfg: AgentConfig) -> list[int]:
     """Token ids of a one-message user prompt, through the chat template exactly when the agent prompt
-    uses one (:func:`agent.protocol.user_message_ids`, as :func:`agent.protocol.prompt_ids`)."""
+    uses one (:func:`agent.protocols.base.user_message_ids`, as :func:`agent.protocols.build.prompt_ids`)."""
     return user_message_ids(llm.tokenizer, text, cfg)
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from agent import function_call
 from agent.llm import decode
 from agent.loop import run_episodes
+from agent.protocols import function_call
 from agent.trajectory import Role
 from corpora.formats import QAExample
 from tests.test_agent_fakes import CHAT_TEMPLATE, Recorder, ScriptLLM
@@ -164,7 +164,7 @@ def test_self_judge_is_recorded_and_rewarded(tiny_llm, retriever, agent_cfg):
 def test_function_call_with_self_judge_tells_the_policy_to_judge(tiny_llm, agent_cfg):
     """agent.self_judge adds ReSeek's <judge> instruction to the Search-R1 prompt; with function calling the
     system message never mentioned it, so an instruct policy was never asked to judge (no self-judge reward)."""
-    from agent.protocol import prompt_ids
+    from agent.protocols.build import prompt_ids
 
     tok = with_template(tiny_llm).tokenizer
     cfg = agent_cfg.model_copy(update={"protocol": "function_call"})
@@ -246,7 +246,7 @@ def test_self_judge_gold_is_looked_for_in_the_documents_not_in_their_doc_labels(
     """A small-number gold ("2": how many ...?) is in every block's "Doc 2(Title: ...)" label; a block whose
     documents never say it is not useful, and "not useful" agrees with the gold."""
     from agent.judges import self_judge_agreement
-    from agent.protocol import format_docs
+    from agent.protocols.base import format_docs
     from agent.trajectory import Trajectory, Turn
     from retrieval.base import Hit
 

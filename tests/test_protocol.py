@@ -1,7 +1,7 @@
 """The Search-R1 tag parser on well-formed and malformed turns."""
 
-from agent.protocol import Action, format_docs
-from agent.search_r1 import parse_action
+from agent.protocols.base import Action, format_docs
+from agent.protocols.search_r1 import parse_action
 from retrieval.base import Hit
 
 
@@ -48,7 +48,7 @@ def test_format_docs_matches_search_r1_rendering():
 def test_function_call_stray_tool_call_closer_is_invalid_not_an_answer():
     # the turn stops at </tool_call>: a call written without its opening tag is a malformed call,
     # not a final answer made of JSON
-    from agent import function_call
+    from agent.protocols import function_call
 
     a = function_call.parse_action('{"name": "search", "arguments": {"query": "x"}}</tool_call>')
     assert a.kind == "invalid" and "</tool_call> without <tool_call>" in a.error
@@ -58,7 +58,7 @@ def test_function_call_stray_tool_call_closer_is_invalid_not_an_answer():
 
 def test_function_call_deeply_nested_json_is_an_invalid_action_not_an_exception():
     # valid-looking JSON nested past the decoder's recursion limit: a malformed call, told to the policy
-    from agent import function_call
+    from agent.protocols import function_call
 
     for call in ("[" * 5000, '{"name": "search", "arguments": "' + "[" * 5000 + '"}'):
         a = function_call.parse_action("<tool_call>" + call + "</tool_call>")
@@ -67,7 +67,7 @@ def test_function_call_deeply_nested_json_is_an_invalid_action_not_an_exception(
 
 def test_function_call_unclosed_or_stray_answer_tag_is_invalid_not_part_of_the_answer():
     # "<answer> Paris" ended by EOS must not score "<answer> Paris" as the answer (EM 0 for a right answer)
-    from agent import function_call
+    from agent.protocols import function_call
 
     a = function_call.parse_action("<answer> Paris")
     assert a.kind == "invalid" and "unclosed <answer>" in a.error
@@ -80,7 +80,7 @@ def test_function_call_unclosed_or_stray_answer_tag_is_invalid_not_part_of_the_a
 def test_function_call_closed_answer_in_a_turn_cut_by_the_token_budget_is_the_answer():
     # "</answer>" is no stop string of function calling: a model that keeps talking after a closed answer until
     # max_new_tokens still answered (the error said "without a tool call or answer")
-    from agent import function_call
+    from agent.protocols import function_call
 
     a = function_call.parse_action("<answer> Paris </answer> because the Eiffel Tower is", "length")
     assert a.kind == "answer" and a.content == "Paris" and not a.well_formed

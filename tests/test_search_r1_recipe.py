@@ -104,7 +104,8 @@ def test_wiki18_bad_record_names_its_line_and_leaves_the_output_alone(tmp_path):
 
 
 def test_search_r1_questions_convert_to_training_data(tmp_path, capsys):
-    from agent.search_r1 import INSTRUCTION  # Search-R1's instruction, which its training prompts carry
+    # Search-R1's instruction, which its training prompts carry
+    from agent.protocols.search_r1 import INSTRUCTION
     from corpora.qa import read_qa
     from sleuth.cli import main
 

@@ -186,7 +186,7 @@ def test_interrupted_run_resumes_from_last_checkpoint(tiny_policy_dir, retriever
 def test_oracle_sees_supporting_titles_that_contain_a_closing_parenthesis():
     """A title with ') ' inside ('Queen (band) discography') was read up to its first ') ', so the oracle
     thought the supporting paragraph unseen and searched it again instead of answering."""
-    from agent.protocol import format_docs
+    from agent.protocols.base import format_docs
     from corpora.formats import QAExample
     from retrieval.base import Hit
     from training.oracle import OracleLLM
@@ -208,8 +208,8 @@ def test_oracle_still_searches_after_an_invalid_turn():
     """The invalid-action hint names ``<search>`` itself, so after an invalid turn (a search cut by the
     turn budget) the oracle counted the cut search and the hint as two searches made and answered without
     any document; only searches that got documents count now."""
-    from agent.protocol import format_docs
-    from agent.search_r1 import INVALID_HINT
+    from agent.protocols.base import format_docs
+    from agent.protocols.search_r1 import INVALID_HINT
     from corpora.formats import QAExample
     from retrieval.base import Hit
     from training.oracle import OracleLLM

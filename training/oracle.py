@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from agent.llm import Generation, SamplingParams, decode, encode
-from agent.search_r1 import INVALID_HINT
+from agent.protocols.search_r1 import INVALID_HINT
 from corpora.formats import QAExample
 
 _Q = re.compile(r"Question:\s*")

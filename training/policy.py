@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from agent.search_r1 import SPECIAL_TAGS
+from agent.protocols.search_r1 import SPECIAL_TAGS
 
 TAGS = list(SPECIAL_TAGS)  # the protocol tags, each a single special token
 EOS, PAD = "<|endoftext|>", "<|pad|>"

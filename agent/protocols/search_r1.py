@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from agent.protocol import JUDGE_INSTRUCTION, Action, ToolProtocol, user_message_ids
+from agent.protocols.base import JUDGE_INSTRUCTION, Action, ToolProtocol, user_message_ids
 
 ACTION_TAGS = ("search", "answer")
 STOP_STRINGS = ("</search>", "</answer>")
@@ -79,7 +79,7 @@ def build_prompt(question: str, short: bool = False, self_judge: bool = False) -
 
 
 class SearchR1(ToolProtocol):
-    """The Search-R1 tag protocol as a :class:`agent.protocol.ToolProtocol`: the prompt through the model's
+    """The Search-R1 tag protocol as a :class:`agent.protocols.base.ToolProtocol`: the prompt through the model's
     chat template when it has one (``agent.chat_template`` auto/on), else the plain Search-R1 instruction (or
     the one-line prompt for the tiny policy); observations framed by ``<information>`` tags."""
 

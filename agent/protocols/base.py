@@ -1,17 +1,18 @@
-"""The tool protocol: how the policy calls the search tool and how the tool's answer is written back.
+"""The tool protocol's interface: how the policy calls the search tool and how its answer is written back.
 
-One :class:`ToolProtocol` object is chosen per run from ``agent.protocol`` (:func:`make_protocol`) and the
-agent loop asks it for everything protocol-specific: the task prompt, the parse of a policy turn into an
-:class:`Action`, the text framing a tool observation, the hint after an invalid action and the stop strings.
-Two protocols ship:
+One :class:`ToolProtocol` object is chosen per run from ``agent.protocol``
+(:func:`agent.protocols.build.make_protocol`) and the agent loop asks it for everything protocol-specific:
+the task prompt, the parse of a policy turn into an :class:`Action`, the text framing a tool observation, the
+hint after an invalid action and the stop strings. Two protocols ship:
 
-* ``search_r1`` (:class:`agent.search_r1.SearchR1`): ``<search>``/``<answer>`` tags and ``<information>``
-  observations, as Search-R1 (Jin et al., 2025);
-* ``function_call`` (:class:`agent.function_call.FunctionCalling`): native ``<tool_call>`` JSON through the
-  model's chat template, the tool result a ``tool`` message rendered by that template.
+* ``search_r1`` (:class:`agent.protocols.search_r1.SearchR1`): ``<search>``/``<answer>`` tags and
+  ``<information>`` observations, as Search-R1 (Jin et al., 2025);
+* ``function_call`` (:class:`agent.protocols.function_call.FunctionCalling`): native ``<tool_call>`` JSON
+  through the model's chat template, the tool result a ``tool`` message rendered by that template.
 
-What both share lives here: the parsed :class:`Action`, ReSeek's self-judge tag (:func:`split_judgement`),
-the rendering of retrieved documents (:func:`format_docs`) and the plain-or-chat-template user prompt.
+What both share lives here, and nothing here knows either of them: the parsed :class:`Action`, ReSeek's
+self-judge tag (:func:`split_judgement`), the rendering of retrieved documents (:func:`format_docs`) and the
+plain-or-chat-template user prompt.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from typing import Any
 
 from agent.llm import encode
 from retrieval.base import Hit
-
-PROTOCOLS = ("search_r1", "function_call")
 
 
 @dataclass(frozen=True)
@@ -72,24 +71,6 @@ class ToolProtocol:
     def invalid_hint(self, reason: str) -> str:
         """The tool observation after an invalid action (the reason, and how to call the tool)."""
         raise NotImplementedError
-
-
-def make_protocol(tokenizer: Any, agent_cfg: Any) -> ToolProtocol:
-    """The :class:`ToolProtocol` of ``agent_cfg.protocol`` (default ``search_r1``) for ``tokenizer``. Raises
-    ``ValueError`` for an unknown name."""
-    from agent.function_call import FunctionCalling
-    from agent.search_r1 import SearchR1
-
-    name = getattr(agent_cfg, "protocol", "search_r1")
-    kinds = {"search_r1": SearchR1, "function_call": FunctionCalling}
-    if name not in kinds:
-        raise ValueError(f"unknown agent.protocol {name!r}; expected one of {PROTOCOLS}")
-    return kinds[name](tokenizer, agent_cfg)
-
-
-def prompt_ids(tokenizer: Any, question: str, agent_cfg: Any) -> list[int]:
-    """Token ids of the task prompt of ``agent_cfg``'s protocol (:meth:`ToolProtocol.prompt_ids`)."""
-    return make_protocol(tokenizer, agent_cfg).prompt_ids(question)
 
 
 # -- the user prompt ----------------------------------------------------------------------------------
