@@ -47,7 +47,7 @@ class Generation:
 
 class BackendUnavailable(RuntimeError):
     """The backend as a whole cannot serve (down, unreachable, closed, still failing after its own retries):
-    every request would fail the same way, so :class:`agent.scheduler.Scheduler` does not retry the members
+    every request would fail the same way, so :class:`agent.loop.scheduler.Scheduler` does not retry the members
     of a batch that raised it one by one. Backends raise other exceptions for a failure that may be one
     request's (a prompt over the model's context, a request the server rejects)."""
 
@@ -55,7 +55,7 @@ class BackendUnavailable(RuntimeError):
 class BatchPartlyFailed(RuntimeError):
     """Some requests of a batched call failed and the others did not: ``results[i]`` is request ``i``'s
     :class:`Generation` or its exception. A backend that sends each request on its own (an OpenAI-compatible
-    server) raises it so that :class:`agent.scheduler.Scheduler` answers every request with its own outcome
+    server) raises it so that :class:`agent.loop.scheduler.Scheduler` answers every request with its own outcome
     instead of running the batch again one request at a time."""
 
     def __init__(self, results: list[Any]):
@@ -70,7 +70,7 @@ class LLM(Protocol):
 
     ``tokenizer`` is a Hugging Face tokenizer (``encode``/``decode``); ``generate`` returns one
     :class:`Generation` per prompt, in order. A backend whose ``generate`` may run in several threads at
-    once sets the class attribute ``concurrent_calls = True`` (:class:`agent.scheduler.Scheduler` then
+    once sets the class attribute ``concurrent_calls = True`` (:class:`agent.loop.scheduler.Scheduler` then
     runs a failed batch's single retries concurrently); read with ``getattr(llm, "concurrent_calls",
     False)``, it is not a member of this protocol, so backends without it stay :class:`LLM`. Likewise
     optional: ``generate_each(requests)``, a list of ``(prompt, SamplingParams)`` with one

@@ -105,7 +105,7 @@ class OpenAICompatibleLLM:
 
     def generate_each(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
         """:meth:`generate` with each prompt's own sampling settings, as one batch of concurrent requests
-        (each prompt is its own HTTP request anyway). :class:`agent.scheduler.Scheduler` uses it so that each
+        (each prompt is its own HTTP request anyway). :class:`agent.loop.scheduler.Scheduler` uses it so that each
         request keeps its own ``max_new_tokens``: a server checks prompt + ``max_tokens`` against the model's
         context (`vllm serve` answers 400 past it), so the batch's largest budget on a prompt near the end
         of its context would be refused. Raises as :meth:`generate`."""
@@ -126,7 +126,7 @@ class OpenAICompatibleLLM:
         for r in failed:  # a cancellation, or the server down or refusing every request: the whole batch
             if not isinstance(r, Exception) or isinstance(r, BackendUnavailable):
                 raise r
-        if failed:  # each request's own outcome, so that only the failed ones fail (agent.scheduler)
+        if failed:  # each request's own outcome, so that only the failed ones fail (agent.loop.scheduler)
             raise failed[0] if len(out) == 1 else BackendPartlyFailed(list(out))
         return list(out)
 

@@ -4,7 +4,7 @@ External agents (LangGraph's ``create_react_agent`` with ``ChatOpenAI``, any cod
 API) run unchanged against it, pointed at its base URL; the proxy renders each conversation with the policy's
 own chat template (Sleuth's ChatML one, :mod:`agent.chat_template`, for a tokenizer without one), samples
 through the project's backend interface (:class:`agent.llm.LLM`: transformers, vLLM or an OpenAI-compatible
-server, batched across concurrent calls by :class:`agent.scheduler.Scheduler`) and keeps, per call, the exact
+server, batched across concurrent calls by :class:`agent.loop.scheduler.Scheduler`) and keeps, per call, the exact
 prompt ids and the sampled ids with their log-probabilities (:mod:`agent.stitch`), grouped by episode. As in
 AReaL's, Agent Lightning's and ART's proxies, the episode of a call is named by the URL
 (``/ep/<episode>/v1/...``: a base URL is all an unchanged agent lets one set), an ``X-Sleuth-Episode`` header
@@ -52,7 +52,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent.chat_template import CHATML_TOOLS
 from agent.llm import LLM, SamplingParams, decode, encode
-from agent.scheduler import Scheduler
+from agent.loop.scheduler import Scheduler
 from agent.stitch import Call, EpisodeLog, parse_tool_calls, render_prompt, turn_action
 
 EPISODE_HEADER = "x-sleuth-episode"

@@ -32,7 +32,7 @@
   a client may choose within (``top_k``/``max_top_k``, ``max_turns``, ``max_question_chars``).
 * ``GET /``: a browser page over the streaming endpoint (:mod:`agent.webui`; no key needed to load it).
 
-All requests share one :class:`agent.scheduler.Scheduler` living in the server's event loop, so concurrent
+All requests share one :class:`agent.loop.scheduler.Scheduler` living in the server's event loop, so concurrent
 requests are episodes whose generation and search calls are batched together. Limits: request bodies over
 ``max_body_bytes`` get 413, bodies that are not JSON (or nest too deeply to decode, or hold an integer of
 over 4,300 digits) 400, empty or over-long questions 422 (over ``max_question_chars``, or a prompt that
@@ -68,7 +68,8 @@ from agent.chat_params import MAX_N, ChatParams
 from agent.external import merged
 from agent.judges import Judge, rule_judge
 from agent.llm import LLM
-from agent.loop import EventSink, make_context, run_episode
+from agent.loop.episode import EventSink, run_episode
+from agent.loop.nodes import make_context
 from agent.protocols.build import prompt_ids
 from agent.trajectory import Trajectory
 from agent.webui import add_page_routes
@@ -392,7 +393,7 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
                api_key: str | None = None, model_name: str = "sleuth-agent",
                limits: ServeLimits | None = None, judge: Judge | None = None, external: Any = None) -> FastAPI:
     """Build the app around one policy backend and one retriever (see the module docstring). ``judge``
-    scores answers sent with golden answers (default: :func:`agent.loop.make_context`'s, from
+    scores answers sent with golden answers (default: :func:`agent.loop.nodes.make_context`'s, from
     ``agent_cfg.judge``). ``external`` (an :class:`agent.external.ExternalRunner`, ``agent.kind: external``)
     answers with the external agent instead of the built-in loop: its own tools search, so a request's
     ``top_k`` and ``max_turns`` other than the server's own are refused (422), its temperature does not apply,

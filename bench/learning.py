@@ -199,7 +199,7 @@ def prepare():
     sft_dir = WORK / "sft"
     if not (sft_dir / "config.json").exists():
         from agent.hf import TransformersLLM
-        from agent.loop import run_episodes
+        from agent.loop.batch import run_episodes
 
         cfg = base_config()
         llm = TransformersLLM.from_pretrained(str(tiny))
@@ -226,7 +226,7 @@ def evaluate(model, tokenizer, retriever, examples, cfg) -> dict:
     """Greedy test EM, search calls and validity of ``model``, EM and searches per hop class, and each
     question's EM in order (``per_question``, for paired bootstrap intervals)."""
     from agent.hf import TransformersLLM
-    from agent.loop import run_episodes
+    from agent.loop.batch import run_episodes
 
     trajs = run_episodes(examples, TransformersLLM(model, tokenizer), retriever, cfg.agent, temperature=0.0,
                          top_k=cfg.retrieval.top_k)

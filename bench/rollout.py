@@ -1,6 +1,6 @@
 """Rollout benchmark: the LangGraph agent loop against a hand-written batched loop, and serving latency.
 
-Throughput: episodes/s and generated (policy) tokens/s of :func:`agent.loop.run_episodes` and of
+Throughput: episodes/s and generated (policy) tokens/s of :func:`agent.loop.batch.run_episodes` and of
 :func:`handwritten_rollout` (a plain lock-step loop: one batched ``generate`` per turn for all live
 episodes, one batched search, the same prompt, parser and observation code) on the same backend, model and
 questions, with greedy decoding so both produce token-identical episodes (checked) from identical batches.
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from agent.llm import SamplingParams, decode, encode
-from agent.loop import run_episodes
+from agent.loop.batch import run_episodes
 from agent.protocols import search_r1
 from agent.protocols.base import format_docs
 from agent.protocols.build import prompt_ids

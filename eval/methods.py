@@ -11,7 +11,7 @@
 * ``search_o1``: Search-o1 (Li et al. 2025): the model reasons and issues ``<search>`` queries itself; a
   separate "Reason-in-Documents" call of the same backend condenses each query's retrieved documents into
   the helpful information, and only that is inserted into the reasoning chain.
-* ``agent``: the Sleuth agent (:func:`agent.loop.run_episodes`): the policy decides when and what to search.
+* ``agent``: the Sleuth agent (:func:`agent.loop.batch.run_episodes`): the policy decides when and what to search.
 
 All methods speak the agent's Search-R1 tag protocol and use its prompt (:func:`agent.protocols.build.prompt_ids`), so
 the same checkpoint is compared fairly: ``direct`` forces ``<answer>`` right after the prompt; ``rag`` writes
@@ -349,7 +349,7 @@ def agent(
     **_: Any,
 ) -> list[dict[str, Any]]:
     """The Sleuth agent: one episode per question through ``run_episodes`` (default
-    :func:`agent.loop.run_episodes`; any callable with its signature works, e.g. a remote agent), judged by
+    :func:`agent.loop.batch.run_episodes`; any callable with its signature works, e.g. a remote agent), judged by
     ``judge`` (default: the agent config's own; rule metrics score the records either way).
     ``on_trajectories`` gets each batch's trajectories (e.g. to save them beside the predictions).
 
@@ -359,7 +359,7 @@ def agent(
     """
     cfg = cfg or AgentConfig()
     if run_episodes is None:
-        from agent.loop import run_episodes
+        from agent.loop.batch import run_episodes
     t0 = time.perf_counter()
     if not examples:
         return []

@@ -269,7 +269,7 @@ def run_benchmarks(
         data_dir: root of the benchmark files (default ``$SLEUTH_DATA_DIR`` or ``../shared/data``).
         top_k, temperature: passages per search and decoding temperature (0 = greedy).
         method_options: more method keywords (``max_steps``, ``max_docs`` for IRCoT).
-        run_episodes: the agent loop to use for ``agent`` (default :func:`agent.loop.run_episodes`).
+        run_episodes: the agent loop to use for ``agent`` (default :func:`agent.loop.batch.run_episodes`).
         index_dir, model_dir, fingerprint_extra: added to the config fingerprint (index and model manifests,
             anything else that determines the predictions).
         batch_size: questions per method call (and per cache append).
@@ -424,12 +424,12 @@ def evaluate_agent(llm: Any, retriever: Any, examples: list[QAExample], agent_cf
     paragraphs among everything retrieved), search_calls, turns, generated_tokens, format_ok, wall_s
     (seconds per question) and errors (episodes that stopped on an error, e.g. a failed search, scored 0;
     the error is in each one's ``metadata["error"]``). ``run_episodes``: the agent to run, with
-    :func:`agent.loop.run_episodes`'s signature (default: that loop; an external agent's
+    :func:`agent.loop.batch.run_episodes`'s signature (default: that loop; an external agent's
     :meth:`agent.external.ExternalRunner.loop_episodes`)."""
     from agent.judges import rule_judge
 
     if run_episodes is None:
-        from agent.loop import run_episodes
+        from agent.loop.batch import run_episodes
     t0 = time.time()
     trajs = run_episodes(examples, llm, retriever, agent_cfg, temperature=temperature, top_k=top_k, seed=seed,
                          judge=rule_judge())

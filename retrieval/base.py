@@ -49,7 +49,7 @@ class Hit(NamedTuple):
 class Retriever(Protocol):
     """Anything that answers a batch of queries with the top-k hits of each, best first. One whose
     ``search`` may run in several threads at once may set the class attribute ``concurrent_calls = True``
-    (optional, read with ``getattr``; see :class:`agent.scheduler.Scheduler`)."""
+    (optional, read with ``getattr``; see :class:`agent.loop.scheduler.Scheduler`)."""
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:
         """Return, for each query, at most ``k`` hits sorted by descending score.

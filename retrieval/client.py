@@ -119,7 +119,7 @@ class RemoteRetriever:
     Raises :class:`RetrievalServerError` when the server is down and ``ValueError`` on a rejected request
     (a 401 among them: a missing or wrong key).
     ``search`` may be called from several threads at once (the connection pool is shared under a lock), so
-    ``concurrent_calls`` is true (see :class:`agent.scheduler.Scheduler`).
+    ``concurrent_calls`` is true (see :class:`agent.loop.scheduler.Scheduler`).
     """
 
     concurrent_calls = True

@@ -216,7 +216,7 @@ def check_context_length(cfg: Config, model_path: str | Path) -> None:
 def answer_judge(cfg: Config):
     """The episode judge for ``agent.judge: llm`` with its own model (``agent.llm_judge.model``, on the
     ``agent.backend`` kind), for training and ``sleuth serve``; ``None`` otherwise: the rule judge, or the
-    policy backend judging its own answers (:func:`agent.loop.make_context`)."""
+    policy backend judging its own answers (:func:`agent.loop.nodes.make_context`)."""
     a = cfg.agent
     if a.judge != "llm" or not a.llm_judge.model:
         return None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from agent.llm import decode
-from agent.loop import run_episodes
+from agent.loop.batch import run_episodes
 from agent.protocols import function_call
 from agent.trajectory import Role
 from corpora.formats import QAExample
@@ -177,7 +177,7 @@ def test_max_obs_tokens_must_leave_room_past_the_observation_framing(tiny_llm, a
     """``max_obs_tokens`` no larger than the ``<information>`` framing would end every episode at its first
     search (as ``max_tokens``); making the context says so instead."""
     from agent.llm import encode
-    from agent.loop import make_context
+    from agent.loop.nodes import make_context
 
     tok = tiny_llm.tokenizer
     frame = len(encode(tok, "\n\n<information>")) + len(encode(tok, "</information>\n\n"))

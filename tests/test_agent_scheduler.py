@@ -6,8 +6,8 @@ import asyncio
 import threading
 
 from agent.llm import Generation, SamplingParams
-from agent.loop import run_episodes
-from agent.scheduler import Scheduler
+from agent.loop.batch import run_episodes
+from agent.loop.scheduler import Scheduler
 from corpora.formats import QAExample
 from tests.test_agent_fakes import ScriptLLM
 
@@ -251,9 +251,9 @@ def test_the_split_pass_of_a_concurrent_backend_runs_its_single_calls_together()
 def test_a_global_error_in_a_concurrent_split_pass_settles_the_calls_not_started(monkeypatch):
     """At most SPLIT_CONCURRENCY single calls run at once; once one meets a global error (the server went
     down), the calls not yet started are not made: their requests get that error at once."""
-    import agent.scheduler
+    import agent.loop.scheduler
 
-    monkeypatch.setattr(agent.scheduler, "SPLIT_CONCURRENCY", 2)
+    monkeypatch.setattr(agent.loop.scheduler, "SPLIT_CONCURRENCY", 2)
     gate = threading.Event()
 
     class DownOn666(FailsOn):

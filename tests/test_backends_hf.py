@@ -66,7 +66,7 @@ def test_generation_config_end_tokens_end_the_turn(tiny_llm):
     """The model's generation config may list more end tokens than the tokenizer's EOS (Qwen2.5-Instruct:
     ``<|im_end|>`` and ``<|endoftext|>``): the backend stops at each, and the loop sees the turn end there."""
     from agent.hf import TransformersLLM
-    from agent.loop import make_context
+    from agent.loop.nodes import make_context
     from sleuth.config import AgentConfig
 
     tok = tiny_llm.tokenizer

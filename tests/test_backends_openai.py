@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from agent.llm import SamplingParams, encode
-from agent.loop import run_episodes
+from agent.loop.batch import run_episodes
 from agent.openai_backend import BackendError, OpenAICompatibleLLM
 from tests.test_agent_exactness import EIFFEL, FRANCE, assert_exact
 from tests.test_agent_fakes import Recorder, ScriptLLM, ServerThread, fake_openai_completions_app

@@ -108,7 +108,7 @@ def test_update_weights_without_restart(engine, tiny_dir):
 
 
 def test_agent_loop_on_vllm_records_exact_tokens(engine, retriever, agent_cfg):
-    from agent.loop import run_episodes
+    from agent.loop.batch import run_episodes
     from tests.test_agent_exactness import EIFFEL, FRANCE, assert_exact
     from tests.test_agent_fakes import Recorder
 

@@ -1,4 +1,4 @@
-"""The batch graph (agent/batch_graph.py): many episodes as one LangGraph run give the trajectories the
+"""The batch graph (agent/loop/batch.py): many episodes as one LangGraph run give the trajectories the
 per-episode graph gives, in a number of graph steps set by the turns, not by the episodes."""
 
 from __future__ import annotations
@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict
 
-from agent.batch_graph import BATCH_GRAPH, NEXT, arun_batch
-from agent.loop import make_context, new_episode, run_episode
+from agent.loop.batch import BATCH_GRAPH, NEXT, arun_batch
+from agent.loop.episode import run_episode
+from agent.loop.nodes import make_context, new_episode
 from corpora.formats import QAExample
 from tests.test_agent_fakes import ScriptLLM
 

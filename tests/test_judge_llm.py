@@ -6,7 +6,7 @@ import pytest
 
 from agent.judges import judge_batch, judge_prompt, llm_judge, parse_verdict
 from agent.llm import Generation, encode
-from agent.loop import run_episodes
+from agent.loop.batch import run_episodes
 from agent.trajectory import Trajectory
 from tests.test_agent_exactness import FRANCE
 from tests.test_agent_fakes import ScriptLLM

@@ -105,7 +105,7 @@ def test_a_plain_text_search_tool_gives_one_hit_per_text_block():
 
 def test_the_built_in_loop_searches_through_an_mcp_server_behind_the_query_cache(http_mcp, tiny_llm, retriever,
                                                                                  agent_cfg, tmp_path):
-    from agent.loop import run_episodes
+    from agent.loop.batch import run_episodes
     from sleuth.config import Config
     from sleuth.pipeline import open_retriever
     from tests.test_agent_fakes import ScriptLLM

@@ -257,7 +257,7 @@ def test_collapse_alarm_fires_on_a_provoked_collapse(tiny_policy_dir, retriever,
     a reward for breaking the format at a high learning rate destroys it; the held-out format validity
     (greedy, evaluated every step) falls from its best and the collapse alarm fires and stops the run."""
     from agent.hf import TransformersLLM
-    from agent.loop import run_episodes
+    from agent.loop.batch import run_episodes
     from sleuth.config import SFTConfig
     from tests.conftest import PASSAGES, QUESTIONS, run_rl
     from tests.test_trainer import load, make_cfg

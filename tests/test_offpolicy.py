@@ -191,7 +191,7 @@ def test_the_cap_bounds_the_gradient_when_one_reported_logprob_is_far_off(tiny_p
     of a rare token): the uncapped importance weight e^15 multiplies that token's gradient and swamps the
     update; TIS caps it at C, and the gradient stays that of the on-policy batch's order."""
     from agent.hf import TransformersLLM
-    from agent.loop import run_episodes
+    from agent.loop.batch import run_episodes
     from training.actor import score_logprobs, update_policy
     from training.batch import collate
     from training.offpolicy import rollout_correction

@@ -131,7 +131,9 @@ def test_the_built_in_loop_through_the_proxy_is_token_identical(tiny_llm, retrie
     the proxy's own stitched record of each episode equals the loop's, and one policy update on either gives
     the same loss statistics and weights."""
     from agent.llm import run_sync
-    from agent.loop import make_context, run_episode, run_episodes
+    from agent.loop.batch import run_episodes
+    from agent.loop.episode import run_episode
+    from agent.loop.nodes import make_context
     from agent.openai_backend import OpenAICompatibleLLM
     from corpora.formats import QAExample
 

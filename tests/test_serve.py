@@ -176,7 +176,8 @@ def test_run_episode_events_leave_the_trajectory_unchanged(policy, tiny_llm, ret
     """``on_event`` streams the graph (astream) instead of ainvoke: the same trajectory, token for token,
     with the scripted policy (search, then answer) and with the tiny model (greedy; mostly invalid
     actions); the events mirror the recorded turns and arrive while the episode runs."""
-    from agent.loop import make_context, run_episode
+    from agent.loop.episode import run_episode
+    from agent.loop.nodes import make_context
     from tests.conftest import QUESTIONS
 
     for llm in (policy, tiny_llm):

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from agent.llm import SamplingParams, complete
-from agent.loop import run_episodes
+from agent.loop.batch import run_episodes
 from retrieval.base import Retriever
 from retrieval.simulated import NOISY, USEFUL, SimulatedSearch, curriculum_noise, simulator_prompt
 from tests.conftest import PASSAGES, QUESTIONS

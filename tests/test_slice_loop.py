@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agent.llm import Generation, SamplingParams, decode, encode
-from agent.loop import run_episodes
+from agent.loop.batch import run_episodes
 from agent.trajectory import Role, Trajectory, load_trajectories, save_trajectories
 from corpora.formats import QAExample
 
@@ -198,7 +198,7 @@ def test_chat_template_on_without_a_template_is_refused_when_the_context_is_made
     """``agent.chat_template=on`` with a tokenizer that has no chat template failed inside every episode
     (transformers' error at ``apply_chat_template``; under ``sleuth serve`` an HTTP 500 per request). It is
     a ``ValueError`` naming the setting when the agent context is made (server start, training start)."""
-    from agent.loop import make_context
+    from agent.loop.nodes import make_context
 
     assert not getattr(tiny_llm.tokenizer, "chat_template", None)
     with pytest.raises(ValueError, match="agent.chat_template=on"):

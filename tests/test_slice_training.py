@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from agent.loop import run_episodes
+from agent.loop.batch import run_episodes
 from sleuth.config import load_config
 from tests.conftest import PASSAGES, QUESTIONS, run_rl
 from training.actor import update_policy

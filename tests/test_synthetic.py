@@ -27,7 +27,7 @@ def test_deterministic_and_disjoint():
 
 
 def test_chain_oracle_solves_with_exactly_h_searches(tmp_path, tiny_llm):
-    from agent.loop import run_episodes
+    from agent.loop.batch import run_episodes
     from corpora import read_qa
     from retrieval.index import build_index, load_retriever
     from sleuth.config import AgentConfig
@@ -71,7 +71,7 @@ def test_v2_four_hops_only_in_test_and_every_hop_needs_the_previous_result():
 
 
 def test_v2_chain_oracle_solves_four_hops_with_four_searches(tmp_path, tiny_llm):
-    from agent.loop import run_episodes
+    from agent.loop.batch import run_episodes
     from corpora import read_qa
     from corpora.synthetic import SyntheticSpecV2
     from retrieval.index import build_index, load_retriever

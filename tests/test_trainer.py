@@ -98,7 +98,7 @@ def test_every_estimator_moves_the_weights(algo, extra, tiny_policy_dir, retriev
 def test_token_budget_micro_batches_equal_one_full_batch(tiny_policy_dir, retriever):
     """Gradient accumulation over length-sorted micro-batches (padding trimmed) == one full-batch step."""
     from agent.hf import TransformersLLM
-    from agent.loop import run_episodes
+    from agent.loop.batch import run_episodes
     from training.actor import update_policy
     from training.batch import collate, micro_batches
 
@@ -245,7 +245,7 @@ def test_gold_answer_probs_run_the_lm_head_on_the_gold_tokens_only(tiny_policy_d
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from agent.llm import encode
-    from agent.loop import run_episodes
+    from agent.loop.batch import run_episodes
     from training.rewards import gold_answer_probs, turn_boundaries
 
     model, tok = load(tiny_policy_dir)

@@ -35,7 +35,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.loop import arun_episodes, make_context
+from agent.loop.batch import arun_episodes
+from agent.loop.nodes import make_context
 from agent.trajectory import Trajectory
 from corpora.formats import QAExample
 from training.faults import drop_failed

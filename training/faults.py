@@ -1,7 +1,7 @@
 """Rollouts through infrastructure faults: a retrieval server or policy backend that goes away and comes back.
 
 An episode whose search or generation call failed ends with ``stop_reason == "error"``
-(:func:`agent.loop.run_episode`); its tokens stop where the call failed and its reward is 0. Trained on,
+(:func:`agent.loop.episode.run_episode`); its tokens stop where the call failed and its reward is 0. Trained on,
 such an episode would teach the policy that the action it took just before the outage (usually a search)
 earns nothing. So the trainer's rollout goes through :func:`run_episodes_retrying`, which runs the failed
 episodes again (after a growing wait when the service was down: ``train.rollout_retry_waits``, by default
@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from agent.loop import run_episodes
+from agent.loop.batch import run_episodes
 from agent.trajectory import Trajectory
 from corpora.formats import QAExample
 
@@ -42,20 +42,20 @@ def failed(traj: Trajectory) -> bool:
 
 def service_down(traj: Trajectory) -> bool:
     """Whether ``traj`` failed because a service as a whole was unavailable (``metadata["service_down"]``,
-    set by :func:`agent.loop.run_episode` from :func:`agent.scheduler.is_global`), so that a rerun after a
+    set by :func:`agent.loop.episode.run_episode` from :func:`agent.loop.scheduler.is_global`), so that a rerun after a
     wait may succeed, rather than on a fault of its own request."""
     return failed(traj) and bool(traj.metadata.get("service_down"))
 
 
 def run_episodes_retrying(examples: list[QAExample], llm: Any, retriever: Any, cfg: Any, *, n_samples: int = 1,
                           waits: Sequence[float] | None = None, **kw: Any) -> list[Trajectory]:
-    """:func:`agent.loop.run_episodes` (same arguments and result: ``len(examples) * n_samples`` trajectories,
+    """:func:`agent.loop.batch.run_episodes` (same arguments and result: ``len(examples) * n_samples`` trajectories,
     grouped by example, group id = example index), with the episodes that ended on an error run again, each
     in its own place and group. While some failed because a service was down (:func:`service_down`), the
     failed ones are rerun after each wait of ``waits`` in turn (default :data:`RETRY_WAITS_S`); when none did,
     they are rerun once at once.
     Each trajectory's ``metadata["failed_attempts"]`` counts its failed runs (the last one included, if it
-    still failed). Raises what :func:`agent.loop.run_episodes` raises (a prompt that cannot be built)."""
+    still failed). Raises what :func:`agent.loop.batch.run_episodes` raises (a prompt that cannot be built)."""
     trajs = run_episodes(examples, llm, retriever, cfg, n_samples=n_samples, **kw)
     for t in trajs:
         t.metadata["failed_attempts"] = int(failed(t))

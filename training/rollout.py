@@ -3,7 +3,7 @@ questions arrive from a checkpointed stream.
 
 * :class:`DataStream`: an endless, seeded, epoch-shuffled stream of training questions;
 * :class:`RolloutWorker`: the rollout backend, retriever, agent settings and judge, one call per group of
-  episodes (:func:`agent.loop.run_episodes`);
+  episodes (:func:`agent.loop.batch.run_episodes`);
 * :func:`rollout`: ``train.group_size`` episodes per question, with DAPO's dynamic sampling (Yu et al., 2025)
   dropping groups whose rewards are all equal and refilling the batch from the stream;
 * :func:`rollout_stats`: the episode-level means logged each step.

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from agent.loop import run_episodes
+from agent.loop.batch import run_episodes
 from agent.trajectory import Trajectory
 from corpora.formats import QAExample
 from retrieval.base import Retriever

@@ -19,7 +19,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import json
 
-    from agent.loop import run_episodes
+    from agent.loop.batch import run_episodes
     from agent.trajectory import Role
     from corpora.formats import QAExample
     from sleuth.pipeline import answer_judge, load_llm, open_retriever

@@ -1,18 +1,18 @@
 """Many episodes as one LangGraph run: the rollout graph whose state is the whole batch.
 
-:func:`agent.loop.run_episode` runs one graph per episode, which a server streaming one request needs. At
-rollout scale (Search-R1's step: 512 prompts x 5 episodes) LangGraph's bookkeeping, paid per graph run and
+:func:`agent.loop.episode.run_episode` runs one graph per episode, which a server streaming one request needs.
+At rollout scale (Search-R1's step: 512 prompts x 5 episodes) LangGraph's bookkeeping, paid per graph run and
 per step of every episode, cost more than the loop's own work: about 2.4 ms per episode-turn at 32
 episodes, and more per episode-turn as the batch grows (``bench/rollout.py``). This graph has the same
 nodes, ``policy`` (generate, parse), ``tool`` (search, observe) and ``judge``, but one step runs that node
 for every episode waiting for it, concurrently: the scheduler still gathers one batched backend call per
 turn, and LangGraph's cost is paid once per step of the batch instead of once per step of each episode.
 
-Each episode takes the path the per-episode graph's edges give it (:func:`agent.loop.after_policy`,
-:func:`agent.loop.after_tool`) through the same node functions, so its trajectory is the one
-:func:`agent.loop.run_episode` gives it. A backend or tool failure ends that episode alone
-(:func:`agent.loop.fail_episode`). An episode counts as live for the scheduler
-(:meth:`agent.scheduler.Scheduler.episode`) only while its node runs, so the ones done with a step never hold
+Each episode takes the path the per-episode graph's edges give it (:func:`agent.loop.nodes.after_policy`,
+:func:`agent.loop.nodes.after_tool`) through the same node functions, so its trajectory is the one
+:func:`agent.loop.episode.run_episode` gives it. A backend or tool failure ends that episode alone
+(:func:`agent.loop.nodes.fail_episode`). An episode counts as live for the scheduler
+(:meth:`agent.loop.scheduler.Scheduler.episode`) only while its node runs, so the ones done with a step never hold
 back the batches of the others.
 """
 
@@ -25,25 +25,29 @@ from typing import Any, TypedDict
 from langchain_core.runnables import RunnableConfig
 from langgraph.graph import END, START, StateGraph
 
-from agent.loop import (
+from agent.judges import Judge
+from agent.llm import LLM, run_sync
+from agent.loop.nodes import (
     AgentContext,
     EpisodeState,
     after_policy,
     after_tool,
     fail_episode,
     judge,
+    make_context,
     new_episode,
     policy,
     tool,
 )
 from agent.trajectory import Trajectory
 from corpora.formats import QAExample
+from retrieval.base import Retriever
 
 NEXT = "next"  # an episode's key: the node it waits for ("policy", "tool", "judge"), or "done"
 
 
 class BatchState(TypedDict):
-    """The graph's state: every episode's :class:`agent.loop.EpisodeState` (in order; updated in place)."""
+    """The graph's state: every episode's :class:`agent.loop.nodes.EpisodeState` (in order; updated in place)."""
     episodes: list[EpisodeState]
 
 
@@ -73,17 +77,17 @@ async def _run_each(name: str, fn: Callable, route: Callable | None, state: Batc
 
 
 async def policy_step(state: BatchState, config: RunnableConfig) -> BatchState:
-    """:func:`agent.loop.policy` for every episode at a policy turn."""
+    """:func:`agent.loop.nodes.policy` for every episode at a policy turn."""
     return await _run_each("policy", policy, after_policy, state, config)
 
 
 async def tool_step(state: BatchState, config: RunnableConfig) -> BatchState:
-    """:func:`agent.loop.tool` for every episode whose turn called the tool (or was invalid)."""
+    """:func:`agent.loop.nodes.tool` for every episode whose turn called the tool (or was invalid)."""
     return await _run_each("tool", tool, after_tool, state, config)
 
 
 async def judge_step(state: BatchState, config: RunnableConfig) -> BatchState:
-    """:func:`agent.loop.judge` for every episode that ended (the failed ones were scored already)."""
+    """:func:`agent.loop.nodes.judge` for every episode that ended (the failed ones were scored already)."""
     return await _run_each("judge", judge, None, state, config)
 
 
@@ -118,3 +122,37 @@ async def arun_batch(ctx: AgentContext, episodes: list[tuple[QAExample, int]]) -
                                   "recursion_limit": 2 * ctx.agent_cfg.max_turns + 8}
         await BATCH_GRAPH.ainvoke({"episodes": states}, config=config)
     return [st["traj"] for st in states]
+
+
+async def arun_episodes(ctx: AgentContext, examples: list[QAExample], n_samples: int = 1) -> list[Trajectory]:
+    """Run ``n_samples`` episodes per example concurrently; trajectories come back grouped by example
+    (group id = example index), in order. The episodes run as one LangGraph graph over the whole batch
+    (:func:`arun_batch`), with the same steps and the same trajectories as
+    :func:`agent.loop.episode.run_episode` gives each of them."""
+    return await arun_batch(ctx, [(ex, i) for i, ex in enumerate(examples) for _ in range(n_samples)])
+
+
+def run_episodes(
+    examples: list[QAExample],
+    llm: LLM,
+    retriever: Retriever,
+    cfg: Any,
+    *,
+    n_samples: int = 1,
+    temperature: float | None = None,
+    top_k: int = 3,
+    seed: int | None = None,
+    judge: Judge | None = None,
+) -> list[Trajectory]:
+    """Synchronous entry point: roll out ``n_samples`` episodes per example with batched generation.
+
+    ``cfg`` is an :class:`agent.config.AgentConfig`; ``temperature`` overrides ``cfg.temperature``
+    (0 = greedy). Returns ``len(examples) * n_samples`` trajectories. Called where an event loop already
+    runs (a Jupyter cell), the episodes run in a fresh loop on a helper thread.
+    """
+    import torch
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    ctx = make_context(llm, retriever, cfg, temperature=temperature, top_k=top_k, judge=judge)
+    return run_sync(arun_episodes(ctx, examples, n_samples))  # also inside a running event loop (Jupyter)

@@ -1,34 +1,32 @@
-"""The agent loop as a LangGraph ``StateGraph``, one graph run per episode.
+"""The agent loop's nodes and edges: plain functions of one episode's state, shared by the per-episode graph
+(:mod:`agent.loop.episode`) and the batch graph (:mod:`agent.loop.batch`).
 
     START -> policy [generate -> parse] -> tool [search -> observe] -> policy -> ... -> judge -> END
                                       |    \\-> [observe_error] (invalid action)
                                       \\-> (answer, or budget spent) -> judge
 
-Nodes are plain functions of the episode state; the runtime (scheduler, tokenizer, config, judge) comes in
-through LangGraph's ``config["configurable"]["ctx"]``. Every token is appended to the episode's
-:class:`~agent.trajectory.Trajectory` exactly once, with its role and turn, so the trainer trains on
-exactly what the policy saw. Everything that depends on the tool protocol (``agent.protocol``: Search-R1
-tags or native function calling) is asked of the one :class:`agent.protocols.base.ToolProtocol` object of the run;
-the judges are in :mod:`agent.judges`; optional ReSeek self-judge (``<judge>useful|not useful</judge>``,
-``agent.self_judge``).
+The runtime (scheduler, tokenizer, config, judge) comes in through LangGraph's
+``config["configurable"]["ctx"]``, an :class:`AgentContext` (:func:`make_context`). Every token is appended to
+the episode's :class:`~agent.trajectory.Trajectory` exactly once, with its role and turn, so the trainer
+trains on exactly what the policy saw. Everything that depends on the tool protocol (``agent.protocol``:
+Search-R1 tags or native function calling) is asked of the one :class:`agent.protocols.base.ToolProtocol`
+object of the run; the judges are in :mod:`agent.judges`; optional ReSeek self-judge
+(``<judge>useful|not useful</judge>``, ``agent.self_judge``).
 """
-
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypedDict
 
 from langchain_core.runnables import RunnableConfig
-from langgraph.graph import END, START, StateGraph
 
 from agent.judges import Judge, configured_judge
-from agent.llm import LLM, SamplingParams, decode, encode, end_of_turn_ids, run_sync
+from agent.llm import LLM, SamplingParams, decode, encode, end_of_turn_ids
+from agent.loop.scheduler import Scheduler, is_global
 from agent.metrics import rule_verdict
 from agent.protocols.base import Action, ToolProtocol, check_chat_template, format_docs, split_judgement
 from agent.protocols.build import make_protocol
-from agent.scheduler import Scheduler, is_global
 from agent.trajectory import Role, Trajectory, Turn
 from corpora.formats import QAExample
 from retrieval.base import Retriever
@@ -220,79 +218,6 @@ def after_tool(state: EpisodeState, config: RunnableConfig) -> str:
     return "judge" if state.get("finish") else "policy"
 
 
-def build_graph():
-    """Compile the episode graph (structure only; runtime objects arrive through the config)."""
-    g = StateGraph(EpisodeState)
-    for name, fn in [("policy", policy), ("tool", tool), ("judge", judge)]:
-        g.add_node(name, fn)
-    g.add_edge(START, "policy")
-    g.add_conditional_edges("policy", after_policy, ["tool", "judge"])
-    g.add_conditional_edges("tool", after_tool, ["policy", "judge"])
-    g.add_edge("judge", END)
-    return g.compile()
-
-
-GRAPH = build_graph()
-
-
-EventSink = Callable[[dict[str, Any]], Awaitable[None]]
-
-
-def step_event(node: str, update: dict[str, Any] | None, traj: Trajectory) -> dict[str, Any] | None:
-    """The progress event of one graph step (``node`` returned ``update``), read from what the node
-    recorded in ``traj``; ``None`` for steps without one (the judge, a policy step that found the token
-    budget spent, an invalid action's error observation).
-
-    * after a policy turn: ``{"type": "turn", "turn": i, "text": <the turn's generated text>,
-      "action": "search" | "answer" | "invalid" | ..., "error": str | None, "judgement": str | None}``
-      (``Turn.text``/``action``/``error``: why an invalid action was invalid; ``judgement``: the ReSeek
-      self-judge of the previous observation, ``"useful"``/``"not useful"``, when the turn made one);
-    * after a search: ``{"type": "search", "turn": i, "query": str, "doc_ids": [str], "hits": [Hit]}``
-      (``Turn.query``, ``Turn.hit_ids`` and the :class:`retrieval.base.Hit` s themselves, with this query's
-      scores, in retrieval order)."""
-    update = update or {}
-    if node == "policy" and "action" in update and traj.turns:
-        t = traj.turns[-1]
-        return {"type": "turn", "turn": t.index, "text": t.text, "action": t.action, "error": t.error,
-                "judgement": t.judgement}
-    if node == "tool" and "hits" in update and traj.turns:
-        t = traj.turns[-1]
-        return {"type": "search", "turn": t.index, "query": t.query, "doc_ids": list(t.hit_ids),
-                "hits": list(update["hits"])}
-    return None
-
-
-async def run_episode(ctx: AgentContext, example: QAExample, group: int = 0,
-                      on_event: EventSink | None = None) -> Trajectory:
-    """Run one episode to its end. A backend failure ends the episode with ``stop_reason="error"``, the
-    reason in ``metadata["error"]`` and ``metadata["service_down"]`` true when the backend or retriever as a
-    whole was unavailable (:func:`agent.scheduler.is_global`); it raises only when the prompt itself cannot be
-    built (the tokenizer or chat template fails on it: a setup error that would fail every episode, so it is
-    not hidden as one), and cancelling the task still cancels it.
-
-    With ``on_event`` (an async callable taking one dict), the graph runs through LangGraph's
-    ``astream(stream_mode="updates")`` instead of ``ainvoke`` and ``await on_event(event)`` is called
-    after each policy turn and each search, with the events of :func:`step_event`, while the episode
-    runs. The trajectory is the same either way; an exception raised by ``on_event`` fails the episode
-    like a backend error."""
-    state = new_episode(ctx, example, group)
-    traj = state["traj"]
-    config: RunnableConfig = {"configurable": {"ctx": ctx}, "recursion_limit": 2 * ctx.agent_cfg.max_turns + 8}
-    async with ctx.scheduler.episode():
-        try:
-            if on_event is None:
-                await GRAPH.ainvoke(state, config=config)
-            else:
-                async for step in GRAPH.astream(state, config=config, stream_mode="updates"):
-                    for node, update in step.items():
-                        event = step_event(node, update, traj)
-                        if event is not None:
-                            await on_event(event)
-        except Exception as e:  # noqa: BLE001 - an episode fails cleanly with its reason
-            fail_episode(traj, e)
-    return traj
-
-
 def new_episode(ctx: AgentContext, example: QAExample, group: int = 0) -> EpisodeState:
     """The start state of an episode of ``example``: its trajectory holding the prompt (raises what the
     tokenizer or chat template raises on it), at turn 1."""
@@ -305,26 +230,16 @@ def new_episode(ctx: AgentContext, example: QAExample, group: int = 0) -> Episod
 
 def fail_episode(traj: Trajectory, e: BaseException) -> None:
     """End an episode on a backend or tool failure ``e``: ``stop_reason="error"``, the reason in
-    ``metadata["error"]``, ``metadata["service_down"]`` from :func:`agent.scheduler.is_global`, reward 0."""
+    ``metadata["error"]``, ``metadata["service_down"]`` from :func:`agent.loop.scheduler.is_global`, reward 0."""
     traj.stop_reason = "error"
     traj.metadata["error"] = f"{type(e).__name__}: {e}"
     traj.metadata["service_down"] = is_global(e)  # a service unavailable, not this request's fault
     traj.reward, traj.verdict = 0.0, rule_verdict(None, traj.golden_answers) | {"format_ok": False}
 
 
-async def arun_episodes(ctx: AgentContext, examples: list[QAExample], n_samples: int = 1) -> list[Trajectory]:
-    """Run ``n_samples`` episodes per example concurrently; trajectories come back grouped by example
-    (group id = example index), in order. The episodes run as one LangGraph graph over the whole batch
-    (:func:`agent.batch_graph.arun_batch`), with the same steps and the same trajectories as
-    :func:`run_episode` gives each of them."""
-    from agent.batch_graph import arun_batch
-
-    return await arun_batch(ctx, [(ex, i) for i, ex in enumerate(examples) for _ in range(n_samples)])
-
-
 def make_context(llm: LLM, retriever: Retriever | None, cfg: Any, *, temperature: float | None = None,
                  top_k: int = 3, judge: Judge | None = None, scheduler: Scheduler | None = None) -> AgentContext:
-    """An :class:`AgentContext` for :func:`arun_episodes` / :func:`run_episode` (e.g. inside a server's
+    """An :class:`AgentContext` for :func:`agent.loop.batch.arun_episodes` / :func:`agent.loop.episode.run_episode` (e.g. inside a server's
     event loop, where one scheduler is shared by all requests): the tool protocol of ``cfg.protocol``
     (:func:`agent.protocols.build.make_protocol`) and, unless ``judge`` is given, the judge of ``cfg``
     (:func:`agent.judges.configured_judge`; with ``cfg.judge == "llm"`` the policy backend itself judges).
@@ -343,29 +258,3 @@ def make_context(llm: LLM, retriever: Retriever | None, cfg: Any, *, temperature
         raise ValueError(f"agent.max_obs_tokens={cfg.max_obs_tokens} leaves no room for a tool result: its "
                          f"framing ({proto.name} protocol) takes {frame} tokens; use more than {frame}")
     return ctx
-
-
-def run_episodes(
-    examples: list[QAExample],
-    llm: LLM,
-    retriever: Retriever,
-    cfg: Any,
-    *,
-    n_samples: int = 1,
-    temperature: float | None = None,
-    top_k: int = 3,
-    seed: int | None = None,
-    judge: Judge | None = None,
-) -> list[Trajectory]:
-    """Synchronous entry point: roll out ``n_samples`` episodes per example with batched generation.
-
-    ``cfg`` is an :class:`agent.config.AgentConfig`; ``temperature`` overrides ``cfg.temperature``
-    (0 = greedy). Returns ``len(examples) * n_samples`` trajectories. Called where an event loop already
-    runs (a Jupyter cell), the episodes run in a fresh loop on a helper thread.
-    """
-    import torch
-
-    if seed is not None:
-        torch.manual_seed(seed)
-    ctx = make_context(llm, retriever, cfg, temperature=temperature, top_k=top_k, judge=judge)
-    return run_sync(arun_episodes(ctx, examples, n_samples))  # also inside a running event loop (Jupyter)
