@@ -2,7 +2,7 @@
 
 A backend turns a batch of prompts *given as token ids* into continuations given as token ids, so the
 agent loop appends exactly the tokens the policy produced (no re-tokenisation drift). Backends: the
-transformers one here (:mod:`agent.hf`); vLLM and OpenAI-compatible HTTP backends implement the same
+transformers one here (:mod:`agent.backends.hf`); vLLM and OpenAI-compatible HTTP backends implement the same
 protocol.
 """
 

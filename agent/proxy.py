@@ -20,7 +20,7 @@ Routes (also under ``/ep/<episode>``):
   or ``length``. A streamed reply sends the finished turn as OpenAI's chunks (role, content, one chunk per
   tool call, the finish, usage when asked, ``[DONE]``): the turn is sampled whole before the first chunk.
 * ``POST /v1/completions``: ``prompt`` as token ids or text, with vLLM's ``return_tokens_as_token_ids`` and
-  ``include_stop_str_in_output``: the endpoint :class:`agent.openai_backend.OpenAICompatibleLLM` speaks, so
+  ``include_stop_str_in_output``: the endpoint :class:`agent.backends.openai.OpenAICompatibleLLM` speaks, so
   the built-in loop itself can run through the proxy.
 * ``GET /v1/models``, ``GET /health`` (with the recording counters: calls, episodes, splits).
 

@@ -51,7 +51,7 @@ def run_one(mode: str, seed: int, steps: int, retriever, train, test) -> dict:
     import learning as L
     import torch
 
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from training.trainer import rl_train
 
     cfg = L.base_config(seed, "grpo", {"steps": steps, "save_every": steps, **MODES[mode]})

@@ -4,12 +4,12 @@ Randomly initialised ``Qwen2ForCausalLM`` policies of the shapes of Qwen2.5-0.5B
 below, from each model's public ``config.json``; nothing is downloaded), in bf16 with gradient checkpointing,
 with and without LoRA (peft), each measured in two phases:
 
-* **rollout**: one batched generation call of the transformers backend (:class:`agent.hf.TransformersLLM`, the
+* **rollout**: one batched generation call of the transformers backend (:class:`agent.backends.hf.TransformersLLM`, the
   one Sleuth's trainer uses by default): ``--rollout-batch`` prompts of ``--prompt-len`` random tokens, up to
   ``--new-tokens`` sampled tokens each at temperature 1 with the Search-R1 stop strings (several tokens each
   here, as with Qwen's tokenizer, so the stop-string check runs at every step). A random policy almost never
   samples a stop, so every row generates the full budget. With vLLM importable, the same prompts through
-  :class:`agent.vllm_backend.VLLMBackend` too (``--vllm auto``).
+  :class:`agent.backends.vllm.VLLMBackend` too (``--vllm auto``).
 * **update**: the masked policy-gradient update on a synthetic batch of ``--update-rows`` episodes of up to
   ``--seq-len`` tokens (a prompt, then policy turns and tool spans; loss mask from the roles), through the
   public functions the trainer uses: :func:`training.batch.micro_batches` (token budget
@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.hf import TransformersLLM
+from agent.backends.hf import TransformersLLM
 from agent.llm import SamplingParams
 from agent.trajectory import Role
 from training import kernels as K
@@ -152,7 +152,7 @@ def _peak(device: torch.device) -> dict:
 
 
 def measure_rollout(model, tok, args, device: torch.device) -> dict:
-    """One timed generation call of :class:`agent.hf.TransformersLLM` (after a short warm-up call)."""
+    """One timed generation call of :class:`agent.backends.hf.TransformersLLM` (after a short warm-up call)."""
     llm = TransformersLLM(model, tok)
     model.eval()
     g = torch.Generator().manual_seed(1)
@@ -171,9 +171,9 @@ def measure_rollout(model, tok, args, device: torch.device) -> dict:
 
 
 def measure_rollout_vllm(model, tok, args) -> dict:
-    """The same prompts through :class:`agent.vllm_backend.VLLMBackend` on the policy saved to a temporary
+    """The same prompts through :class:`agent.backends.vllm.VLLMBackend` on the policy saved to a temporary
     directory (its memory is the engine's preallocated share, ``gpu_memory_utilization``)."""
-    from agent.vllm_backend import VLLMBackend
+    from agent.backends.vllm import VLLMBackend
 
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
@@ -271,7 +271,7 @@ def run_shape(name: str, shape: dict, args, device: torch.device, dtype: torch.d
     res["update"] = _phase(measure_update, model, args, device, shape["vocab"])
     save(res)
     if args.vllm == "auto" and device.type == "cuda":
-        from agent.vllm_backend import vllm_available
+        from agent.backends.vllm import vllm_available
 
         res["rollout_vllm"] = _phase(measure_rollout_vllm, model, tok, args) if vllm_available() else "not importable"
         save(res)

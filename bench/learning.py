@@ -198,7 +198,7 @@ def prepare():
         create_tiny_policy(tiny, read_corpus(paths["corpus"]), train, TinyPolicyConfig(**TINY), seed=0)
     sft_dir = WORK / "sft"
     if not (sft_dir / "config.json").exists():
-        from agent.hf import TransformersLLM
+        from agent.backends.hf import TransformersLLM
         from agent.loop.batch import run_episodes
 
         cfg = base_config()
@@ -225,7 +225,7 @@ def prepare():
 def evaluate(model, tokenizer, retriever, examples, cfg) -> dict:
     """Greedy test EM, search calls and validity of ``model``, EM and searches per hop class, and each
     question's EM in order (``per_question``, for paired bootstrap intervals)."""
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
     from agent.loop.batch import run_episodes
 
     trajs = run_episodes(examples, TransformersLLM(model, tokenizer), retriever, cfg.agent, temperature=0.0,
@@ -246,7 +246,7 @@ def evaluate(model, tokenizer, retriever, examples, cfg) -> dict:
 def run_one(name: str, retriever, train, test, res: dict) -> None:
     import torch
 
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from training.checkpoint import latest_checkpoint
     from training.trainer import rl_train
 
@@ -291,7 +291,7 @@ def run_one(name: str, retriever, train, test, res: dict) -> None:
 
 def run_hotpot(res: dict) -> None:
     """One GRPO curve on the shipped HotpotQA sample with the quickstart's tiny policy (SFT'd by it)."""
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from corpora import read_qa
     from sleuth.config import load_config
     from sleuth.pipeline import data_paths, ensure_index, open_retriever, run_sft_stage
@@ -436,7 +436,7 @@ def main() -> int:
         return 0
     retriever, train, test = prepare()
     if "sft" not in res or "per_question" not in res.get("sft_detail", res["sft"]):
-        from agent.hf import load_model_and_tokenizer
+        from agent.backends.hf import load_model_and_tokenizer
 
         model, tok = load_model_and_tokenizer(str(WORK / "sft"), device="cpu")
         ev = evaluate(model, tok, retriever, test, base_config())

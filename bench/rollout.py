@@ -192,7 +192,7 @@ def serving_latency(llm, retriever, cfg, questions: list[str], concurrency: list
 
 
 def load_policy(model: str | None, tmp: Path):
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
     from corpora import read_corpus, read_qa, sample_paths
     from sleuth.config import load_config
     from training.policy import create_tiny_policy

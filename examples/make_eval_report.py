@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from agent.hf import TransformersLLM, load_model_and_tokenizer
+    from agent.backends.hf import TransformersLLM, load_model_and_tokenizer
     from corpora.formats import read_corpus
     from corpora.qa import read_qa
     from corpora.sample import sample_paths

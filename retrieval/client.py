@@ -302,7 +302,7 @@ def _hit(item: dict) -> Hit:
 
 def retry_after_s(value: str | None, cap_s: float = 60.0) -> float:
     """Seconds a 429/5xx answer's ``Retry-After: <seconds>`` asks the client to wait, at most ``cap_s`` (the
-    HTTP-date form, a missing header and junk read as 0). Also read by :mod:`agent.openai_backend`."""
+    HTTP-date form, a missing header and junk read as 0). Also read by :mod:`agent.backends.openai`."""
     try:
         s = float(value) if value else 0.0
     except ValueError:

@@ -88,7 +88,7 @@ def _index_or_server(cfg: Config, index_dir: str | None, method: str):
 
 def _simulated_search(cfg: Config):
     """ZeroSearch's simulated search engine (:func:`open_retriever`)."""
-    from agent.backends import make_llm
+    from agent.backends.build import make_llm
     from agent.llm import SamplingParams, complete
     from retrieval.simulated import SimulatedSearch
 
@@ -182,7 +182,7 @@ def load_llm(cfg: Config, model_path: str | Path | None = None, *, episodes: boo
     ``policy.model``, else the tiny policy (a checkpoints ``latest`` pointer loads its step folder:
     :func:`resolve_model_path`). A model that runs agent episodes (``episodes``; not a judge) must hold
     ``agent.max_total_tokens`` (:func:`check_context_length`)."""
-    from agent.backends import make_llm
+    from agent.backends.build import make_llm
 
     path = resolve_model_path(model_path or cfg.policy.model or tiny_policy_path(cfg))
     if episodes:
@@ -220,7 +220,7 @@ def answer_judge(cfg: Config):
     a = cfg.agent
     if a.judge != "llm" or not a.llm_judge.model:
         return None
-    from agent.backends import make_llm
+    from agent.backends.build import make_llm
     from agent.judges import configured_judge
 
     judge_llm = make_llm(other_model_backend(cfg), str(a.llm_judge.model), cfg.policy.dtype, cfg.policy.device,
@@ -257,7 +257,7 @@ def run_sft_stage(cfg: Config, retriever, log=print) -> Path:
 
     from tqdm import tqdm
 
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
     from corpora.formats import iter_corpus
     from training.checkpoint import commit_directory
     from training.sft import oracle_trajectories, sft_train
@@ -312,7 +312,7 @@ def held_out_evaluator(cfg: Config, tokenizer, retriever):
     import torch
 
     import eval.run as run_eval
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
 
     test = held_out_questions(cfg)
 
@@ -370,7 +370,7 @@ def run_rl_stage(cfg: Config, init_path: str | Path, retriever, resume: bool = F
     """
     from tqdm import tqdm
 
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
     from training.checkpoint import check_checkpoint, latest_checkpoint
     from training.distributed import world
     from training.trainer import rl_train
@@ -406,7 +406,7 @@ def run_rl_stage(cfg: Config, init_path: str | Path, retriever, resume: bool = F
     engines: list = []
     llm_factory = None
     if cfg.agent.backend.kind == "vllm":  # an engine on the same weights; the trainer pushes each update into it
-        from agent.backends import make_llm
+        from agent.backends.build import make_llm
 
         def llm_factory(model, tokenizer):
             engines.append(make_llm(cfg.agent.backend, str(start_from), cfg.policy.dtype, cfg.policy.device,

@@ -66,7 +66,7 @@ def tiny_policy_dir(tmp_path_factory):
 
 @pytest.fixture()
 def tiny_llm(tiny_policy_dir):
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
 
     return TransformersLLM.from_pretrained(str(tiny_policy_dir))
 

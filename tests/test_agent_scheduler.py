@@ -95,8 +95,8 @@ def test_a_failing_batch_is_retried_one_by_one_so_only_the_failing_requests_fail
 
 def test_a_global_backend_error_fails_the_batch_without_one_by_one_retries():
     # a backend that is down fails every request the same way: 256 single calls would only delay the error
+    from agent.backends.openai import BackendUnreachable
     from agent.llm import BackendUnavailable
-    from agent.openai_backend import BackendUnreachable
 
     async def main(llm):
         sched = Scheduler(llm)

@@ -1,5 +1,5 @@
 """Asynchronous rollouts with bounded staleness (training.async_rollout) and the rollout worker process
-(agent.process_llm): slow prompts are re-queued and trained on, never dropped; staleness stays within the
+(agent.backends.process): slow prompts are re-queued and trained on, never dropped; staleness stays within the
 bound; the trainer's async mode trains, verifies each push to the worker and resumes from the oldest
 question not yet trained on."""
 
@@ -103,9 +103,9 @@ def test_the_frontier_is_the_oldest_question_not_trained_on(tiny_llm, retriever)
 
 @pytest.mark.slow
 def test_the_worker_process_generates_scores_and_takes_weight_updates(tiny_policy_dir):
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
+    from agent.backends.process import ProcessLLM
     from agent.llm import BackendUnavailable
-    from agent.process_llm import ProcessLLM
     from training.weight_sync import WeightSyncError, check_tensors, probe_ids
 
     local = TransformersLLM.from_pretrained(str(tiny_policy_dir))
@@ -156,7 +156,7 @@ def test_async_training_trains_and_checks_each_push_to_the_worker(tiny_policy_di
 
 @pytest.mark.slow
 def test_async_training_resumes_from_the_oldest_question_not_trained_on(tiny_policy_dir, retriever, tmp_path):
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from training.checkpoint import latest_checkpoint
 
     model, tok = load(tiny_policy_dir)
@@ -171,7 +171,7 @@ def test_async_training_resumes_from_the_oldest_question_not_trained_on(tiny_pol
 
 
 def test_async_mode_refuses_what_it_cannot_run(tiny_policy_dir, retriever, tmp_path):
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
 
     model, tok = load(tiny_policy_dir)
     with pytest.raises(ValueError, match="holds its own weights"):  # generating on the parameters being updated

@@ -33,7 +33,7 @@ def test_multi_token_stop_string_cuts_at_the_exact_prefix(tiny_llm):
 def test_a_tokenizer_without_a_pad_token_still_batches(tiny_llm):
     """TransformersLLM(model, tokenizer) with a tokenizer that has no pad token (Llama 3, Mistral as loaded by
     AutoTokenizer) failed every batch in torch.full(..., None); the padding is masked, so any id pads it."""
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
 
     tok = tiny_llm.tokenizer
     prompts = [encode(tok, "Question: What is the capital of France?\n"), encode(tok, "Paris")]
@@ -65,7 +65,7 @@ def test_eos_is_kept_in_ids_but_not_in_text(tiny_llm):
 def test_generation_config_end_tokens_end_the_turn(tiny_llm):
     """The model's generation config may list more end tokens than the tokenizer's EOS (Qwen2.5-Instruct:
     ``<|im_end|>`` and ``<|endoftext|>``): the backend stops at each, and the loop sees the turn end there."""
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
     from agent.loop.nodes import make_context
     from sleuth.config import AgentConfig
 
@@ -128,7 +128,7 @@ def test_the_model_generation_config_does_not_change_what_is_sampled(tiny_llm):
     Greedy decoding must be the argmax of the model's own logits whatever the generation config says."""
     import torch
 
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
 
     tok, model = tiny_llm.tokenizer, tiny_llm.model
     prompt = encode(tok, "Question: capital?\n")
@@ -158,7 +158,7 @@ def test_a_model_that_cannot_be_loaded_says_how_to_allow_downloads(monkeypatch):
     'OSError' and 'HF_HUB_OFFLINE=1' and never how to let it download."""
     import pytest
 
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE=0"):
@@ -168,7 +168,7 @@ def test_a_model_that_cannot_be_loaded_says_how_to_allow_downloads(monkeypatch):
 def test_plain_sampling_passes_only_knobs_this_transformers_has(tiny_llm, monkeypatch):
     """generate() rejects keyword arguments it does not know, and the knobs switched off differ between
     transformers versions (top_h is new in 5.x): one unknown to this version must be left out, not passed."""
-    from agent import hf
+    from agent.backends import hf
 
     monkeypatch.setattr(hf, "_PLAIN_SAMPLING", {**hf._PLAIN_SAMPLING, "knob_from_a_future_release": 0})
     hf._plain_sampling.cache_clear()
@@ -188,7 +188,7 @@ def test_loads_on_a_transformers_that_names_the_dtype_torch_dtype(tiny_policy_di
     import torch
     import transformers
 
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
 
     real = transformers.AutoModelForCausalLM.from_pretrained
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from agent.backends.openai import BackendError, OpenAICompatibleLLM
 from agent.llm import SamplingParams, encode
 from agent.loop.batch import run_episodes
-from agent.openai_backend import BackendError, OpenAICompatibleLLM
 from tests.test_agent_exactness import EIFFEL, FRANCE, assert_exact
 from tests.test_agent_fakes import Recorder, ScriptLLM, ServerThread, fake_openai_completions_app
 
@@ -142,7 +142,7 @@ def test_text_only_server_that_leaves_out_the_stop_string(scripted, retriever, a
 
 
 def test_restore_stop_only_adds_what_the_server_stopped_at():
-    from agent.openai_backend import restore_stop
+    from agent.backends.openai import restore_stop
 
     stop = ("</search>", "</answer>")
     assert restore_stop("<search> q", {"finish_reason": "stop"}, stop) == "<search> q</search>"
@@ -164,7 +164,7 @@ def test_text_only_server_is_marked_inexact(scripted):
 def test_make_llm_sends_only_the_configured_api_key(tiny_policy_dir, monkeypatch):
     """agent.backend.api_key_env names the key's variable; when it is unset, $OPENAI_API_KEY must not be sent
     to agent.backend.base_url instead (another provider's server would receive the OpenAI key)."""
-    from agent.backends import make_llm
+    from agent.backends.build import make_llm
     from agent.config import BackendConfig
 
     monkeypatch.setenv("OPENAI_API_KEY", "sk-openai-secret")

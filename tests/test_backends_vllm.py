@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent.vllm_backend import vllm_available
+from agent.backends.vllm import vllm_available
 
 pytestmark = [
     pytest.mark.slow,
@@ -40,7 +40,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir):
-    from agent.vllm_backend import VLLMBackend
+    from agent.backends.vllm import VLLMBackend
 
     v = VLLMBackend(str(tiny_dir[0]), dtype="float32", max_model_len=1024)
     yield v
@@ -55,7 +55,7 @@ def _hf_logprobs(model, prompt: list[int], gen: list[int]) -> list[float]:
 
 
 def test_greedy_tokens_and_logprobs_match_transformers(engine, tiny_dir):
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
     from agent.llm import SamplingParams, encode
 
     hf = TransformersLLM.from_pretrained(str(tiny_dir[0]))
@@ -71,7 +71,7 @@ def test_sampled_logprobs_are_those_of_the_sampling_distribution(engine, tiny_di
     """At temperature T the tokens are drawn from softmax(logits / T): the logprobs a Generation reports
     (the behaviour policy's, which the trainer scores as ``Batch.temperature``) are of that distribution,
     not of the untempered logits."""
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
     from agent.llm import SamplingParams, encode
 
     hf = TransformersLLM.from_pretrained(str(tiny_dir[0]))
@@ -121,7 +121,7 @@ def test_agent_loop_on_vllm_records_exact_tokens(engine, retriever, agent_cfg):
 def test_rl_train_rolls_out_on_vllm_and_pushes_every_update(engine, tiny_dir, retriever, tmp_path):
     """The vLLM rollout path of ``sleuth train`` (agent.backend.kind=vllm): rl_train samples on the engine and
     pushes the full weights after each step, so the engine ends on exactly the trained policy."""
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from agent.llm import SamplingParams, encode
     from tests.conftest import QUESTIONS, run_rl
     from tests.test_trainer import make_cfg, varying_judge
@@ -141,7 +141,7 @@ def test_rl_train_rolls_out_on_vllm_and_pushes_every_update(engine, tiny_dir, re
 def test_probe_logprobs_are_the_engines_prompt_logprobs(engine, tiny_dir):
     """The weight-sync probe scored by the engine (vLLM's prompt log-probs) equals transformers' scoring of
     the same weights (fp32 on CPU: to ~1e-6)."""
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
     from training.weight_sync import probe_ids
 
     hf = TransformersLLM.from_pretrained(str(tiny_dir[0]))
@@ -173,7 +173,7 @@ def test_lora_training_on_vllm_checks_that_the_merged_adapters_arrive(engine, ti
     """LoRA on the vLLM rollout path: the trainer pushes the adapters merged into the base weights and the
     probe confirms the engine runs them; a push of the base weights alone (adapters not loaded) fails the
     run at the first check."""
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import QUESTIONS, run_rl
     from tests.test_trainer import make_cfg, varying_judge
     from training.weight_sync import WeightSyncError
@@ -197,7 +197,7 @@ def test_lora_training_on_vllm_checks_that_the_merged_adapters_arrive(engine, ti
 def test_async_rollouts_on_vllm_overlap_the_update_and_verify_each_push(engine, tiny_dir, retriever, tmp_path):
     """train.async_rollouts with the vLLM engine: the producer thread generates the next step's groups on the
     engine while the trainer updates; each push is verified on the probe; the rollouts are one update old."""
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import QUESTIONS, run_rl
     from tests.test_trainer import make_cfg, varying_judge
 

@@ -1,4 +1,4 @@
-""":class:`agent.vllm_backend.VLLMBackend`'s own logic over a fake ``vllm`` module (fast, no vLLM needed);
+""":class:`agent.backends.vllm.VLLMBackend`'s own logic over a fake ``vllm`` module (fast, no vLLM needed);
 the real engine is exercised in ``tests/test_backends_vllm.py`` (slow, separate venv)."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def fake_vllm(tiny_llm, monkeypatch):
 
 def install_fake_vllm(monkeypatch, engine: type) -> None:
     """Make ``import vllm`` give a module whose ``LLM`` is ``engine`` (SamplingParams and TokensPrompt as
-    plain dicts), for :class:`agent.vllm_backend.VLLMBackend` without vLLM installed."""
+    plain dicts), for :class:`agent.backends.vllm.VLLMBackend` without vLLM installed."""
     vllm = types.ModuleType("vllm")
     vllm.LLM, vllm.SamplingParams = engine, lambda **kw: kw
     inputs = types.ModuleType("vllm.inputs")
@@ -56,8 +56,8 @@ def install_fake_vllm(monkeypatch, engine: type) -> None:
 def test_weight_version_tags_the_weights_that_generated(fake_vllm):
     """A weight update that waits on the lock while a batch generates must not tag that batch with the
     new version: the tag is read under the same lock as the generation."""
+    from agent.backends.vllm import VLLMBackend
     from agent.llm import SamplingParams, encode
-    from agent.vllm_backend import VLLMBackend
 
     backend = VLLMBackend("fake")
     updated = threading.Event()
@@ -92,7 +92,7 @@ def test_weight_version_tags_the_weights_that_generated(fake_vllm):
 
 
 def test_logprobs_are_of_the_sampling_distribution_unless_overridden(fake_vllm):
-    from agent.vllm_backend import VLLMBackend
+    from agent.backends.vllm import VLLMBackend
 
     assert VLLMBackend("fake").engine.kw["logprobs_mode"] == "processed_logprobs"
     assert VLLMBackend("fake", logprobs_mode="raw_logprobs").engine.kw["logprobs_mode"] == "raw_logprobs"
@@ -101,7 +101,7 @@ def test_logprobs_are_of_the_sampling_distribution_unless_overridden(fake_vllm):
 def test_a_prefix_cache_that_cannot_be_cleared_after_an_update_is_an_error(fake_vllm):
     """vLLM's reset_prefix_cache returns False while requests remain in the engine; the update went on as if
     the cache were clear, so later rollouts could reuse KV computed with the old weights."""
-    from agent.vllm_backend import VLLMBackend
+    from agent.backends.vllm import VLLMBackend
 
     backend = VLLMBackend("fake")
     try:
@@ -122,7 +122,7 @@ def test_an_update_that_leaves_out_weights_of_the_served_model_is_refused(fake_v
     nothing reaches the engine otherwise."""
     from transformers import AutoModelForCausalLM
 
-    from agent.vllm_backend import VLLMBackend
+    from agent.backends.vllm import VLLMBackend
 
     calls = []
     fake_vllm.collective_rpc = lambda self, method, kwargs=None: calls.append(method)
@@ -145,8 +145,8 @@ def test_an_update_that_leaves_out_weights_of_the_served_model_is_refused(fake_v
 def test_close_shuts_the_engine_down_once(fake_vllm):
     """``close()`` left vLLM's engine-core process running until interpreter exit, where its shutdown logged
     to closed streams; it now shuts the engine down (once), and the backend refuses work afterwards."""
+    from agent.backends.vllm import VLLMBackend
     from agent.llm import SamplingParams
-    from agent.vllm_backend import VLLMBackend
 
     shutdowns = []
     backend = VLLMBackend("fake")
@@ -165,8 +165,8 @@ def test_each_request_gets_its_own_budget_in_one_engine_call(fake_vllm):
     """Through the scheduler's agent.llm.generate_requests, vLLM got the batch's largest max_new_tokens for
     every prompt (generating tokens that were then cut); it now takes one SamplingParams per prompt, each
     with its own budget, in one engine call."""
+    from agent.backends.vllm import VLLMBackend
     from agent.llm import SamplingParams, generate_requests
-    from agent.vllm_backend import VLLMBackend
 
     seen = []
     real = fake_vllm.generate
@@ -187,7 +187,7 @@ def test_the_probe_is_scored_from_the_engines_prompt_logprobs(fake_vllm):
     temperature 1) and reads each token's own entry (the first prompt token has none)."""
     import types
 
-    from agent.vllm_backend import VLLMBackend
+    from agent.backends.vllm import VLLMBackend
 
     asked = []
 

@@ -57,7 +57,7 @@ def test_retrieval_latency_reports_its_sample_size(rb):
 def _learning_with_a_checkpoint_at_step_10(tmp_path, monkeypatch):
     """bench/learning.py writing under ``tmp_path``, with evaluation and model loading faked, and a checkpoint
     of step 10 that ``latest_checkpoint`` finds once ``have_ckpt["v"]`` is set. Returns (module, have_ckpt)."""
-    import agent.hf
+    import agent.backends.hf
     import training.checkpoint
 
     lb = _load("learning")
@@ -65,7 +65,7 @@ def _learning_with_a_checkpoint_at_step_10(tmp_path, monkeypatch):
     monkeypatch.setattr(lb, "JSON_PATH", tmp_path / "learning.json")
     monkeypatch.setattr(lb, "RESULTS", tmp_path)
     monkeypatch.setattr(lb, "evaluate", lambda *a, **kw: {"em": 0.5, "search_calls": 1.0})
-    monkeypatch.setattr(agent.hf, "load_model_and_tokenizer", lambda *a, **kw: (None, None))
+    monkeypatch.setattr(agent.backends.hf, "load_model_and_tokenizer", lambda *a, **kw: (None, None))
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "trainer_state.json").write_text('{"step": 10}')

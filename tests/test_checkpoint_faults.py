@@ -31,7 +31,7 @@ def _save(run: Path, step: int, model, tok) -> Path:
 
 @pytest.fixture()
 def policy(tiny_policy_dir):
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
 
     return load_model_and_tokenizer(str(tiny_policy_dir), device="cpu")
 
@@ -51,7 +51,7 @@ def test_a_disk_that_fills_during_a_checkpoint_keeps_the_previous_one(disk, poli
     """``torch.save`` reported the full disk as ``RuntimeError: basic_ios::clear: iostream error`` (no path),
     and the partial checkpoint stayed on the full disk. Now the error names the checkpoint's path and the
     latest intact one, the partial files are gone, and the previous checkpoint loads."""
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
 
     model, tok = policy
     one = _save(tmp_path / "measure", 1, model, tok)

@@ -41,7 +41,7 @@ def child(policy_dir: str, index_dir: str, run_dir: str) -> None:
 
 @pytest.mark.slow
 def test_sigkill_mid_step_resumes_from_last_complete_checkpoint(tiny_policy_dir, bm25_index, retriever, tmp_path):
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import QUESTIONS, run_rl
     from tests.test_trainer import SeededLLM, load, make_cfg, varying_judge
     from training.checkpoint import latest_checkpoint

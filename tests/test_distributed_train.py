@@ -101,7 +101,7 @@ def worker(phase: str, policy_dir: str, index_dir: str, out_dir: str) -> None:
 
         model, tok = load(policy_dir)
         if resume:
-            from agent.hf import load_model_and_tokenizer
+            from agent.backends.hf import load_model_and_tokenizer
             from training.checkpoint import latest_checkpoint
 
             model, tok = load_model_and_tokenizer(str(latest_checkpoint(out / name)), device="cpu")
@@ -236,7 +236,7 @@ def ppo_worker(policy_dir: str, index_dir: str, out: Path) -> None:
     optimizer state right after the resume loaded it."""
     import training.advantages as A
     import training.run_state as RS
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from retrieval.index import load_retriever
     from tests.conftest import QUESTIONS
     from tests.test_trainer import SeededLLM, load, varying_judge
@@ -334,7 +334,7 @@ def nan_on_one_rank(rank: int, policy_dir: str, out: Path) -> None:
 
 def refill_check(rank: int, policy_dir: str, retriever, out: Path) -> None:
     """DAPO refill on 2 ranks: only the Germany questions ever get varying rewards."""
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
     from tests.conftest import QUESTIONS
     from tests.test_trainer import load
     from training.rollout import DataStream, RolloutWorker, rollout
@@ -383,7 +383,7 @@ def read_steps(out: Path, name: str, rank: int) -> list[dict]:
 @pytest.mark.slow
 def test_torchrun_train_checkpoint_resume(tiny_policy_dir, bm25_index, retriever, tmp_path):
     import training.run_state as RS
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import QUESTIONS
     from tests.test_trainer import SeededLLM, varying_judge
     from training.checkpoint import latest_checkpoint

@@ -118,7 +118,7 @@ def test_ircot_continuations_are_batched_and_each_step_keeps_its_own_budget():
 
 class TextOnlyServer:
     """An OpenAI-compatible server that returns text only and names no stop string: the "." or newline it
-    stopped at is left out (what :func:`agent.openai_backend.restore_stop` cannot put back)."""
+    stopped at is left out (what :func:`agent.backends.openai.restore_stop` cannot put back)."""
 
     def __init__(self, llm):
         self.llm, self.tokenizer = llm, llm.tokenizer

@@ -344,7 +344,7 @@ def test_models_served_over_an_openai_api_do_not_share_a_cache(tmp_path):
     backend keeps its served model name in ``model`` (a string) and has a base_url, so two served models (3B
     and 7B with one tokenizer, or two servers) got one fingerprint and the second reused the first's
     predictions when run_benchmarks was called without model_dir (the Python API, or the judge)."""
-    from agent.openai_backend import OpenAICompatibleLLM
+    from agent.backends.openai import OpenAICompatibleLLM
     from eval.cache import describe_llm
     from tests.test_eval_fakes import CharTokenizer
 

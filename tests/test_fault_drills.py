@@ -165,7 +165,7 @@ def test_openai_compatible_backend_dies_mid_training_and_returns_10_s_later(tiny
     and serves again on the same port 10 s later."""
     from fastapi.responses import JSONResponse
 
-    from agent.openai_backend import OpenAICompatibleLLM
+    from agent.backends.openai import OpenAICompatibleLLM
     from tests.test_agent_fakes import fake_openai_completions_app
 
     port = _free_port()

@@ -141,7 +141,7 @@ def test_vllm_backend_serialises_calls_from_the_judge_and_the_scheduler(tiny_llm
                     for r in done]
 
     install_fake_vllm(monkeypatch, Engine)
-    from agent.vllm_backend import VLLMBackend
+    from agent.backends.vllm import VLLMBackend
 
     backend = VLLMBackend("fake")
     prompts = {name: [encode(tok, f"{name} prompt {i}") for i in range(n)] for name, n in (("judge", 1), ("policy", 3))}

@@ -142,7 +142,7 @@ def test_read_metrics_ignores_a_torn_last_line(tmp_path):
 def test_alarm_patience_and_nonfinite_count_survive_a_resume(tiny_policy_dir, retriever, tmp_path, monkeypatch):
     """1 step + resume stops where an uninterrupted run does: the alarm's count of steps below the threshold
     (and the count of skipped non-finite steps) is checkpointed, not restarted at 0."""
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import QUESTIONS, run_rl
     from tests.test_trainer import load, make_cfg, varying_judge
     from training.checkpoint import latest_checkpoint
@@ -256,7 +256,7 @@ def test_collapse_alarm_fires_on_a_provoked_collapse(tiny_policy_dir, retriever,
     """A real collapse: the tiny policy learns the answer format from oracle trajectories (SFT), then RL with
     a reward for breaking the format at a high learning rate destroys it; the held-out format validity
     (greedy, evaluated every step) falls from its best and the collapse alarm fires and stops the run."""
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
     from agent.loop.batch import run_episodes
     from sleuth.config import SFTConfig
     from tests.conftest import PASSAGES, QUESTIONS, run_rl

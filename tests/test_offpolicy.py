@@ -133,7 +133,7 @@ class PerturbedRollouts:
     trainer's policy rates up to tens of times likelier than the copy did."""
 
     def __init__(self, model, tokenizer, noise=0.2):
-        from agent.hf import TransformersLLM
+        from agent.backends.hf import TransformersLLM
 
         noisy = copy.deepcopy(model)
         g = torch.Generator().manual_seed(0)
@@ -190,7 +190,7 @@ def test_the_cap_bounds_the_gradient_when_one_reported_logprob_is_far_off(tiny_p
     """On-policy rollouts but for one token whose reported log-prob is 15 nats too low (an engine's rounding
     of a rare token): the uncapped importance weight e^15 multiplies that token's gradient and swamps the
     update; TIS caps it at C, and the gradient stays that of the on-policy batch's order."""
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
     from agent.loop.batch import run_episodes
     from training.actor import score_logprobs, update_policy
     from training.batch import collate

@@ -130,11 +130,11 @@ def test_the_built_in_loop_through_the_proxy_is_token_identical(tiny_llm, retrie
     of the in-process backend: greedy, the trajectories equal the native ones token for token (rewards too),
     the proxy's own stitched record of each episode equals the loop's, and one policy update on either gives
     the same loss statistics and weights."""
+    from agent.backends.openai import OpenAICompatibleLLM
     from agent.llm import run_sync
     from agent.loop.batch import run_episodes
     from agent.loop.episode import run_episode
     from agent.loop.nodes import make_context
-    from agent.openai_backend import OpenAICompatibleLLM
     from corpora.formats import QAExample
 
     examples = [QAExample("q0", "What is the capital of France?", ["Paris"]),

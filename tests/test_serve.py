@@ -616,7 +616,7 @@ def test_serve_command_sets_max_inflight(monkeypatch, capsys):
     ``--max-inflight N`` sets it (uvicorn's own connection limit stays above it), and 0 is a usage error."""
     import uvicorn
 
-    import agent.backends
+    import agent.backends.build
     import agent.server
     import sleuth.commands.serve
     import sleuth.pipeline
@@ -628,7 +628,7 @@ def test_serve_command_sets_max_inflight(monkeypatch, capsys):
     monkeypatch.setattr(sleuth.pipeline, "resolve_model_path", lambda m: m)
     monkeypatch.setattr(sleuth.pipeline, "check_context_length", lambda cfg, model: None)
     monkeypatch.setattr(sleuth.pipeline, "answer_judge", lambda cfg: None)
-    monkeypatch.setattr(agent.backends, "make_llm", lambda *a, **kw: object())
+    monkeypatch.setattr(agent.backends.build, "make_llm", lambda *a, **kw: object())
     monkeypatch.setattr(agent.server, "create_app", lambda *a, limits, **kw: got.setdefault("limits", limits))
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: got.setdefault("uvicorn", kw))
     assert main(["serve", "--model", "m", "--max-inflight", "3000"]) == 0

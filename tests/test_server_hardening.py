@@ -112,7 +112,7 @@ def test_loopback_hosts_are_told_apart(host, exposed):
 def test_both_servers_warn_when_bound_beyond_loopback(bm25_index, monkeypatch, capsys):
     import uvicorn
 
-    import agent.backends
+    import agent.backends.build
     import agent.server
     import retrieval.server
     import sleuth.commands.serve
@@ -128,7 +128,7 @@ def test_both_servers_warn_when_bound_beyond_loopback(bm25_index, monkeypatch, c
     monkeypatch.setattr(sleuth.pipeline, "resolve_model_path", lambda m: m)
     monkeypatch.setattr(sleuth.pipeline, "check_context_length", lambda cfg, model: None)
     monkeypatch.setattr(sleuth.pipeline, "answer_judge", lambda cfg: None)
-    monkeypatch.setattr(agent.backends, "make_llm", lambda *a, **kw: object())
+    monkeypatch.setattr(agent.backends.build, "make_llm", lambda *a, **kw: object())
     monkeypatch.setattr(agent.server, "create_app", lambda *a, **kw: object())
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
     monkeypatch.delenv("SLEUTH_API_KEY", raising=False)

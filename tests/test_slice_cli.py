@@ -56,13 +56,13 @@ def test_ensure_index_loads_the_simulator_model_once_and_builds_no_index(tiny_po
     """With ``retrieval.method=simulated`` ``ensure_index`` loaded the simulator LLM (a vLLM engine on a GPU)
     only to throw it away, and SFT and RL each loaded their own. It now opens the simulated engine once and
     returns it for every stage; there is no index to build."""
-    import agent.backends
+    import agent.backends.build
     from retrieval.simulated import SimulatedSearch
     from sleuth.config import load_config
     from sleuth.pipeline import ensure_index
 
     built = []
-    monkeypatch.setattr(agent.backends, "make_llm", lambda *a, **k: built.append(a) or object())
+    monkeypatch.setattr(agent.backends.build, "make_llm", lambda *a, **k: built.append(a) or object())
     sim = ensure_index(load_config(None, ["retrieval.method=simulated", f"policy.model={tiny_policy_dir}",
                                           f"out_dir={tmp_path}", f"retrieval.index_dir={tmp_path / 'index'}"]))
     assert isinstance(sim, SimulatedSearch) and len(built) == 1
@@ -178,9 +178,9 @@ def test_overrides_may_follow_options_anywhere(monkeypatch):
 
 
 def test_serve_reports_a_missing_index_before_loading_the_model(tmp_path, capsys, monkeypatch):
-    import agent.backends
+    import agent.backends.build
 
-    monkeypatch.setattr(agent.backends, "make_llm", lambda *a, **kw: pytest.fail("model loaded before the index"))
+    monkeypatch.setattr(agent.backends.build, "make_llm", lambda *a, **kw: pytest.fail("model loaded before the index"))
     code = main(["serve", f"retrieval.index_dir={tmp_path / 'nope'}", f"out_dir={tmp_path}",
                  "policy.model=" + str(tmp_path / "no-model")])
     assert code == 2 and "sleuth index --corpus" in capsys.readouterr().err
@@ -457,7 +457,7 @@ def test_llm_judge_model_judges_the_training_episodes(tiny_policy_dir, tiny_llm,
     """``agent.llm_judge.model`` was read nowhere: with ``agent.judge=llm`` the policy always judged its own
     answers. The configured model now judges (built on ``agent.backend``), and ``sleuth train`` hands that
     judge to the trainer; without the key there is no separate judge."""
-    import agent.backends
+    import agent.backends.build
     import training.trainer
     from agent.llm import Generation, encode
     from agent.trajectory import Trajectory
@@ -477,7 +477,7 @@ def test_llm_judge_model_judges_the_training_episodes(tiny_policy_dir, tiny_llm,
         built.append(path)
         return JudgeLLM()
 
-    monkeypatch.setattr(agent.backends, "make_llm", fake_make_llm)
+    monkeypatch.setattr(agent.backends.build, "make_llm", fake_make_llm)
     over = ["agent.judge=llm", f"out_dir={tmp_path}", "train.steps=1"]
     assert pipeline.answer_judge(load_config(None, over)) is None  # no model: make_context's policy judge
     cfg = load_config(None, [*over, "agent.llm_judge.model=judges/big"])
@@ -558,11 +558,11 @@ def test_an_episode_budget_beyond_the_models_context_is_refused_before_loading(t
     """``agent.max_total_tokens`` above the model's context (``max_position_embeddings``) let episodes run
     past the positions the model was trained on (transformers: silently degraded output; vLLM: an error in
     the middle of a rollout). It is a ValueError naming both numbers before the model is loaded."""
-    import agent.backends
+    import agent.backends.build
     from sleuth import pipeline
     from sleuth.config import load_config
 
-    monkeypatch.setattr(agent.backends, "make_llm", lambda *a, **k: "loaded")
+    monkeypatch.setattr(agent.backends.build, "make_llm", lambda *a, **k: "loaded")
     cfg = load_config(None, [f"out_dir={tmp_path}", "agent.max_total_tokens=4096"])
     with pytest.raises(ValueError, match="agent.max_total_tokens=4096.*1024"):
         pipeline.load_llm(cfg, tiny_policy_dir)  # the fixture policy has 1,024 positions
@@ -587,10 +587,10 @@ def test_sft_trains_in_process_under_any_rollout_backend(tiny_data, bm25_index, 
     """With agent.backend.kind=openai (or vllm) the SFT stage built that backend and handed its ``model`` (the
     served model's name, or no attribute at all) to the trainer: 'str' object has no attribute 'parameters'.
     SFT trains the weights in-process, so it loads them with transformers whatever the rollout backend."""
-    import agent.backends
+    import agent.backends.build
     from sleuth import pipeline
 
-    monkeypatch.setattr(agent.backends, "make_llm", lambda *a, **k: pytest.fail("SFT built the rollout backend"))
+    monkeypatch.setattr(agent.backends.build, "make_llm", lambda *a, **k: pytest.fail("SFT built the rollout backend"))
     cfg = _run_cfg(tiny_data, bm25_index, tmp_path, f"policy.model={tiny_policy_dir}", "sft.epochs=1",
                    "agent.backend.kind=openai", "agent.max_new_tokens=8", "agent.max_total_tokens=256")
     out = pipeline.run_sft_stage(cfg, pipeline.open_retriever(cfg), log=lambda *a, **k: None)
@@ -606,7 +606,7 @@ def test_train_eval_every_evaluates_the_held_out_questions(tiny_data, bm25_index
     import torch
 
     import training.trainer
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
     from sleuth import pipeline
 
     seen = {}
@@ -630,12 +630,12 @@ def test_judge_and_simulator_models_are_asked_under_their_own_names(tmp_path, mo
     eval --judge-model) and the simulator (agent.simulator.model) were built on agent.backend as it is, so
     their requests named the policy's model: the policy judged and simulated in their place. They are now
     asked under their own model's name."""
-    import agent.backends
+    import agent.backends.build
     from sleuth import pipeline
     from sleuth.config import load_config
 
     built = []
-    monkeypatch.setattr(agent.backends, "make_llm",
+    monkeypatch.setattr(agent.backends.build, "make_llm",
                         lambda backend, path, *a, **k: built.append((backend, path)) or object())
     cfg = load_config(None, [f"out_dir={tmp_path}", "agent.backend.kind=openai", "agent.backend.model=policy-served",
                              "agent.judge=llm", "agent.llm_judge.model=judges/big", "retrieval.method=simulated",
@@ -656,7 +656,7 @@ def test_rl_rollouts_run_on_the_configured_backend(tiny_data, bm25_index, tiny_p
     and its in-place weight updates were never used). vllm now builds the rollout backend from the weights
     the trainer starts from (the trainer pushes each update into it); openai, a server whose weights the
     trainer cannot update, is a ValueError naming the setting before anything is loaded."""
-    import agent.backends
+    import agent.backends.build
     import training.trainer
     from sleuth import pipeline
 
@@ -675,7 +675,7 @@ def test_rl_rollouts_run_on_the_configured_backend(tiny_data, bm25_index, tiny_p
         if kw["llm_factory"] is not None:
             seen["engine"] = kw["llm_factory"](object(), object())
 
-    monkeypatch.setattr(agent.backends, "make_llm", make_llm)
+    monkeypatch.setattr(agent.backends.build, "make_llm", make_llm)
     monkeypatch.setattr(training.trainer, "rl_train", fake_rl_train)
     quiet = lambda *a, **k: None
     pipeline.run_rl_stage(_run_cfg(tiny_data, bm25_index, tmp_path / "t"), tiny_policy_dir, None, log=quiet)
@@ -697,7 +697,7 @@ def test_rl_rollouts_run_on_the_configured_backend(tiny_data, bm25_index, tiny_p
 def test_ask_scores_with_the_configured_llm_judge(tiny_policy_dir, tmp_path, monkeypatch, capsys):
     """`sleuth ask --answer A` with agent.judge=llm and agent.llm_judge.model=M printed the policy's own verdict
     on its answer (run_episodes got no judge), unlike sleuth serve and training; M now judges."""
-    import agent.backends
+    import agent.backends.build
     from agent.llm import Generation, encode
     from sleuth import pipeline
 
@@ -709,7 +709,7 @@ def test_ask_scores_with_the_configured_llm_judge(tiny_policy_dir, tmp_path, mon
             self.asked.extend(prompts)
             return [Generation(encode(self.tokenizer, "VERDICT: correct"), "VERDICT: correct", "stop") for _ in prompts]
 
-    real = agent.backends.make_llm
+    real = agent.backends.build.make_llm
     judges = []
 
     def make_llm(backend, path, *a, **k):
@@ -719,7 +719,7 @@ def test_ask_scores_with_the_configured_llm_judge(tiny_policy_dir, tmp_path, mon
             return judges[-1]
         return llm
 
-    monkeypatch.setattr(agent.backends, "make_llm", make_llm)
+    monkeypatch.setattr(agent.backends.build, "make_llm", make_llm)
     monkeypatch.setattr(pipeline, "open_retriever", lambda cfg, index=None: None)
     assert main(["ask", "Where is Paris?", "--answer", "France", "--json", f"out_dir={tmp_path}",
                  f"policy.model={tiny_policy_dir}", "agent.judge=llm", "agent.llm_judge.model=judges/big",
@@ -798,7 +798,7 @@ def test_a_port_out_of_range_is_a_usage_error(command, port, capsys):
 def test_a_checkpoints_latest_pointer_is_a_model_path(tmp_path, monkeypatch):
     """`sleuth ask/eval/serve --model RUN/grpo/checkpoints/latest` failed with "cannot load model ...: OSError":
     `latest` is the pointer file naming the last complete step_* folder; it loads that folder now."""
-    import agent.backends
+    import agent.backends.build
     from sleuth import pipeline
     from sleuth.config import load_config
 
@@ -806,7 +806,7 @@ def test_a_checkpoints_latest_pointer_is_a_model_path(tmp_path, monkeypatch):
     (ckpts / "step_000002").mkdir(parents=True)
     (ckpts / "latest").write_text("step_000002")
     built = []
-    monkeypatch.setattr(agent.backends, "make_llm", lambda backend, path, *a, **k: built.append(path))
+    monkeypatch.setattr(agent.backends.build, "make_llm", lambda backend, path, *a, **k: built.append(path))
     cfg = load_config(None, [f"out_dir={tmp_path}"])
     pipeline.load_llm(cfg, str(ckpts / "latest"))
     pipeline.load_llm(cfg, "Qwen/Qwen2.5-3B-Instruct")  # a hub id is left as it is
@@ -828,12 +828,12 @@ def test_a_retrieval_server_that_is_down_stops_eval_before_it_runs(tmp_path, mon
     start now, before the model loads, and the error says to start one."""
     import socket
 
-    import agent.backends
+    import agent.backends.build
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # free once closed: nothing listens there
-    monkeypatch.setattr(agent.backends, "make_llm", lambda *a, **k: pytest.fail("model loaded before the server check"))
+    monkeypatch.setattr(agent.backends.build, "make_llm", lambda *a, **k: pytest.fail("model loaded before the server check"))
     qa = tmp_path / "qa.jsonl"
     qa.write_text('{"id": "q1", "question": "Who?", "golden_answers": ["x"]}\n')
     code = main(["eval", "--qa", str(qa), "--out", str(tmp_path / "ev"), f"retrieval.url=http://127.0.0.1:{port}",
@@ -849,11 +849,11 @@ def test_a_retrieval_server_that_accepts_but_never_answers_fails_the_start_quick
     import socket
     import time
 
-    import agent.backends
+    import agent.backends.build
     import sleuth.pipeline as P
 
     monkeypatch.setattr(P, "HEALTH_PROBE_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(agent.backends, "make_llm", lambda *a, **k: pytest.fail("model loaded before the server check"))
+    monkeypatch.setattr(agent.backends.build, "make_llm", lambda *a, **k: pytest.fail("model loaded before the server check"))
     qa = tmp_path / "qa.jsonl"
     qa.write_text('{"id": "q1", "question": "Who?", "golden_answers": ["x"]}\n')
     with socket.socket() as hung:  # listens (connections complete in the backlog) and never reads or answers
@@ -905,7 +905,7 @@ def test_a_missing_question_does_not_call_the_overrides_required(capsys):
 def test_training_starts_from_a_checkpoints_latest_pointer(tmp_path, monkeypatch):
     """policy.model=RUN/grpo/checkpoints/latest (train from an earlier run) reached from_pretrained as the
     pointer file; SFT and training start from the step folder it names."""
-    from agent import hf
+    from agent.backends import hf
     from sleuth import pipeline
     from sleuth.config import load_config
 

@@ -164,7 +164,7 @@ def test_sft_non_finite_gradient_raises_before_any_weight_moves(tiny_llm, retrie
 
 
 def test_interrupted_run_resumes_from_last_checkpoint(tiny_policy_dir, retriever, tmp_path):
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
     from training.checkpoint import latest_checkpoint
 
     over = ["train.steps=2", "train.save_every=1", "train.questions_per_step=2", "train.group_size=2",

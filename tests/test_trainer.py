@@ -28,7 +28,7 @@ class SeededLLM:
     compare parameters exactly."""
 
     def __init__(self, model, tokenizer):
-        from agent.hf import TransformersLLM
+        from agent.backends.hf import TransformersLLM
 
         self.inner = TransformersLLM(model, tokenizer)
         self.model, self.tokenizer = model, tokenizer
@@ -59,7 +59,7 @@ def make_cfg(*overrides):
 
 
 def load(tiny_policy_dir):
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
 
     torch.set_num_threads(1)
     return load_model_and_tokenizer(str(tiny_policy_dir), device="cpu")
@@ -97,7 +97,7 @@ def test_every_estimator_moves_the_weights(algo, extra, tiny_policy_dir, retriev
 
 def test_token_budget_micro_batches_equal_one_full_batch(tiny_policy_dir, retriever):
     """Gradient accumulation over length-sorted micro-batches (padding trimmed) == one full-batch step."""
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
     from agent.loop.batch import run_episodes
     from training.actor import update_policy
     from training.batch import collate, micro_batches
@@ -129,7 +129,7 @@ def test_token_budget_micro_batches_equal_one_full_batch(tiny_policy_dir, retrie
 def test_resume_is_exact(extra, tiny_policy_dir, retriever, tmp_path):
     """3 steps straight == 2 steps + resume from the checkpoint + 1 step (same weights, same data); with PPO
     the critic and its optimizer state are restored too (the critic's weights after step 3 are equal)."""
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import run_rl
     from training.checkpoint import latest_checkpoint, read_extra
 
@@ -168,7 +168,7 @@ def test_resume_rewrites_the_sample_trajectories_of_redone_steps(tiny_policy_dir
     record and its sample trajectories are written once, not twice."""
     import shutil
 
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import run_rl
     from training.checkpoint import latest_checkpoint
 
@@ -384,7 +384,7 @@ def test_a_nonfinite_later_ppo_epoch_still_pushes_the_epochs_that_stepped(tiny_p
 
 
 def test_dynamic_sampling_drops_flat_groups_and_refills(tiny_policy_dir, retriever):
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
     from training.rollout import DataStream, RolloutWorker, rollout
 
     def judge(traj):  # only the Berlin question ever gets varying rewards
@@ -631,7 +631,7 @@ def test_resume_loads_a_sharded_reference_model(tiny_policy_dir, retriever, tmp_
     import shutil
 
     import training.trainer as TR
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from training.checkpoint import latest_checkpoint
 
     cfg = make_cfg("train.steps=1", "train.kl_coef=0.1")
@@ -666,7 +666,7 @@ def test_resume_rewrites_best_lost_by_a_kill_inside_save_best(tiny_policy_dir, r
     checkpoints/best, and since the checkpoint already recorded the best metric, no later step rewrote it:
     the resumed run must rebuild best from the checkpoint that set that metric."""
     import training.run_state as RS
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from training.checkpoint import latest_checkpoint
 
     def killed(run_dir, ckpt, metric):
@@ -748,7 +748,7 @@ def test_resume_takes_the_learning_rate_of_the_config(tiny_policy_dir, retriever
     """`sleuth train --resume train.lr=1e-5` (the README's example): the restored optimizer and scheduler
     state carried the old run's lr, so the new train.lr was silently ignored; the config's lr now applies
     (warm-up position kept), with a warning that it changed."""
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import run_rl
     from training.checkpoint import latest_checkpoint
 
@@ -771,7 +771,7 @@ def test_resume_restores_the_rng_after_building_the_rollout_backend(tiny_policy_
     import random
 
     import training.run_state as RS
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from training.checkpoint import latest_checkpoint
 
     draws: list[float] = []
@@ -848,7 +848,7 @@ def test_the_leftovers_of_a_checkpoint_write_killed_midway_are_removed(tiny_poli
     state: gigabytes), and save_best's killed copy .tmp_best_<pid> / .old_best; no later run removed them,
     since each process only clears its own pid's. The run holding the directory now removes them at its start,
     and the complete checkpoints stay."""
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import run_rl
     from training.checkpoint import latest_checkpoint
 
@@ -870,7 +870,7 @@ def test_resuming_with_lora_switched_is_refused_naming_it(first, then, tiny_poli
     """``--resume train.lora=...`` the other way than the checkpoint's run failed deep in torch ('Missing optimizer
     state for parameter ...lora_A...'), naming neither train.lora nor what to do; it is now a ValueError that
     does, raised before anything is written."""
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import run_rl
     from training.checkpoint import latest_checkpoint
 

@@ -15,7 +15,7 @@ peft = pytest.importorskip("peft")
 def test_lora_trains_adapters_and_resumes_exactly(tiny_policy_dir, retriever, tmp_path):
     from safetensors.torch import load_file
 
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import run_rl
     from training.checkpoint import latest_checkpoint
 
@@ -45,7 +45,7 @@ def test_lora_trains_adapters_and_resumes_exactly(tiny_policy_dir, retriever, tm
 
 
 def test_gradient_checkpointing_gives_the_same_update(tiny_policy_dir, retriever):
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
     from agent.loop.batch import run_episodes
     from training.actor import update_policy
     from training.batch import collate
@@ -120,7 +120,7 @@ def test_a_rollout_backend_with_its_own_weights_gets_the_merged_lora_policy(tiny
     dict: ``base_layer``/``lora_A`` names that the engine cannot load, so it kept rolling out the initial
     weights (vLLM warned) or stopped. It now gets the merged weights under the base model's names, equal to
     the merged checkpoint."""
-    from agent.hf import load_model_and_tokenizer
+    from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import run_rl
     from training.checkpoint import latest_checkpoint
 

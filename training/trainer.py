@@ -232,14 +232,14 @@ def rollout_side(state: RunState, tc: Any, agent_cfg: Any, tokenizer: Any, retri
                  judge: Any, llm_factory: Callable[[Any, Any], Any] | None, seed: int,
                  stack: contextlib.ExitStack) -> RolloutWorker:
     """The rollout backend and its :class:`training.rollout.RolloutWorker`: ``llm_factory(model, tokenizer)``,
-    by default :class:`agent.hf.TransformersLLM` on the trainer's own model, or with ``tc.async_rollouts`` a
-    worker process on a copy (:class:`agent.process_llm.ProcessLLM`, closed by ``stack``; the backend must
+    by default :class:`agent.backends.hf.TransformersLLM` on the trainer's own model, or with ``tc.async_rollouts`` a
+    worker process on a copy (:class:`agent.backends.process.ProcessLLM`, closed by ``stack``; the backend must
     hold its own weights: ``ValueError`` for one that generates on the parameters being updated)."""
+    from agent.backends.hf import TransformersLLM
     from agent.external import runner_for
-    from agent.hf import TransformersLLM
 
     if tc.async_rollouts and llm_factory is None:
-        from agent.process_llm import ProcessLLM
+        from agent.backends.process import ProcessLLM
 
         llm = ProcessLLM(rollout_copy(state.policy, tc.lora), tokenizer, threads=torch.get_num_threads(),
                          seed=seed + 1)
@@ -300,7 +300,7 @@ def rl_train(
     loaded from it by the caller; LoRA adapters, critic, optimizer, scheduler, RNG and data position are
     restored here, :mod:`training.run_state`).
 
-    ``llm_factory(model, tokenizer)`` builds the rollout backend (default: :class:`agent.hf.TransformersLLM`
+    ``llm_factory(model, tokenizer)`` builds the rollout backend (default: :class:`agent.backends.hf.TransformersLLM`
     on the same model object, so no weight sync is needed); after each update a backend holding its own
     weights (vLLM) gets them through ``sync_weights(llm, state)`` or ``llm.update_weights``.
     ``evaluate(model) -> {"em": ...}`` runs every ``tc.eval_every`` steps (logged as ``eval_*``; the best

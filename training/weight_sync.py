@@ -7,7 +7,7 @@ copy may skip a key; the rollouts then come from a stale or different policy, wh
 off-policy drift or plain staleness and is hard to tell from either. So each push is checked:
 
 * an **in-process copy** (the full rollout copy under FSDP2, the shared-memory model of
-  :class:`agent.process_llm.ProcessLLM`) is compared tensor by tensor with the weights pushed
+  :class:`agent.backends.process.ProcessLLM`) is compared tensor by tensor with the weights pushed
   (:func:`check_tensors`): a mismatch names the parameters;
 * an **engine** that holds its own weights (vLLM, a rollout process) scores a fixed probe sequence
   (:data:`PROBE_TEXT`) through its ``probe_logprobs(ids)`` and the trainer scores it with its own model
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from agent.hf import sequence_logprobs
+from agent.backends.hf import sequence_logprobs
 
 #: the probe sequence (tokenised with the policy's tokenizer, at most :data:`PROBE_MAX_TOKENS` tokens)
 PROBE_TEXT = ("Question: Which city is the capital of France, and who designed its tower?\n"
@@ -66,7 +66,7 @@ def check_tensors(model: Any, state: dict[str, torch.Tensor], what: str = "the r
 
 def check_engine(llm: Any, model: Any, ids: list[int], tol: float) -> dict[str, float]:
     """Score the probe ``ids`` on the engine (``llm.probe_logprobs(ids)``) and with the trainer's ``model``
-    (:func:`agent.hf.sequence_logprobs`); returns ``{"sync/probe_lp_diff_mean": ..., "sync/probe_lp_diff_max": ...}``
+    (:func:`agent.backends.hf.sequence_logprobs`); returns ``{"sync/probe_lp_diff_mean": ..., "sync/probe_lp_diff_max": ...}``
     (nats). Raises :class:`WeightSyncError` naming the probe when the mean difference exceeds ``tol`` or the
     engine returns another number of log-probs."""
     got = [float(x) for x in llm.probe_logprobs(ids)]

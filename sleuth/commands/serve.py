@@ -50,7 +50,7 @@ def _positive_seconds(value: str) -> float:
 def run(args) -> int:
     import uvicorn
 
-    from agent.backends import make_llm
+    from agent.backends.build import make_llm
     from agent.external import runner_for
     from agent.server import ServeLimits, create_app
     from sleuth.pipeline import (

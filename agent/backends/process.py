@@ -3,11 +3,11 @@
 Asynchronous training generates the next step's rollouts while the trainer updates the policy. In one
 Python process the two compete for the interpreter lock (a tiny policy's generation and update are mostly
 Python; on a 2-core CPU, overlapping them in threads took as long as running them one after the other), so
-:class:`ProcessLLM` runs :class:`agent.hf.TransformersLLM` in a spawned process of its own, on a copy of the
+:class:`ProcessLLM` runs :class:`agent.backends.hf.TransformersLLM` in a spawned process of its own, on a copy of the
 model whose tensors live in shared memory (``torch.multiprocessing``; on a GPU, CUDA IPC): the worker reads
 them, the trainer writes them (:meth:`ProcessLLM.update_weights`, between generate calls), so a push costs
 one in-place copy and no serialisation. It implements :class:`agent.llm.LLM` plus ``update_weights`` and
-``probe_logprobs``, the interface vLLM's backend offers the trainer (:mod:`agent.vllm_backend`).
+``probe_logprobs``, the interface vLLM's backend offers the trainer (:mod:`agent.backends.vllm`).
 
 Scripts that construct one need the ``if __name__ == "__main__":`` guard (the worker is spawned).
 """
@@ -28,7 +28,7 @@ from agent.llm import BackendUnavailable, Generation, SamplingParams
 def _serve(conn: Any, model: Any, tokenizer: Any, threads: int, seed: int) -> None:
     """The worker: answer ``("generate", (prompts, params))`` and ``("probe", ids)`` requests on ``conn``
     with ``("ok", result)`` or ``("error", exception)``, until ``None`` arrives or the pipe closes."""
-    from agent.hf import TransformersLLM
+    from agent.backends.hf import TransformersLLM
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -106,7 +106,7 @@ class ProcessLLM:
             return self._recv(), self.weight_version
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """One continuation per prompt, sampled by the worker (see :meth:`agent.hf.TransformersLLM.generate`;
+        """One continuation per prompt, sampled by the worker (see :meth:`agent.backends.hf.TransformersLLM.generate`;
         its log-probs are the behaviour policy's)."""
         if not prompts:
             return []

@@ -17,11 +17,11 @@ def make_llm(backend_cfg: Any, model_path: str, dtype: str = "float32", device: 
     """
     kind = backend_cfg.kind
     if kind == "transformers":
-        from agent.hf import TransformersLLM
+        from agent.backends.hf import TransformersLLM
 
         return TransformersLLM.from_pretrained(str(model_path), dtype, device)
     if kind == "vllm":
-        from agent.vllm_backend import VLLMBackend
+        from agent.backends.vllm import VLLMBackend
 
         return VLLMBackend(str(model_path), dtype=dtype, seed=seed,
                            gpu_memory_utilization=backend_cfg.gpu_memory_utilization,
@@ -29,7 +29,7 @@ def make_llm(backend_cfg: Any, model_path: str, dtype: str = "float32", device: 
     if kind == "openai":
         from transformers import AutoTokenizer
 
-        from agent.openai_backend import OpenAICompatibleLLM
+        from agent.backends.openai import OpenAICompatibleLLM
 
         try:
             tok = AutoTokenizer.from_pretrained(str(model_path))

@@ -1,0 +1,1 @@
+"""LLM backends behind agent.llm.LLM: transformers, vLLM, an OpenAI-compatible server, a worker process."""
