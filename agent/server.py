@@ -65,7 +65,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent.chat_params import MAX_N, ChatParams
-from agent.external import merged
+from agent.external.runner import merged
 from agent.judges import Judge, rule_judge
 from agent.llm import LLM
 from agent.loop.episode import EventSink, run_episode
@@ -394,7 +394,7 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
                limits: ServeLimits | None = None, judge: Judge | None = None, external: Any = None) -> FastAPI:
     """Build the app around one policy backend and one retriever (see the module docstring). ``judge``
     scores answers sent with golden answers (default: :func:`agent.loop.nodes.make_context`'s, from
-    ``agent_cfg.judge``). ``external`` (an :class:`agent.external.ExternalRunner`, ``agent.kind: external``)
+    ``agent_cfg.judge``). ``external`` (an :class:`agent.external.runner.ExternalRunner`, ``agent.kind: external``)
     answers with the external agent instead of the built-in loop: its own tools search, so a request's
     ``top_k`` and ``max_turns`` other than the server's own are refused (422), its temperature does not apply,
     a stream carries no turn or search events, and the evidence is empty."""

@@ -425,7 +425,7 @@ def evaluate_agent(llm: Any, retriever: Any, examples: list[QAExample], agent_cf
     (seconds per question) and errors (episodes that stopped on an error, e.g. a failed search, scored 0;
     the error is in each one's ``metadata["error"]``). ``run_episodes``: the agent to run, with
     :func:`agent.loop.batch.run_episodes`'s signature (default: that loop; an external agent's
-    :meth:`agent.external.ExternalRunner.loop_episodes`)."""
+    :meth:`agent.external.runner.ExternalRunner.loop_episodes`)."""
     from agent.judges import rule_judge
 
     if run_episodes is None:

@@ -317,7 +317,7 @@ def held_out_evaluator(cfg: Config, tokenizer, retriever):
     test = held_out_questions(cfg)
 
     def evaluate(model) -> dict[str, float]:
-        from agent.external import runner_for
+        from agent.external.runner import runner_for
 
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
         llm = TransformersLLM(model, tokenizer)

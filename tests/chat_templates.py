@@ -15,7 +15,7 @@ The templates, written here for the tiny test tokenizer (no download), with tool
 
 from __future__ import annotations
 
-from agent.chat_template import CHATML_HEAD, CHATML_TOOL_RESULT, CHATML_TOOLS
+from agent.external.chat_template import CHATML_HEAD, CHATML_TOOL_RESULT, CHATML_TOOLS
 from agent.llm import Generation, decode, encode
 
 __all__ = ["CHATML_TOOLS", "FAMILIES", "LLAMA3_TOOLS", "QWEN3_TOOLS", "Recording", "ScriptedSampler"]

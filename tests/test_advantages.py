@@ -180,7 +180,7 @@ def test_outcome_advantages_under_torchrun_equal_one_process_on_the_whole_batch(
 
 def test_an_episode_split_into_several_sequences_counts_once_in_its_group():
     """An external agent's episode whose chat template rewrote history becomes several training sequences
-    (agent.stitch), each with the episode's reward. GRPO compared every sequence as an episode, so a split
+    (agent.external.stitch), each with the episode's reward. GRPO compared every sequence as an episode, so a split
     episode weighed as many times as it had sequences: here rows (1, 1, 0) gave (0.58, 0.58, -1.15)."""
     from agent.trajectory import Trajectory
 

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from agent.external import ExternalRunner, final_answer, load_entry
+from agent.external.runner import ExternalRunner, final_answer, load_entry
 from corpora.formats import QAExample
 from tests.chat_templates import CALLS, CHATML_TOOLS, Recording, ScriptedSampler
 from tests.test_proxy_templates import assert_every_trained_token_was_sampled
@@ -105,9 +105,9 @@ def test_entry_points_and_answers():
 
 
 def test_a_tokenizer_without_a_chat_template_renders_with_sleuths_chatml(tiny_llm, react, cfg):
-    """The tiny policy Sleuth builds has no chat template: the proxy renders with agent.chat_template's ChatML
+    """The tiny policy Sleuth builds has no chat template: the proxy renders with agent.external.chat_template's ChatML
     (tools and tool calls included), so the ReAct example trains on it as on an instruct model."""
-    from agent.chat_template import CHATML_TOOLS
+    from agent.external.chat_template import CHATML_TOOLS
     from agent.llm import decode
 
     tiny_llm.tokenizer.chat_template = None

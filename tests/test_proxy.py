@@ -9,9 +9,9 @@ import json
 import httpx2
 import pytest
 
+from agent.external.proxy import Proxy, ProxyLimits, ProxyServer, ProxySettings
 from agent.llm import encode
 from agent.protocols.function_call import SEARCH_TOOL
-from agent.proxy import Proxy, ProxyLimits, ProxyServer, ProxySettings
 from agent.trajectory import Role
 from tests.chat_templates import CALLS, CHATML_TOOLS, Recording, ScriptedSampler
 

@@ -13,10 +13,10 @@ import math
 
 import pytest
 
+from agent.external.proxy import Proxy, ProxyServer, ProxySettings
 from agent.llm import decode
 from agent.protocols.base import format_docs
 from agent.protocols.function_call import SEARCH_TOOL
-from agent.proxy import Proxy, ProxyServer, ProxySettings
 from agent.trajectory import Role
 from tests.chat_templates import CALLS, FAMILIES, Recording, ScriptedSampler
 

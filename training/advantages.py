@@ -364,7 +364,7 @@ def register_outcome_adv_est(name: str, *, groups: bool = True, replace: bool = 
 
 def episode_rows(trajs: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """For a batch where some episodes were split into several training sequences (an external agent whose
-    chat template rewrote history: ``metadata["episode"]`` and ``["segments"] > 1``, :mod:`agent.stitch`):
+    chat template rewrote history: ``metadata["episode"]`` and ``["segments"] > 1``, :mod:`agent.external.stitch`):
     ``(inverse [N], first [E])``, each row's episode among the ``E`` distinct episodes and each episode's
     first row; ``None`` when every row is a whole episode. Episodes are told apart by (group, episode id)."""
     keys: list[tuple] = []

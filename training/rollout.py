@@ -61,13 +61,13 @@ class RolloutWorker:
     agent: Any
     top_k: int
     judge: Any = None
-    external: Any = None  # an agent.external.ExternalRunner: agent.kind=external
+    external: Any = None  # an agent.external.runner.ExternalRunner: agent.kind=external
     retry_waits: tuple[float, ...] | None = None
 
     def episodes(self, questions: list[QAExample], n: int) -> list[Trajectory]:
         """``n`` episodes per question, grouped by question (group id = its index); episodes that failed on
         a retrieval server or backend that went away are run again (:func:`training.faults.run_episodes_retrying`).
-        An external agent's episodes run over its proxy (:class:`agent.external.ExternalRunner`, failed ones
+        An external agent's episodes run over its proxy (:class:`agent.external.runner.ExternalRunner`, failed ones
         run again there); one that a chat template split is several sequences of its group."""
         if self.external is not None:
             return self.external.run_episodes(questions, n, self.judge)

@@ -236,7 +236,7 @@ def rollout_side(state: RunState, tc: Any, agent_cfg: Any, tokenizer: Any, retri
     worker process on a copy (:class:`agent.backends.process.ProcessLLM`, closed by ``stack``; the backend must
     hold its own weights: ``ValueError`` for one that generates on the parameters being updated)."""
     from agent.backends.hf import TransformersLLM
-    from agent.external import runner_for
+    from agent.external.runner import runner_for
 
     if tc.async_rollouts and llm_factory is None:
         from agent.backends.process import ProcessLLM
@@ -306,7 +306,7 @@ def rl_train(
     ``evaluate(model) -> {"em": ...}`` runs every ``tc.eval_every`` steps (logged as ``eval_*``; the best
     ``eval_em`` checkpoint is kept in ``checkpoints/best``). ``judge`` overrides the agent config's judge.
     With ``agent.kind: external`` the episodes are the ``agent.entry`` function's, run over a training proxy
-    in front of the rollout backend (:func:`agent.external.runner_for`; ``proxy_calls`` / ``proxy_splits``
+    in front of the rollout backend (:func:`agent.external.runner.runner_for`; ``proxy_calls`` / ``proxy_splits``
     logged per step).
     A non-finite loss skips the step; after ``tc.max_nonfinite_steps`` such steps the run stops
     (``RuntimeError``). Health alarms (``train.alarm_*``) warn or stop the run. Returns a summary dict.

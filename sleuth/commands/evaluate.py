@@ -56,7 +56,7 @@ def run(args) -> int:
             other_model_config(cfg), judge_model, episodes=False)  # a judge reads one answer, not an episode
     external = None
     if args.method == "agent" and cfg.agent.kind == "external":  # its episodes over a proxy of the policy
-        from agent.external import runner_for
+        from agent.external.runner import runner_for
         from sleuth.pipeline import external_agent_env
 
         external_agent_env(cfg, args.index)

@@ -51,7 +51,7 @@ def run(args) -> int:
     import uvicorn
 
     from agent.backends.build import make_llm
-    from agent.external import runner_for
+    from agent.external.runner import runner_for
     from agent.server import ServeLimits, create_app
     from sleuth.pipeline import (
         answer_judge,

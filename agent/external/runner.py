@@ -3,9 +3,9 @@
 An external agent is an async function ``agent(question: str, base_url: str) -> str`` (named
 ``module:function``, :func:`load_entry`): it talks to "the model" at ``base_url`` with any OpenAI-compatible
 client (LangChain's ``ChatOpenAI``, the ``openai`` package) and returns its answer. :class:`ExternalRunner`
-serves the policy backend through a :class:`agent.proxy.Proxy` on 127.0.0.1, hands each episode its own base
+serves the policy backend through a :class:`agent.external.proxy.Proxy` on 127.0.0.1, hands each episode its own base
 URL (``.../ep/<episode>/v1``), and turns what the proxy recorded into the same
-:class:`~agent.trajectory.Trajectory` records the built-in loop writes (:mod:`agent.stitch`), judged by the
+:class:`~agent.trajectory.Trajectory` records the built-in loop writes (:mod:`agent.external.stitch`), judged by the
 same judge (:func:`agent.judges.rule_judge` by default, or the configured one) with the answer the agent
 returned, grouped as :func:`agent.loop.batch.run_episodes` groups them. An episode the template split gives
 several sequences of one episode (``metadata["episode"]``/``["segment"]``), each with the episode's reward.
@@ -23,10 +23,10 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, Self
 
-from agent.judges import Judge, rule_judge
+from agent.external.proxy import Proxy, ProxyServer, ProxySettings
+from agent.judges import Judge, configured_judge, rule_judge
 from agent.llm import LLM, run_sync
 from agent.metrics import rule_verdict
-from agent.proxy import Proxy, ProxyServer, ProxySettings
 from agent.trajectory import Trajectory
 from corpora.formats import QAExample
 
@@ -67,8 +67,6 @@ def runner_for(llm: LLM, agent_cfg: Any, judge: Judge | None = None,
     if not agent_cfg.entry:
         raise ValueError("agent.kind=external needs agent.entry=module:function, an async function (question, "
                          "base_url) -> answer (e.g. examples.react_agent:answer)")
-    from agent.judges import configured_judge
-
     return ExternalRunner(llm, load_entry(agent_cfg.entry), agent_cfg, temperature=temperature,
                           judge=judge or configured_judge(agent_cfg, llm), timeout_s=agent_cfg.external_timeout_s)
 
