@@ -159,7 +159,8 @@ def overhead_line(o: dict, turns: int) -> str:
 def serving_latency(llm, retriever, cfg, questions: list[str], concurrency: list[int], per_client: int, top_k: int) -> dict:
     import httpx2
 
-    from agent.server import ServeLimits, create_app
+    from agent.serve.app import create_app
+    from agent.serve.service import ServeLimits
     from tests.test_agent_fakes import ServerThread
 
     out = {}

@@ -1,7 +1,7 @@
 """Make ``docs/serve_page.png``: the page of ``sleuth serve`` answering a HotpotQA question of the shipped
 sample, in headless Chromium (Debian's ``chromium``; Playwright's Python package drives it).
 
-The server is the real app (:func:`agent.server.create_app`) over a BM25 index of the sample corpus; the
+The server is the real app (:func:`agent.serve.app.create_app`) over a BM25 index of the sample corpus; the
 policy is scripted (the three turns below, in the Search-R1 format a trained model writes), so the picture
 shows the page rather than what an untrained tiny model would say. Run from the repository root:
 
@@ -57,7 +57,7 @@ def main() -> None:
     from playwright.sync_api import sync_playwright
     from transformers import AutoTokenizer
 
-    from agent.server import create_app
+    from agent.serve.app import create_app
     from corpora.formats import read_corpus
     from retrieval.index import build_index, load_retriever
     from sleuth.config import AgentConfig, TinyPolicyConfig

@@ -161,7 +161,7 @@ def test_sleuth_serve_answers_with_the_external_agent(tiny_llm, react, cfg, retr
     when golden answers come with the question); the built-in loop is not run."""
     import httpx2
 
-    from agent.server import create_app
+    from agent.serve.app import create_app
     from tests.test_agent_fakes import ServerThread
 
     tiny_llm.tokenizer.chat_template = CHATML_TOOLS

@@ -11,7 +11,8 @@ import httpx2
 import pytest
 
 from agent.llm import Generation
-from agent.server import ServeLimits, create_app
+from agent.serve.app import create_app
+from agent.serve.service import ServeLimits
 from tests.test_agent_fakes import ScriptLLM, ServerThread
 
 SCRIPTS = {"capital of France": ["<search> capital of France </search>", "<answer> Paris </answer>"],
@@ -617,7 +618,7 @@ def test_serve_command_sets_max_inflight(monkeypatch, capsys):
     import uvicorn
 
     import agent.backends.build
-    import agent.server
+    import agent.serve.app
     import sleuth.commands.serve
     import sleuth.pipeline
     from sleuth.cli import main
@@ -629,7 +630,7 @@ def test_serve_command_sets_max_inflight(monkeypatch, capsys):
     monkeypatch.setattr(sleuth.pipeline, "check_context_length", lambda cfg, model: None)
     monkeypatch.setattr(sleuth.pipeline, "answer_judge", lambda cfg: None)
     monkeypatch.setattr(agent.backends.build, "make_llm", lambda *a, **kw: object())
-    monkeypatch.setattr(agent.server, "create_app", lambda *a, limits, **kw: got.setdefault("limits", limits))
+    monkeypatch.setattr(agent.serve.app, "create_app", lambda *a, limits, **kw: got.setdefault("limits", limits))
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: got.setdefault("uvicorn", kw))
     assert main(["serve", "--model", "m", "--max-inflight", "3000"]) == 0
     assert got["limits"].max_inflight == 3000 and got["uvicorn"]["limit_concurrency"] > 3000

@@ -10,7 +10,8 @@ import json
 import httpx2
 import pytest
 
-from agent.server import ServeLimits, create_app
+from agent.serve.app import create_app
+from agent.serve.service import ServeLimits
 from tests.test_agent_fakes import ScriptLLM, ServerThread
 from tests.test_serve import SCRIPTS, _sse
 

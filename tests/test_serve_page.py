@@ -329,7 +329,7 @@ def test_the_page_and_its_files_need_no_key_and_forbid_inline_script(sleuth_serv
 
 def test_the_script_never_writes_html():
     """Every text the page shows goes through textContent; no API that parses HTML appears in its script."""
-    js = (Path(__file__).parents[1] / "agent" / "static" / "app.js").read_text()
+    js = (Path(__file__).parents[1] / "agent" / "serve" / "static" / "app.js").read_text()
     for api in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "DOMParser", "eval(",
                 "new Function"):
         assert api not in js, api

@@ -21,7 +21,7 @@ NESTED = [b"[" * 100_000 + b"]" * 100_000, b'{"queries": ' + b"[" * 50_000 + b"]
 class LogRecords(logging.Handler):
     """Collects the records of the loggers a server writes its errors to (uvicorn's, the apps')."""
 
-    NAMES = ("uvicorn", "uvicorn.error", "uvicorn.access", "retrieval.server", "agent.server", "fastapi")
+    NAMES = ("uvicorn", "uvicorn.error", "uvicorn.access", "retrieval.server", "agent.serve.app", "fastapi")
 
     def __init__(self):
         super().__init__(logging.DEBUG)
@@ -90,7 +90,7 @@ def test_retrieval_api_key_guards_retrieve_and_the_client_sends_it(retriever, mo
 
 def test_agent_server_with_an_empty_api_key_is_open(tiny_llm, retriever, agent_cfg):
     """`sleuth serve --api-key ""` refused every request, although an empty key is documented as open."""
-    from agent.server import create_app as agent_app
+    from agent.serve.app import create_app as agent_app
     from tests.test_agent_fakes import ServerThread
     from tests.test_serve import SCRIPTS, ScriptLLM
 
@@ -113,7 +113,7 @@ def test_both_servers_warn_when_bound_beyond_loopback(bm25_index, monkeypatch, c
     import uvicorn
 
     import agent.backends.build
-    import agent.server
+    import agent.serve.app
     import retrieval.server
     import sleuth.commands.serve
     import sleuth.commands.serve_retrieval
@@ -129,7 +129,7 @@ def test_both_servers_warn_when_bound_beyond_loopback(bm25_index, monkeypatch, c
     monkeypatch.setattr(sleuth.pipeline, "check_context_length", lambda cfg, model: None)
     monkeypatch.setattr(sleuth.pipeline, "answer_judge", lambda cfg: None)
     monkeypatch.setattr(agent.backends.build, "make_llm", lambda *a, **kw: object())
-    monkeypatch.setattr(agent.server, "create_app", lambda *a, **kw: object())
+    monkeypatch.setattr(agent.serve.app, "create_app", lambda *a, **kw: object())
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
     monkeypatch.delenv("SLEUTH_API_KEY", raising=False)
     monkeypatch.delenv("SLEUTH_RETRIEVAL_API_KEY", raising=False)
@@ -259,7 +259,7 @@ class AnswerLLM:
 
 
 def test_fuzzed_agent_requests_never_get_a_5xx_or_a_traceback(tiny_llm, retriever, agent_cfg):
-    from agent.server import create_app as agent_app
+    from agent.serve.app import create_app as agent_app
     from tests.test_agent_fakes import ServerThread
 
     app = agent_app(AnswerLLM(tiny_llm.tokenizer), retriever, agent_cfg, api_key="k")

@@ -52,7 +52,8 @@ def run(args) -> int:
 
     from agent.backends.build import make_llm
     from agent.external.runner import runner_for
-    from agent.server import ServeLimits, create_app
+    from agent.serve.app import create_app
+    from agent.serve.service import ServeLimits
     from sleuth.pipeline import (
         answer_judge,
         check_context_length,

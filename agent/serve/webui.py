@@ -1,8 +1,8 @@
 """The browser page of ``sleuth serve``: ``GET /`` and its script and style sheet, shipped in the package
-(``agent/static``: plain HTML, CSS and JavaScript, no build step and no CDN, so a server with no internet
+(``agent/serve/static``: plain HTML, CSS and JavaScript, no build step and no CDN, so a server with no internet
 serves it whole).
 
-The page asks its question over the streaming ``/v1/chat/completions`` (see :mod:`agent.server`) and shows
+The page asks its question over the streaming ``/v1/chat/completions`` (see :mod:`agent.serve.app`) and shows
 each turn's reasoning, each search with its passages, the answer, its evidence and any verdict as they
 arrive; a stop button (or Escape) aborts the request, which cancels the episode on the server. Everything
 retrieved or generated is put on the page as text (``textContent``), never parsed as HTML: corpora come
@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 
 PAGE_FILES = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
               "style.css": "text/css; charset=utf-8"}
-"""The page's files in ``agent/static`` and their media types; ``index.html`` is ``GET /``, the others
+"""The page's files in ``agent/serve/static`` and their media types; ``index.html`` is ``GET /``, the others
 ``GET /static/<name>``."""
 
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
@@ -38,7 +38,7 @@ HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", 
 def page_files() -> dict[str, bytes]:
     """The bytes of each of :data:`PAGE_FILES`, read from the installed package. Raises
     ``FileNotFoundError`` when one is missing (a package built without its package data)."""
-    root = resources.files("agent") / "static"
+    root = resources.files("agent.serve") / "static"
     return {name: (root / name).read_bytes() for name in PAGE_FILES}
 
 

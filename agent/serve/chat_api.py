@@ -1,6 +1,6 @@
-"""``POST /v1/chat/completions`` of ``sleuth serve`` (:mod:`agent.server`): the OpenAI-compatible route, a
+"""``POST /v1/chat/completions`` of ``sleuth serve`` (:mod:`agent.serve.app`): the OpenAI-compatible route, a
 whole agent episode per choice, answered at once or streamed turn by turn as server-sent events (the
-module docstring of :mod:`agent.server` gives the events; :mod:`agent.chat_params` the request fields)."""
+module docstring of :mod:`agent.serve.app` gives the events; :mod:`agent.serve.chat_params` the request fields)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from typing import Any
 
 from fastapi import Request
 
-from agent.chat_params import ChatParams, ParamError, parse_chat_params
-from agent.server import AgentService, HTTPError, SlotStream
+from agent.serve.chat_params import ChatParams, ParamError, parse_chat_params
+from agent.serve.service import AgentService, HTTPError, SlotStream
 from agent.trajectory import Trajectory
 
 
 def chat_question(msgs: Any) -> Any:
     """The question of a chat request: the last user message's content (its text parts joined), or a 422
-    :class:`agent.server.HTTPError` for messages that are not a non-empty list with a user message."""
+    :class:`agent.serve.service.HTTPError` for messages that are not a non-empty list with a user message."""
     if not isinstance(msgs, list) or not msgs:
         raise HTTPError(422, "messages must be a non-empty list")
     user = [m for m in msgs if isinstance(m, dict) and m.get("role") == "user"]
