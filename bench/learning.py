@@ -247,7 +247,7 @@ def run_one(name: str, retriever, train, test, res: dict) -> None:
     import torch
 
     from agent.backends.hf import load_model_and_tokenizer
-    from training.checkpoint import latest_checkpoint
+    from training.infra.checkpoint import latest_checkpoint
     from training.trainer import rl_train
 
     algorithm, seed, extra = run_spec(name)
@@ -295,7 +295,7 @@ def run_hotpot(res: dict) -> None:
     from corpora import read_qa
     from sleuth.config import load_config
     from sleuth.pipeline import data_paths, ensure_index, open_retriever, run_sft_stage
-    from training.checkpoint import latest_checkpoint
+    from training.infra.checkpoint import latest_checkpoint
     from training.trainer import rl_train
 
     out_dir = WORK / "hotpot"

@@ -250,7 +250,7 @@ def run_sft_stage(cfg: Config, retriever, log=print) -> Path:
     model directory (``<out_dir>/sft``, written under a temporary name and renamed), reusing it when it
     already exists.
 
-    One process: under torchrun run it on rank 0 only (``training.distributed.run_on_rank0``, as
+    One process: under torchrun run it on rank 0 only (``training.infra.distributed.run_on_rank0``, as
     ``sleuth train`` does); the other ranks then load the directory it returns. The weights are trained
     in-process, so they are loaded with transformers whatever ``agent.backend.kind`` is."""
     import shutil
@@ -259,7 +259,7 @@ def run_sft_stage(cfg: Config, retriever, log=print) -> Path:
 
     from agent.backends.hf import TransformersLLM
     from corpora.formats import iter_corpus
-    from training.checkpoint import commit_directory
+    from training.infra.checkpoint import commit_directory
     from training.sft import oracle_trajectories, sft_train
 
     out = Path(cfg.out_dir) / "sft"
@@ -365,14 +365,14 @@ def run_rl_stage(cfg: Config, init_path: str | Path, retriever, resume: bool = F
     on a file system all ranks see): each loads the same weights, :func:`training.trainer.rl_train` shards
     them, and only rank 0 shows progress and logs. Raises ``ValueError`` if the run directory already has
     checkpoints and ``resume`` is False (so a new run never overwrites an old one), and
-    :class:`training.checkpoint.CorruptCheckpointError` (a ``ValueError`` naming the previous checkpoint) if its
+    :class:`training.infra.checkpoint.CorruptCheckpointError` (a ``ValueError`` naming the previous checkpoint) if its
     latest checkpoint is damaged; ``resume`` on a run with no checkpoint yet starts at step 0 and logs so.
     """
     from tqdm import tqdm
 
     from agent.backends.hf import TransformersLLM
-    from training.checkpoint import check_checkpoint, latest_checkpoint
-    from training.distributed import world
+    from training.infra.checkpoint import check_checkpoint, latest_checkpoint
+    from training.infra.distributed import world
     from training.trainer import rl_train
 
     check_rollout_backend(cfg)

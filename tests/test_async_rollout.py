@@ -157,7 +157,7 @@ def test_async_training_trains_and_checks_each_push_to_the_worker(tiny_policy_di
 @pytest.mark.slow
 def test_async_training_resumes_from_the_oldest_question_not_trained_on(tiny_policy_dir, retriever, tmp_path):
     from agent.backends.hf import load_model_and_tokenizer
-    from training.checkpoint import latest_checkpoint
+    from training.infra.checkpoint import latest_checkpoint
 
     model, tok = load(tiny_policy_dir)
     run_rl(make_cfg("train.steps=3", "train.async_rollouts=true", "train.save_every=3"), model, tok, retriever,

@@ -58,7 +58,7 @@ def _learning_with_a_checkpoint_at_step_10(tmp_path, monkeypatch):
     """bench/learning.py writing under ``tmp_path``, with evaluation and model loading faked, and a checkpoint
     of step 10 that ``latest_checkpoint`` finds once ``have_ckpt["v"]`` is set. Returns (module, have_ckpt)."""
     import agent.backends.hf
-    import training.checkpoint
+    import training.infra.checkpoint
 
     lb = _load("learning")
     monkeypatch.setattr(lb, "WORK", tmp_path / "work")
@@ -70,7 +70,7 @@ def _learning_with_a_checkpoint_at_step_10(tmp_path, monkeypatch):
     ckpt.mkdir()
     (ckpt / "trainer_state.json").write_text('{"step": 10}')
     have_ckpt = {"v": False}
-    monkeypatch.setattr(training.checkpoint, "latest_checkpoint", lambda d: ckpt if have_ckpt["v"] else None)
+    monkeypatch.setattr(training.infra.checkpoint, "latest_checkpoint", lambda d: ckpt if have_ckpt["v"] else None)
     return lb, have_ckpt
 
 

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from training.checkpoint import latest_checkpoint, load_trainer_state, save_best, save_checkpoint
+from training.infra.checkpoint import latest_checkpoint, load_trainer_state, save_best, save_checkpoint
 
 
 class Saveable:
@@ -67,8 +67,8 @@ def test_latest_ignores_incomplete_directories(tmp_path):
 def test_full_optimizer_state_and_per_rank_rng(tmp_path):
     """The name-keyed optimizer state (optimizer.pt) restores AdamW exactly into a fresh optimizer; each rank
     gets its own RNG states back, and another world size falls back to rank 0's (+ a per-rank seed)."""
-    from training.checkpoint import load_optimizer_state, rng_state
-    from training.distributed import full_optimizer_state, load_full_optimizer_state
+    from training.infra.checkpoint import load_optimizer_state, rng_state
+    from training.infra.distributed import full_optimizer_state, load_full_optimizer_state
 
     lin = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
     opt = torch.optim.AdamW(lin.parameters(), lr=0.1)
@@ -170,7 +170,7 @@ def test_commit_directory_replaces_the_old_directory_whole(tmp_path):
     """The KL reference and the SFT model are written under a temporary name and moved into place by
     ``commit_directory`` (flushed first): an existing directory is replaced whole, the temporary name is gone.
     The SFT stage used ``rename``, which fails on a non-empty leftover directory of the same name."""
-    from training.checkpoint import commit_directory
+    from training.infra.checkpoint import commit_directory
 
     final, tmp = tmp_path / "sft", tmp_path / "sft.tmp"
     final.mkdir()

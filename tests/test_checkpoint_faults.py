@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.checkpoint import (
+from training.infra.checkpoint import (
     CheckpointWriteError,
     CorruptCheckpointError,
     check_checkpoint,

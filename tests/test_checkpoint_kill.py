@@ -44,7 +44,7 @@ def test_sigkill_mid_step_resumes_from_last_complete_checkpoint(tiny_policy_dir,
     from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import QUESTIONS, run_rl
     from tests.test_trainer import SeededLLM, load, make_cfg, varying_judge
-    from training.checkpoint import latest_checkpoint
+    from training.infra.checkpoint import latest_checkpoint
 
     run = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

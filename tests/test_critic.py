@@ -27,7 +27,7 @@ def _tiny():
 def test_value_model_refuses_a_sharded_policy(shared):
     from training.actor import LogprobModule
     from training.critic import ValueModel
-    from training.distributed import shard
+    from training.infra.distributed import shard
 
     # no test leaves a process group behind (rl_train destroys its own); a leaked one is a failure, not a skip
     assert not dist.is_initialized(), "a process group leaked from an earlier test"

@@ -11,7 +11,7 @@ on rank 0 fails rank 1 too, and a rank that never arrives makes the others time 
 
 As a script (run by torchrun): ``python tests/test_distributed_train.py PHASE POLICY_DIR INDEX_DIR OUT`` with
 PHASE ``train`` (the refill check, then a 3-step run, a 2-step run and a 2-step LoRA run), ``resume`` or
-``failure``. Each rank writes a ``done`` marker after :func:`training.distributed.shutdown` returns: a
+``failure``. Each rank writes a ``done`` marker after :func:`training.infra.distributed.shutdown` returns: a
 non-zero exit *after* every rank wrote it is a known abort of gloo's teardown and only warns;
 a missing marker or any mismatch fails.
 """
@@ -58,7 +58,7 @@ def worker(phase: str, policy_dir: str, index_dir: str, out_dir: str) -> None:
     from retrieval.index import load_retriever
     from tests.conftest import QUESTIONS
     from tests.test_trainer import SeededLLM, load, varying_judge
-    from training import distributed as D
+    from training.infra import distributed as D
 
     out = Path(out_dir)
     if phase == "failure":
@@ -102,7 +102,7 @@ def worker(phase: str, policy_dir: str, index_dir: str, out_dir: str) -> None:
         model, tok = load(policy_dir)
         if resume:
             from agent.backends.hf import load_model_and_tokenizer
-            from training.checkpoint import latest_checkpoint
+            from training.infra.checkpoint import latest_checkpoint
 
             model, tok = load_model_and_tokenizer(str(latest_checkpoint(out / name)), device="cpu")
         run_rl(cfg_for(steps, "train.dynamic_sampling=true", *extra), model, tok, retriever, QUESTIONS, out / name,
@@ -127,7 +127,7 @@ def failure_worker(out: Path) -> None:
     arrives and rank 0 times out."""
     import time
 
-    from training import distributed as D
+    from training.infra import distributed as D
 
     rank, _W = D.init_from_env("gloo", timeout_s=3)
 
@@ -164,7 +164,7 @@ def extras_worker(policy_dir: str, index_dir: str, out: Path) -> None:
     from retrieval.index import load_retriever
     from tests.conftest import QUESTIONS
     from tests.test_trainer import SeededLLM, load, varying_judge
-    from training import distributed as D
+    from training.infra import distributed as D
 
     rank, _W = D.init_from_env("gloo", timeout_s=10)
     torch.set_num_threads(1)
@@ -240,8 +240,8 @@ def ppo_worker(policy_dir: str, index_dir: str, out: Path) -> None:
     from retrieval.index import load_retriever
     from tests.conftest import QUESTIONS
     from tests.test_trainer import SeededLLM, load, varying_judge
-    from training import distributed as D
-    from training.checkpoint import latest_checkpoint
+    from training.infra import distributed as D
+    from training.infra.checkpoint import latest_checkpoint
 
     rank, _W = D.init_from_env("gloo", timeout_s=120)
     torch.set_num_threads(1)
@@ -306,8 +306,8 @@ def nan_on_one_rank(rank: int, policy_dir: str, out: Path) -> None:
     """A non-finite loss on rank 1 only: both ranks skip the step (FloatingPointError), none hangs."""
     import training.kernels as K
     from tests.test_fsdp import build, train_cfg
-    from training import distributed as D
     from training.actor import LogprobModule, update_policy
+    from training.infra import distributed as D
 
     model, batch = build()
     fwd = D.shard(LogprobModule(model))
@@ -386,7 +386,7 @@ def test_torchrun_train_checkpoint_resume(tiny_policy_dir, bm25_index, retriever
     from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import QUESTIONS
     from tests.test_trainer import SeededLLM, varying_judge
-    from training.checkpoint import latest_checkpoint
+    from training.infra.checkpoint import latest_checkpoint
 
     out = tmp_path
     torchrun("train", tiny_policy_dir, bm25_index, out)
@@ -443,7 +443,7 @@ def test_torchrun_train_checkpoint_resume(tiny_policy_dir, bm25_index, retriever
 
     def recorded_load(module, optimizer, state):
         real_load(module, optimizer, state)
-        from training.distributed import full_optimizer_state
+        from training.infra.distributed import full_optimizer_state
 
         seen.update(copy.deepcopy(full_optimizer_state(module, optimizer)))  # one process: live tensors
 
@@ -513,7 +513,7 @@ def test_a_failing_or_missing_rank_does_not_hang_the_others(tmp_path):
 
 
 def test_merged_stop_rates_count_ranks_without_the_reason_as_zero():
-    from training.monitors import merge_rank_records
+    from training.trainer import merge_rank_records
 
     a = ({"reward": 1.0, "stop/answer": 1.0}, 4)  # rank 0: every episode answered
     b = ({"reward": 0.0, "stop/max_turns": 1.0}, 4)  # rank 1: every episode ran out of turns
@@ -562,7 +562,7 @@ def test_a_bad_collective_timeout_is_refused_with_its_name(monkeypatch, env, arg
     before any process group exists."""
     import torch.distributed as dist
 
-    from training.distributed import init_from_env
+    from training.infra.distributed import init_from_env
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     if env is None:

@@ -126,7 +126,7 @@ def test_rollout_retry_waits_are_validated_and_default_to_the_module_schedule():
 
 
 def test_rank_records_sum_the_fault_counts():
-    from training.monitors import merge_rank_records
+    from training.trainer import merge_rank_records
 
     rec = merge_rank_records([({"rollout_errors": 3.0, "rollout_dropped": 1.0, "reward": 1.0}, 4),
                               ({"rollout_errors": 2.0, "rollout_dropped": 0.0, "reward": 0.0}, 4)], set())

@@ -1,7 +1,7 @@
 """FSDP2 on CPU: two gloo processes (torchrun) each updating on half the batch produce the same parameters
 after a step as one process on the whole batch, for the policy and for PPO's separate value model (sharded
-on its own, :func:`training.distributed.shard_value_model`). The ranks split their halves by a token budget into
-different numbers of micro-batches (2 and 3), which :func:`training.distributed.pad_micro_batches` evens out.
+on its own, :func:`training.infra.distributed.shard_value_model`). The ranks split their halves by a token budget into
+different numbers of micro-batches (2 and 3), which :func:`training.infra.distributed.pad_micro_batches` evens out.
 
 Run as a script by torchrun (the worker); as a test it computes the one-process reference in-process and
 compares. The worker ends with a barrier before ``destroy_process_group`` (a gloo teardown abort was seen
@@ -82,8 +82,8 @@ def reference_params() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]
 
 
 def worker(out: str) -> None:
-    from training import distributed as D
     from training.actor import LogprobModule, update_policy
+    from training.infra import distributed as D
 
     rank, W = D.init_from_env("gloo")
     torch.set_num_threads(1)

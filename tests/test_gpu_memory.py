@@ -132,7 +132,7 @@ GIB = 1024**3
 
 def _fake_cuda(monkeypatch, devices: dict[int, tuple[float, float, float]]):
     """CUDA devices as ``{index: (total GiB, free GiB, reserved by this process's torch GiB)}``."""
-    import training.gpu_health as gh
+    import training.infra.gpu_health as gh
 
     cuda = gh.torch.cuda
     monkeypatch.setattr(cuda, "is_available", lambda: True)
@@ -168,7 +168,7 @@ def test_gpu_memory_check_reads_only_its_own_device_under_torchrun(monkeypatch, 
 
 
 def test_gpu_memory_check_is_silent_without_cuda_and_checks_its_threshold(monkeypatch, capsys, recwarn):
-    import training.gpu_health as gh
+    import training.infra.gpu_health as gh
 
     monkeypatch.setattr(gh.torch.cuda, "is_available", lambda: False)
     assert gh.check_gpu_memory() == [] and capsys.readouterr().err == "" and len(recwarn) == 0
@@ -182,7 +182,7 @@ def test_gpu_memory_check_on_a_real_device():
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from training.gpu_health import check_gpu_memory
+    from training.infra.gpu_health import check_gpu_memory
 
     x = torch.empty(256 * 1024**2, dtype=torch.uint8, device="cuda")  # 256 MiB of this run's own
     (r,) = check_gpu_memory([torch.cuda.current_device()], min_free=0.0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from agent.trajectory import Trajectory, Turn
-from training.monitors import (
+from training.infra.monitors import (
     Alarms,
     degeneracy_score,
     health_stats,
@@ -145,7 +145,7 @@ def test_alarm_patience_and_nonfinite_count_survive_a_resume(tiny_policy_dir, re
     from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import QUESTIONS, run_rl
     from tests.test_trainer import load, make_cfg, varying_judge
-    from training.checkpoint import latest_checkpoint
+    from training.infra.checkpoint import latest_checkpoint
 
     over = ("train.alarm_min_entropy=100", "train.alarm_patience=2", "train.alarm_action=stop")
     model, tok = load(tiny_policy_dir)
@@ -232,7 +232,7 @@ def test_collapse_alarm_fires_when_the_held_out_metric_falls_below_its_best():
 
 
 def test_dashboard_marks_plateau_and_collapse_alarms(tmp_path):
-    from training.monitors import alarm_kind
+    from training.infra.monitors import alarm_kind
 
     recs = [{"step": s, "reward": 0.5, "search_calls/hops=1": 2.0, "search_calls/hops=2": 2.0, "em/hops=1": 0.8,
              "em/hops=2": 0.1, "alarm/hop_search_spread": 0.0, "alarm/hop_em_spread": 0.7,

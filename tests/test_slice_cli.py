@@ -933,7 +933,7 @@ def test_a_second_training_in_a_running_out_dir_is_refused_before_it_writes(comm
     sft.tmp) and the evaluations before rl_train's lock refused it. The command now holds out_dir for its
     whole length and refuses at once, in one line (exit status 2), not with a traceback."""
     from sleuth import pipeline
-    from training.checkpoint import run_dir_lock
+    from training.infra.checkpoint import run_dir_lock
 
     monkeypatch.setattr(pipeline, "ensure_index", lambda *a, **k: pytest.fail("built the index"))
     monkeypatch.setattr(pipeline, "run_rl_stage", lambda *a, **k: pytest.fail("trained"))

@@ -165,7 +165,7 @@ def test_sft_non_finite_gradient_raises_before_any_weight_moves(tiny_llm, retrie
 
 def test_interrupted_run_resumes_from_last_checkpoint(tiny_policy_dir, retriever, tmp_path):
     from agent.backends.hf import TransformersLLM
-    from training.checkpoint import latest_checkpoint
+    from training.infra.checkpoint import latest_checkpoint
 
     over = ["train.steps=2", "train.save_every=1", "train.questions_per_step=2", "train.group_size=2",
             "agent.max_new_tokens=12", "agent.max_turns=2", "agent.max_total_tokens=256"]

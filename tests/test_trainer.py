@@ -131,7 +131,7 @@ def test_resume_is_exact(extra, tiny_policy_dir, retriever, tmp_path):
     the critic and its optimizer state are restored too (the critic's weights after step 3 are equal)."""
     from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import run_rl
-    from training.checkpoint import latest_checkpoint, read_extra
+    from training.infra.checkpoint import latest_checkpoint, read_extra
 
     cfg3 = make_cfg("train.steps=3", "train.warmup_steps=2", *extra)
     model, tok = load(tiny_policy_dir)
@@ -170,7 +170,7 @@ def test_resume_rewrites_the_sample_trajectories_of_redone_steps(tiny_policy_dir
 
     from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import run_rl
-    from training.checkpoint import latest_checkpoint
+    from training.infra.checkpoint import latest_checkpoint
 
     cfg = make_cfg("train.steps=2")
     model, tok = load(tiny_policy_dir)
@@ -192,7 +192,7 @@ def _step_of(rec):
 def test_drop_steps_after_keeps_unicode_line_separators_inside_records(tmp_path):
     """save_trajectories writes ensure_ascii=False, so a document with U+2028 / U+0085 (common in Wikipedia
     text) is a raw character inside one JSONL record; the resume trim must not split the record there."""
-    from training.monitors import drop_steps_after
+    from training.infra.monitors import drop_steps_after
 
     path = tmp_path / "trajectories.jsonl"
     recs = [{"metadata": {"step": s}, "text": f"a\u2028b\x85c\u2029 {s}"} for s in (1, 2, 3)]
@@ -204,7 +204,7 @@ def test_drop_steps_after_keeps_unicode_line_separators_inside_records(tmp_path)
 def test_drop_steps_after_drops_a_torn_last_line(tmp_path):
     """A run killed while appending a record leaves a last line without its newline: resuming drops it
     (with a warning) instead of failing; a broken line that is not the last one still raises."""
-    from training.monitors import drop_steps_after
+    from training.infra.monitors import drop_steps_after
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "rew', encoding="utf-8")
@@ -220,7 +220,7 @@ def test_drop_steps_after_keeps_the_file_when_interrupted_while_rewriting(tmp_pa
     """The rewrite goes to a temporary file renamed into place: a kill during it leaves the old records."""
     import pathlib
 
-    from training.monitors import drop_steps_after
+    from training.infra.monitors import drop_steps_after
 
     path = tmp_path / "metrics.jsonl"
     before = '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
@@ -632,7 +632,7 @@ def test_resume_loads_a_sharded_reference_model(tiny_policy_dir, retriever, tmp_
 
     import training.trainer as TR
     from agent.backends.hf import load_model_and_tokenizer
-    from training.checkpoint import latest_checkpoint
+    from training.infra.checkpoint import latest_checkpoint
 
     cfg = make_cfg("train.steps=1", "train.kl_coef=0.1")
     model, tok = load(tiny_policy_dir)
@@ -667,7 +667,7 @@ def test_resume_rewrites_best_lost_by_a_kill_inside_save_best(tiny_policy_dir, r
     the resumed run must rebuild best from the checkpoint that set that metric."""
     import training.run_state as RS
     from agent.backends.hf import load_model_and_tokenizer
-    from training.checkpoint import latest_checkpoint
+    from training.infra.checkpoint import latest_checkpoint
 
     def killed(run_dir, ckpt, metric):
         raise KeyboardInterrupt  # the process dies inside save_best, before best is in place
@@ -750,7 +750,7 @@ def test_resume_takes_the_learning_rate_of_the_config(tiny_policy_dir, retriever
     (warm-up position kept), with a warning that it changed."""
     from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import run_rl
-    from training.checkpoint import latest_checkpoint
+    from training.infra.checkpoint import latest_checkpoint
 
     model, tok = load(tiny_policy_dir)
     run_rl(make_cfg("train.steps=1"), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
@@ -772,7 +772,7 @@ def test_resume_restores_the_rng_after_building_the_rollout_backend(tiny_policy_
 
     import training.run_state as RS
     from agent.backends.hf import load_model_and_tokenizer
-    from training.checkpoint import latest_checkpoint
+    from training.infra.checkpoint import latest_checkpoint
 
     draws: list[float] = []
 
@@ -807,7 +807,7 @@ def test_a_second_training_on_the_same_run_directory_is_refused(tiny_policy_dir,
     (say, a scheduler requeues a job whose first copy still runs). While a run holds the directory, another
     ``rl_train`` on it raises before writing anything; once the holder ends, the directory is free again."""
     from tests.conftest import run_rl
-    from training.checkpoint import run_dir_lock
+    from training.infra.checkpoint import run_dir_lock
 
     model, tok = load(tiny_policy_dir)
     with run_dir_lock(tmp_path):  # another process's run, as far as flock is concerned (its own descriptor)
@@ -826,7 +826,7 @@ def test_a_fresh_start_replaces_the_reference_of_an_earlier_unfinished_run(tiny_
     stale reference on disk, and once resumed, compared its KL with the earlier run's model. A fresh start now
     saves its own initial policy as the reference."""
     from tests.conftest import run_rl
-    from training.checkpoint import load_pretrained_weights
+    from training.infra.checkpoint import load_pretrained_weights
 
     other, _ = load(tiny_policy_dir)
     with torch.no_grad():
@@ -850,7 +850,7 @@ def test_the_leftovers_of_a_checkpoint_write_killed_midway_are_removed(tiny_poli
     and the complete checkpoints stay."""
     from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import run_rl
-    from training.checkpoint import latest_checkpoint
+    from training.infra.checkpoint import latest_checkpoint
 
     model, tok = load(tiny_policy_dir)
     run_rl(make_cfg("train.steps=1"), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
@@ -872,7 +872,7 @@ def test_resuming_with_lora_switched_is_refused_naming_it(first, then, tiny_poli
     does, raised before anything is written."""
     from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import run_rl
-    from training.checkpoint import latest_checkpoint
+    from training.infra.checkpoint import latest_checkpoint
 
     lora = ["train.lora_targets=[q_proj,v_proj]"]
     model, tok = load(tiny_policy_dir)
@@ -892,7 +892,7 @@ def test_a_resumed_run_replaces_the_redone_steps_in_tensorboard_too(tmp_path):
     ``purge_step`` to the ``SummaryWriter``: TensorBoard hides the old events from the resumed step on."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from training.monitors import MetricsLogger
+    from training.infra.monitors import MetricsLogger
 
     first = MetricsLogger(tmp_path)
     for step in (1, 2, 3):

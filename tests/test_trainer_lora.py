@@ -17,7 +17,7 @@ def test_lora_trains_adapters_and_resumes_exactly(tiny_policy_dir, retriever, tm
 
     from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import run_rl
-    from training.checkpoint import latest_checkpoint
+    from training.infra.checkpoint import latest_checkpoint
 
     lora = ["train.lora=true", "train.lora_rank=4", "train.lora_targets=[q_proj,v_proj]", "train.lr=1e-2"]
     model, tok = load(tiny_policy_dir)
@@ -76,7 +76,7 @@ def test_lora_checkpoint_is_committed_only_with_its_base_weights(tiny_policy_dir
     import safetensors.torch
 
     from tests.conftest import run_rl
-    from training.checkpoint import latest_checkpoint
+    from training.infra.checkpoint import latest_checkpoint
 
     real, calls = safetensors.torch.save_file, []
 
@@ -122,7 +122,7 @@ def test_a_rollout_backend_with_its_own_weights_gets_the_merged_lora_policy(tiny
     the merged checkpoint."""
     from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import run_rl
-    from training.checkpoint import latest_checkpoint
+    from training.infra.checkpoint import latest_checkpoint
 
     made = []
 

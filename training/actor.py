@@ -20,7 +20,7 @@ from torch import nn
 
 from training.advantages import to_token_advantages
 from training.batch import Batch, micro_batches
-from training.distributed import all_reduce_sum, pad_micro_batches, world
+from training.infra.distributed import all_reduce_sum, pad_micro_batches, world
 from training.lora import base_model
 from training.losses import LOSS_AGGS
 
@@ -174,7 +174,7 @@ def split_micro_batches(batch: Batch, cfg: Any) -> tuple[list[torch.Tensor], lis
     """The micro-batches :func:`update_policy` runs, in its order: ``(row-index tensors, micro-batches,
     number of real ones)``. Rows are split by ``cfg.micro_batch`` rows and ``cfg.micro_batch_tokens`` tokens
     (a packed budget with ``cfg.packing``, :func:`training.batch.micro_batches`); under torchrun the list is
-    padded to the same count on every rank (:func:`training.distributed.pad_micro_batches`; the padding
+    padded to the same count on every rank (:func:`training.infra.distributed.pad_micro_batches`; the padding
     repeats the last one and must get zero weight). ``cfg`` is a :class:`training.config.TrainConfig`."""
     idx = micro_batches(batch, cfg.micro_batch, cfg.micro_batch_tokens, packed=cfg.packing)
     idx, n_real = pad_micro_batches(idx)

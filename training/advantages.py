@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from training.distributed import all_reduce_sum, gather_objects, world
+from training.infra.distributed import all_reduce_sum, gather_objects, world
 from training.registry import Registry
 from training.rewards import information_gain_rewards, turn_table
 

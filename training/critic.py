@@ -8,7 +8,7 @@ Two layouts (``train.critic``), as in verl / OpenRLHF:
   policy (a cheap critic: the backbone is shared, the value loss trains the head only).
 
 Under torchrun only ``separate``: it is built from the full policy before that is sharded, then sharded on
-its own (:func:`training.distributed.shard_value_model`).
+its own (:func:`training.infra.distributed.shard_value_model`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 
 from training.actor import clipped_grad_norm, packed_hidden
 from training.batch import Batch
-from training.distributed import world
+from training.infra.distributed import world
 
 
 def _is_sharded(module: nn.Module) -> bool:

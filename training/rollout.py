@@ -18,9 +18,9 @@ from typing import Any
 from agent.trajectory import Trajectory
 from corpora.formats import QAExample
 from retrieval.base import Retriever
-from training.distributed import all_reduce_max, all_reduce_min, world
 from training.faults import drop_failed, run_episodes_retrying
-from training.monitors import health_stats
+from training.infra.distributed import all_reduce_max, all_reduce_min, world
+from training.infra.monitors import health_stats
 
 
 class DataStream:
@@ -157,7 +157,7 @@ def dynamic_sampling(worker: RolloutWorker, trajs: list[Trajectory], want: int, 
 
 def rollout_stats(trajs: list[Trajectory]) -> dict[str, float]:
     """Episode-level means: reward, EM, F1, format validity, search calls, turns, response tokens, plus the
-    health metrics of :func:`training.monitors.health_stats`."""
+    health metrics of :func:`training.infra.monitors.health_stats`."""
     n = max(len(trajs), 1)
     mean = lambda xs: float(sum(xs) / n)
     return {

@@ -26,7 +26,7 @@ import torch
 from corpora.formats import QAExample
 from training.actor import LogprobModule
 from training.advantages import ADV_ESTIMATORS
-from training.checkpoint import (
+from training.infra.checkpoint import (
     best_source,
     commit_directory,
     latest_checkpoint,
@@ -40,7 +40,7 @@ from training.checkpoint import (
     save_best,
     save_checkpoint,
 )
-from training.distributed import (
+from training.infra.distributed import (
     full_optimizer_state,
     full_state_dict,
     gather_objects,
@@ -49,8 +49,8 @@ from training.distributed import (
     shard,
     shard_value_model,
 )
+from training.infra.monitors import Alarms
 from training.lora import MergedView, apply_lora, base_model, lora_state
-from training.monitors import Alarms
 from training.rollout import DataStream
 
 
@@ -260,7 +260,7 @@ def save_run(state: RunState, step: int, tokenizer: Any, tc: Any, best_metric: f
     """Checkpoint ``state`` at ``step`` (and copy it to ``best`` when ``best_metric`` is given). Every rank
     calls it (the optimizer state and the RNG states are gathered); rank 0 writes while the others wait
     without the collective timeout (a large checkpoint may take longer;
-    :func:`training.distributed.run_on_rank0`), so nobody reads a checkpoint before it is complete and a
+    :func:`training.infra.distributed.run_on_rank0`), so nobody reads a checkpoint before it is complete and a
     failed write fails every rank."""
     # full optimizer state (rank 0 gets it); none before the first optimizer step (all steps skipped)
     opt_state = full_optimizer_state(state.fwd, state.optimizer) if state.optimizer.state else None

@@ -12,7 +12,7 @@ is a function below, and :func:`rl_train`'s loop reads as the algorithm of the G
 4. **update** (:func:`training.actor.update_policy`): the registered policy loss over policy tokens only
    (:func:`training.kernels.policy_loss`), micro-batched, with PPO's critic stepping beside it;
 5. **sync** the new weights to the rollout side (the rollout copy under FSDP2, a vLLM engine);
-6. **log** the step's record (rollout, loss and health stats, :mod:`training.monitors`) and, every
+6. **log** the step's record (rollout, loss and health stats, :mod:`training.infra.monitors`) and, every
    ``eval_every`` steps, the held-out evaluation;
 7. **checkpoint** (:mod:`training.run_state`) every ``save_every`` steps, on a new best and at the end.
 
@@ -39,8 +39,9 @@ from training import advantages as A
 from training.actor import check_packed_masks, score_logprobs, split_micro_batches, update_policy
 from training.async_rollout import AsyncRollouts, rollout_copy
 from training.batch import Batch, collate
-from training.checkpoint import latest_checkpoint, run_dir_lock
-from training.distributed import (
+from training.faults import FAULT_COUNTS
+from training.infra.checkpoint import latest_checkpoint, run_dir_lock
+from training.infra.distributed import (
     all_reduce_sum,
     full_state_dict,
     gather_objects,
@@ -48,9 +49,9 @@ from training.distributed import (
     run_on_rank0,
     sync_rollout_weights,
 )
-from training.gpu_health import check_gpu_memory
+from training.infra.gpu_health import check_gpu_memory
+from training.infra.monitors import MetricsLogger, drop_steps_after
 from training.lora import base_model, merged_lora_state
-from training.monitors import MetricsLogger, drop_steps_after, merge_rank_records
 from training.offpolicy import rollout_correction
 from training.rewards import gold_answer_probs, kl_penalty
 from training.rollout import RolloutWorker, rollout, rollout_stats
@@ -157,11 +158,43 @@ def sync_phase(state: RunState, worker: RolloutWorker, tc: Any, moved: bool,
     return stats
 
 
+def merge_rank_records(records: list[tuple[dict[str, Any], int]], loss_keys: set[str]) -> dict[str, Any]:
+    """One step record from every rank's ``(record, number of trajectories)``.
+
+    Loss statistics of :func:`update_policy` (``loss_keys``) are each rank's share of the global mean, so
+    they are summed (``grad_norm`` and ``lr`` are already global: rank 0's); ``ds_dropped_groups`` and
+    ``ds_kept_groups`` are summed; timings, ``ds_rounds`` and the ``offpolicy/..._max`` drift metrics take the
+    maximum; ``stop/<reason>`` rates are means over every rank's trajectories (a rank without the key had no
+    such episode: rate 0); other numbers (rollout and health statistics, the drift's quantiles: an
+    approximation) are means weighted by each rank's trajectory count, over the ranks that have the key
+    (per-dataset splits are therefore approximate); anything else is rank 0's."""
+    summed = {k for k in loss_keys if k not in ("grad_norm", "lr", "skipped")} | {"ds_dropped_groups", "ds_kept_groups",
+                                                                                  *FAULT_COUNTS}
+    maxed = {"rollout_s", "step_s", "ds_rounds"}
+    first = {"grad_norm", "lr", "skipped"}
+    out: dict[str, Any] = {}
+    for k in dict.fromkeys(k for rec, _ in records for k in rec):
+        if k.startswith("stop/"):  # a rate over all episodes: missing on a rank means none stopped so
+            vals = [(rec.get(k, 0.0), n) for rec, n in records]
+        else:
+            vals = [(rec[k], n) for rec, n in records if k in rec]
+        if k in first or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v, _ in vals):
+            out[k] = vals[0][0]
+        elif k in summed:
+            out[k] = float(sum(v for v, _ in vals))
+        elif k in maxed or (k.startswith("offpolicy/") and k.endswith("_max")):
+            out[k] = float(max(v for v, _ in vals))
+        else:
+            total = sum(n for _, n in vals)
+            out[k] = float(sum(v * n for v, n in vals) / total) if total else float(vals[0][0])
+    return out
+
+
 def step_record(state: RunState, trajs: list[Trajectory], batch: Batch, stats: dict[str, float],
                 loss_stats: dict[str, float]) -> dict[str, Any]:
     """The step's metrics record: rollout and health statistics, ``stats``, the loss statistics and the mean
     |advantage| over policy tokens; under torchrun one record of the whole batch, the same on every rank
-    (so alarms decide alike; :func:`training.monitors.merge_rank_records`)."""
+    (so alarms decide alike; :func:`merge_rank_records`)."""
     # mean |advantage| over the policy tokens of every rank (sums reduced: the same value as one process)
     adv_abs = all_reduce_sum(float((batch.token_advantages.abs() * batch.loss_mask).sum()))
     adv_abs_mean = adv_abs / max(all_reduce_sum(float(batch.loss_mask.sum())), 1.0)
@@ -312,11 +345,11 @@ def rl_train(
     (``RuntimeError``). Health alarms (``train.alarm_*``) warn or stop the run. Returns a summary dict.
 
     Under ``torchrun`` (``WORLD_SIZE > 1``; the process group is created here with ``tc.dist_timeout_s``
-    unless the caller made it, and left for the caller to end with :func:`training.distributed.shutdown`)
+    unless the caller made it, and left for the caller to end with :func:`training.infra.distributed.shutdown`)
     every rank updates an FSDP2 shard of the policy and rolls out on a full copy refreshed after each update;
     rank 0 alone writes metrics, trajectories and checkpoints, and evaluates (the others wait for it
     without the collective timeout). One training at a time per ``run_dir``: rank 0 holds
-    :func:`training.checkpoint.run_dir_lock` for the whole run (``RuntimeError`` for a second one). Raises
+    :func:`training.infra.checkpoint.run_dir_lock` for the whole run (``RuntimeError`` for a second one). Raises
     ``ValueError`` for settings that cannot train (:func:`check_setup`, :func:`check_world`) and for a
     checkpoint of another algorithm or LoRA setting.
     """

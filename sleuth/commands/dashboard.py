@@ -11,7 +11,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from training.monitors import plot_dashboard
+    from training.infra.monitors import plot_dashboard
 
     print(plot_dashboard(args.run_dir, args.out))
     return 0

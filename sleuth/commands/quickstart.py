@@ -4,7 +4,7 @@ Index the sample corpus, build the tiny policy, SFT warm start, evaluate (before
 (after RL); print the before/after table on the held-out test questions and write it under ``out_dir``.
 Re-running it reuses the index, the tiny policy, the SFT model and the GRPO checkpoints (resuming an
 interrupted GRPO run); the two evaluations run again. One at a time per ``out_dir``
-(:func:`training.checkpoint.run_dir_lock`; another training there is refused before anything is written).
+(:func:`training.infra.checkpoint.run_dir_lock`; another training there is refused before anything is written).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def run(args) -> int:
 
     from sleuth.config import load_config
     from sleuth.pipeline import check_rollout_backend
-    from training.checkpoint import run_dir_lock
+    from training.infra.checkpoint import run_dir_lock
 
     t0 = time.time()
     cfg = load_config(args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None), args.overrides)

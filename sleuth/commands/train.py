@@ -7,9 +7,9 @@ stops every rank); then all ranks train with FSDP2 (:func:`training.trainer.rl_t
 and checkpoints, and the process group ends with a barrier. Collectives time out after
 ``train.dist_timeout_s`` seconds, so a rank that died makes the others fail rather than hang.
 
-One training at a time per ``out_dir``: rank 0 holds it (:func:`training.checkpoint.run_dir_lock`) from before
+One training at a time per ``out_dir``: rank 0 holds it (:func:`training.infra.checkpoint.run_dir_lock`) from before
 it writes the run config to the end, and a second ``sleuth train`` there is refused at once
-(:class:`training.checkpoint.RunDirBusyError`, one line from the CLI).
+(:class:`training.infra.checkpoint.RunDirBusyError`, one line from the CLI).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def run(args) -> int:
         save_run_config,
         tiny_policy_path,
     )
-    from training.checkpoint import run_dir_lock
-    from training.distributed import init_from_env, run_on_rank0, shutdown
+    from training.infra.checkpoint import run_dir_lock
+    from training.infra.distributed import init_from_env, run_on_rank0, shutdown
 
     cfg = config_from_args(args)
     check_rollout_backend(cfg)  # before minutes of SFT

@@ -9,7 +9,7 @@ dataset and by hop count, and response length (entropy, clip fraction and KL com
 flat across hop classes while their EM differs (a search-depth plateau), and when a held-out metric falls
 more than a margin below its best (a collapse); :func:`plot_dashboard` draws a
 run's ``metrics.jsonl`` as one PNG (``sleuth dashboard RUN_DIR``). :class:`MetricsLogger` writes that file
-(and TensorBoard) one record per step; :func:`merge_rank_records` makes one record of every rank's.
+(and TensorBoard) one record per step.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from typing import Any
 
 from agent.trajectory import Trajectory
 from corpora.formats import json_records
-from training.faults import FAULT_COUNTS
 
 _TAG = re.compile(r"</?([a-z_]+)>")
 # the Search-R1 tags, ReSeek's self-judge tag (agent.self_judge) and the function-call protocol's tool call
@@ -271,38 +270,6 @@ class MetricsLogger:
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
-
-
-def merge_rank_records(records: list[tuple[dict[str, Any], int]], loss_keys: set[str]) -> dict[str, Any]:
-    """One step record from every rank's ``(record, number of trajectories)``.
-
-    Loss statistics of :func:`update_policy` (``loss_keys``) are each rank's share of the global mean, so
-    they are summed (``grad_norm`` and ``lr`` are already global: rank 0's); ``ds_dropped_groups`` and
-    ``ds_kept_groups`` are summed; timings, ``ds_rounds`` and the ``offpolicy/..._max`` drift metrics take the
-    maximum; ``stop/<reason>`` rates are means over every rank's trajectories (a rank without the key had no
-    such episode: rate 0); other numbers (rollout and health statistics, the drift's quantiles: an
-    approximation) are means weighted by each rank's trajectory count, over the ranks that have the key
-    (per-dataset splits are therefore approximate); anything else is rank 0's."""
-    summed = {k for k in loss_keys if k not in ("grad_norm", "lr", "skipped")} | {"ds_dropped_groups", "ds_kept_groups",
-                                                                                  *FAULT_COUNTS}
-    maxed = {"rollout_s", "step_s", "ds_rounds"}
-    first = {"grad_norm", "lr", "skipped"}
-    out: dict[str, Any] = {}
-    for k in dict.fromkeys(k for rec, _ in records for k in rec):
-        if k.startswith("stop/"):  # a rate over all episodes: missing on a rank means none stopped so
-            vals = [(rec.get(k, 0.0), n) for rec, n in records]
-        else:
-            vals = [(rec[k], n) for rec, n in records if k in rec]
-        if k in first or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v, _ in vals):
-            out[k] = vals[0][0]
-        elif k in summed:
-            out[k] = float(sum(v for v, _ in vals))
-        elif k in maxed or (k.startswith("offpolicy/") and k.endswith("_max")):
-            out[k] = float(max(v for v, _ in vals))
-        else:
-            total = sum(n for _, n in vals)
-            out[k] = float(sum(v * n for v, n in vals) / total) if total else float(vals[0][0])
-    return out
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ Contents of ``step_<n>/``:
 
 * the model and tokenizer (``save_pretrained``: any checkpoint is a Hugging Face model directory);
 * ``optimizer.pt``: the trainer's *full* optimizer state keyed by parameter name (as
-  :func:`training.distributed.full_optimizer_state` returns it), one format for one process and for
+  :func:`training.infra.distributed.full_optimizer_state` returns it), one format for one process and for
   ``W`` FSDP2 ranks, so a run saved on ``W`` ranks resumes on ``W`` ranks exactly, and on another number
   of ranks with the same weights and optimizer state (but another data split and RNG streams);
 * ``trainer.pt``: scheduler state, the RNG states of every rank (``rng_per_rank``; ``rng`` is rank 0's),
@@ -147,7 +147,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: Any, tokenizer: Any, 
                     write_files: Callable[[Path], None] | None = None) -> Path:
     """Atomically save everything needed to resume after ``step`` optimizer steps; keep the newest ``keep``.
 
-    ``optimizer_state`` is a full, name-keyed optimizer state (:func:`training.distributed.full_optimizer_state`),
+    ``optimizer_state`` is a full, name-keyed optimizer state (:func:`training.infra.distributed.full_optimizer_state`),
     written to ``optimizer.pt`` and read back with :func:`load_optimizer_state`; ``optimizer`` (a plain
     optimizer whose ``state_dict()`` goes into ``trainer.pt``, restored by :func:`load_trainer_state`) is for
     callers without a module. ``rng_states`` are every rank's RNG states (:func:`rng_state` gathered over
@@ -359,7 +359,7 @@ def restore_rng(rngs: list[dict[str, Any]], rank: int = 0, world_size: int = 1) 
 
 def load_optimizer_state(ckpt: str | Path) -> dict[str, Any] | None:
     """The full, name-keyed optimizer state saved in ``ckpt/optimizer.pt`` (load it with
-    :func:`training.distributed.load_full_optimizer_state`), or ``None`` when the checkpoint has none."""
+    :func:`training.infra.distributed.load_full_optimizer_state`), or ``None`` when the checkpoint has none."""
     path = Path(ckpt) / "optimizer.pt"
     return torch.load(path, weights_only=False) if path.exists() else None
 
