@@ -1,7 +1,7 @@
 // Masked PPO-clip loss: per-token clipped surrogate (DAPO clip-higher, optional dual-clip), KL-to-reference
 // (k1/k3) and entropy terms, reduced by the three aggregation modes, and the per-token backward.
 //
-// Spec: training.losses.policy_loss / aggregate / kl_estimate (PyTorch references). Three launches:
+// Spec: training.algos.losses.policy_loss / aggregate / kl_estimate (PyTorch references). Three launches:
 //   1. row kernel (one block per sequence): weighted row sums over the mask of pg, clipped, -log_ratio,
 //      ratio, kl, entropy, dual-clipped and the token count n_b;
 //   2. finalize kernel (one block): loss and stats under the aggregation mode, and per-row gradient
@@ -54,7 +54,7 @@ __device__ __forceinline__ Token surrogate(float lp, float old, float adv, const
 }
 
 // k3 as verl's low_var_kl: the log-ratio clamped to +-20, the estimate to at most kK3Max
-// (training.losses.K3_MAX); no gradient where either clamp is active (torch.clamp passes it on the closed range)
+// (training.algos.losses.K3_MAX); no gradient where either clamp is active (torch.clamp passes it on the closed range)
 constexpr float kK3Max = 10.f;
 
 __device__ __forceinline__ float kl_value(float lp, float ref, int kind) {

@@ -4,7 +4,8 @@ batch of one trajectory; plus the config check that rejects PPO without a critic
 import pytest
 import torch
 
-from training import advantages as A
+from training.algos import advantages as A
+from training.algos import estimators as E
 from training.config import TrainConfig
 
 # group 0: four samples, rewards vary; group 1: all equal; group 2: a single trajectory
@@ -54,22 +55,22 @@ def test_strata_do_not_mix_groups():
     close(A.stratified_grpo_advantages(r, g, s, alpha=1.0), [0.707107, -0.707107, -0.707107, 0.707107])
 
 
-OUTCOME = [n for n in A.ADV_ESTIMATORS if A.ADV_ESTIMATORS.get(n).outcome is not None]
+OUTCOME = [n for n in E.ADV_ESTIMATORS if E.ADV_ESTIMATORS.get(n).outcome is not None]
 TC = TrainConfig()
 
 
 def test_the_built_in_estimators_are_registered():
     assert set(OUTCOME) == {"grpo", "dr_grpo", "rloo", "reinforce_pp", "stratified_grpo"}
-    assert A.ADV_ESTIMATORS.get("ppo").critic and not A.ADV_ESTIMATORS.get("grpo").critic
-    assert A.ADV_ESTIMATORS.get("igpo").gold_probs and A.ADV_ESTIMATORS.get("igpo").groups
-    assert not A.ADV_ESTIMATORS.get("reinforce_pp").groups
+    assert E.ADV_ESTIMATORS.get("ppo").critic and not E.ADV_ESTIMATORS.get("grpo").critic
+    assert E.ADV_ESTIMATORS.get("igpo").gold_probs and E.ADV_ESTIMATORS.get("igpo").groups
+    assert not E.ADV_ESTIMATORS.get("reinforce_pp").groups
 
 
 @pytest.mark.parametrize("name", OUTCOME)
 def test_all_equal_group_and_single_trajectory_give_zero(name):
-    eq = A.outcome_advantages(name, torch.tensor([0.3, 0.3, 0.3]), torch.tensor([0, 0, 0]), torch.tensor([0, 1, 1]), TC)
+    eq = E.outcome_advantages(name, torch.tensor([0.3, 0.3, 0.3]), torch.tensor([0, 0, 0]), torch.tensor([0, 1, 1]), TC)
     close(eq, [0.0, 0.0, 0.0])
-    one = A.outcome_advantages(name, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([2]), TC)
+    one = E.outcome_advantages(name, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([2]), TC)
     close(one, [0.0])
     assert torch.isfinite(one).all()
 
@@ -82,12 +83,12 @@ def test_all_equal_rewards_give_exactly_zero_whatever_the_value(name, value, n):
     ``r - mean`` was divided by ``std + eps`` with ``std`` of the same tiny size, giving every member of a
     flat group the same advantage (up to 0.19) instead of 0."""
     r = torch.full((n,), value)
-    adv = A.outcome_advantages(name, r, torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), TC)
+    adv = E.outcome_advantages(name, r, torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), TC)
     assert torch.equal(adv, torch.zeros(n)), adv
     # a flat group next to a varying one stays exactly 0, and the varying one is unchanged
     r2 = torch.cat([r, torch.tensor([0.0, 1.0])])
     g2 = torch.cat([torch.zeros(n, dtype=torch.long), torch.ones(2, dtype=torch.long)])
-    adv2 = A.outcome_advantages(name, r2, g2, torch.zeros(n + 2, dtype=torch.long), TC)
+    adv2 = E.outcome_advantages(name, r2, g2, torch.zeros(n + 2, dtype=torch.long), TC)
     if name != "reinforce_pp":  # batch-level: the flat group is not flat in the batch
         assert torch.equal(adv2[:n], torch.zeros(n))
     k = (A.igpo_turn_advantages(torch.full((n, 2), value), torch.ones(n, 2, dtype=torch.bool),
@@ -97,11 +98,11 @@ def test_all_equal_rewards_give_exactly_zero_whatever_the_value(name, value, n):
 
 def test_unknown_estimator():
     with pytest.raises(ValueError, match="unknown advantage estimator 'nope'"):
-        A.outcome_advantages("nope", R, G, G, TC)
+        E.outcome_advantages("nope", R, G, G, TC)
     with pytest.raises(ValueError, match="did you mean 'grpo'"):
-        A.ADV_ESTIMATORS.get("grpp")
+        E.ADV_ESTIMATORS.get("grpp")
     with pytest.raises(ValueError, match="not an outcome-level"):
-        A.outcome_advantages("ppo", R, G, G, TC)
+        E.outcome_advantages("ppo", R, G, G, TC)
 
 
 def test_gae_over_policy_tokens_only():
@@ -168,13 +169,13 @@ def test_outcome_advantages_under_torchrun_equal_one_process_on_the_whole_batch(
     r = [torch.rand(6, generator=g), torch.rand(4, generator=g) * 3]  # the two ranks' rewards: other scales
     groups = [torch.tensor([0, 0, 0, 1, 1, 1]), torch.tensor([0, 0, 1, 1])]
     strata = [torch.tensor([0, 1, 2, 0, 1, 1]), torch.tensor([2, 2, 0, 1])]
-    whole = A.outcome_advantages(name, torch.cat(r), torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 3, 3]), torch.cat(strata), TC)
-    fn = A.ADV_ESTIMATORS.get(name).outcome
+    whole = E.outcome_advantages(name, torch.cat(r), torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 3, 3]), torch.cat(strata), TC)
+    fn = E.ADV_ESTIMATORS.get(name).outcome
     for rank in (0, 1):
         parts = [(r[i].tolist(), groups[i].tolist(), strata[i].tolist()) for i in (0, 1)]
-        monkeypatch.setattr(A, "world", lambda rank=rank: (rank, 2))
-        monkeypatch.setattr(A, "gather_objects", lambda obj, parts=parts: parts)
-        got = A.gathered_outcome(fn, r[rank], groups[rank], strata[rank], TC)
+        monkeypatch.setattr(E, "world", lambda rank=rank: (rank, 2))
+        monkeypatch.setattr(E, "gather_objects", lambda obj, parts=parts: parts)
+        got = E.gathered_outcome(fn, r[rank], groups[rank], strata[rank], TC)
         torch.testing.assert_close(got, whole[:6] if rank == 0 else whole[6:])
 
 
@@ -189,11 +190,11 @@ def test_an_episode_split_into_several_sequences_counts_once_in_its_group():
                           metadata={"episode": ep, "segment": 0, "segments": segments})
 
     trajs = [traj("a", 2), traj("a", 2), traj("b", 1)]
-    inp = A.AdvantageInputs(rewards=torch.tensor([1.0, 1.0, 0.0]), groups=torch.zeros(3, dtype=torch.long),
+    inp = E.AdvantageInputs(rewards=torch.tensor([1.0, 1.0, 0.0]), groups=torch.zeros(3, dtype=torch.long),
                             mask=torch.ones(3, 2), token_turns=torch.ones(3, 2, dtype=torch.long),
                             turn_valid=torch.ones(3, 1, dtype=torch.bool), is_search=torch.zeros(3, 1, dtype=torch.bool),
                             search_calls=torch.tensor([1, 0, 0]), trajs=trajs)
-    adv = A.compute_advantages(TC, inp)["advantages"][:, 0]
+    adv = E.compute_advantages(TC, inp)["advantages"][:, 0]
     # two episodes with rewards 1 and 0: GRPO gives +-(0.5 / 0.7071)
     close(adv, [0.707107, 0.707107, -0.707107])
-    assert A.episode_rows([traj("a", 1), traj("b", 1)]) is None
+    assert E.episode_rows([traj("a", 1), traj("b", 1)]) is None

@@ -159,7 +159,7 @@ def extras_worker(policy_dir: str, index_dir: str, out: Path) -> None:
     where the ranks see different checkpoints fails on every rank."""
     import time
 
-    import training.advantages as A
+    import training.algos.estimators as E
     import training.run_state as RS
     from retrieval.index import load_retriever
     from tests.conftest import QUESTIONS
@@ -175,7 +175,7 @@ def extras_worker(policy_dir: str, index_dir: str, out: Path) -> None:
         pushed.clear()
         pushed.update({k: v.clone() for k, v in state.items()})
 
-    real_adv = A.compute_advantages
+    real_adv = E.compute_advantages
 
     def recorded_adv(tc, inp):
         adv = real_adv(tc, inp)
@@ -185,13 +185,13 @@ def extras_worker(policy_dir: str, index_dir: str, out: Path) -> None:
     def on_step(step, record):
         (out / f"record.rank{rank}.json").write_text(json.dumps(record))
 
-    A.compute_advantages = recorded_adv
+    E.compute_advantages = recorded_adv
     try:
         model, tok = load(policy_dir)
         run_rl(cfg_for(1), model, tok, retriever, QUESTIONS, out / "sync", judge=varying_judge,
                    llm_factory=SeededLLM, sync_weights=sync, on_step=on_step)
     finally:
-        A.compute_advantages = real_adv
+        E.compute_advantages = real_adv
     if rank == 0:
         torch.save(pushed, out / "pushed.pt")
 
@@ -234,7 +234,7 @@ def ppo_worker(policy_dir: str, index_dir: str, out: Path) -> None:
     """PPO with a separate critic on 2 ranks: 3 steps straight, and 2 steps + a resume for the third. Each
     rank records its full policy and critic weights and the record after every step, and rank 0 the critic's
     optimizer state right after the resume loaded it."""
-    import training.advantages as A
+    import training.algos.estimators as E
     import training.run_state as RS
     from agent.backends.hf import load_model_and_tokenizer
     from retrieval.index import load_retriever
@@ -260,7 +260,7 @@ def ppo_worker(policy_dir: str, index_dir: str, out: Path) -> None:
         if r == 0:
             torch.save(full, out / "ppo_loaded_critic_optimizer.pt")
 
-    real_whiten = A.batch_masked_whiten
+    real_whiten = E.batch_masked_whiten
 
     def recorded_whiten(values, mask):  # PPO's advantages of the first step, before and after whitening
         res = real_whiten(values, mask)
@@ -271,7 +271,7 @@ def ppo_worker(policy_dir: str, index_dir: str, out: Path) -> None:
     import training.critic as C
 
     real_value_model = C.ValueModel
-    C.ValueModel, RS.load_critic_optimizer, A.batch_masked_whiten = remember, recorded_load, recorded_whiten
+    C.ValueModel, RS.load_critic_optimizer, E.batch_masked_whiten = remember, recorded_load, recorded_whiten
     try:
         for name, steps, resume in (("ppo_straight", 3, False), ("ppo_split", 2, False), ("ppo_split", 3, True)):
             held = {}
@@ -297,7 +297,7 @@ def ppo_worker(policy_dir: str, index_dir: str, out: Path) -> None:
                        tok, retriever, QUESTIONS, out / name, resume=resume, judge=varying_judge, llm_factory=factory,
                        on_step=on_step)
     finally:
-        C.ValueModel, RS.load_critic_optimizer, A.batch_masked_whiten = real_value_model, real_load, real_whiten
+        C.ValueModel, RS.load_critic_optimizer, E.batch_masked_whiten = real_value_model, real_load, real_whiten
     D.shutdown()
     (out / f"done.ppo.rank{rank}").touch()
 
@@ -485,7 +485,7 @@ def test_ppo_with_a_separate_critic_under_torchrun(tiny_policy_dir, bm25_index, 
         for key in ("step", "exp_avg", "exp_avg_sq"):
             assert torch.equal(loaded["state"][k][key], s[key]), f"critic {k}.{key} not restored"
     # the advantages are whitened over both ranks' tokens, as one process whitens the whole batch
-    from training.advantages import masked_whiten
+    from training.algos.advantages import masked_whiten
 
     (v0, m0, w0), (v1, m1, w1) = (torch.load(out / f"whiten.rank{r}.pt") for r in (0, 1))
     T = max(v0.shape[1], v1.shape[1])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from training import kernels as K
-from training.losses import LOSS_AGGS, masked_lm_head_logprobs, policy_loss
+from training.algos.losses import LOSS_AGGS, masked_lm_head_logprobs, policy_loss
 
 KERNEL_AGGS = tuple(m for m in LOSS_AGGS if LOSS_AGGS.get(m).kernel_mode is not None)
 from training.masking import span_mask_reference

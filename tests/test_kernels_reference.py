@@ -1,6 +1,6 @@
 """CPU tests of the kernels' PyTorch references (the spec) and of the kernels' algorithms, emulated in torch.
 
-The references (training.masking.span_mask_reference, training.losses.masked_lm_head_logprobs /
+The references (training.masking.span_mask_reference, training.algos.losses.masked_lm_head_logprobs /
 policy_loss) are checked against straightforward float64 implementations, with gradcheck on small
 shapes. The CUDA kernels' own algorithms -- the warp scan over the (a, b) depth monoid, the per-thread online
 softmax merge, the closed-form logit gradient and the PPO per-token gradient with torch's subgradient
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from training import kernels as K
-from training.losses import LOSS_AGGS, aggregate, kl_estimate, masked_lm_head_logprobs, policy_loss
+from training.algos.losses import LOSS_AGGS, aggregate, kl_estimate, masked_lm_head_logprobs, policy_loss
 
 #: the aggregation modes the CUDA loss kernel implements (the reference implements every registered one)
 KERNEL_AGGS = tuple(m for m in LOSS_AGGS if LOSS_AGGS.get(m).kernel_mode is not None)

@@ -1,4 +1,4 @@
-"""Rollout correction (training.offpolicy): the backend's sampled log-probs reach the batch, their drift from
+"""Rollout correction (training.algos.offpolicy): the backend's sampled log-probs reach the batch, their drift from
 the trainer's is logged, and truncated / masked importance sampling bound the update when the rollout model
 is not the trainer's."""
 
@@ -52,8 +52,8 @@ def _batch_with_drift(log_rho_rows, mask_rows=None):
 
 
 def test_tis_weights_are_the_ratio_capped_and_mis_drops_rows_outside_the_band():
+    from training.algos.offpolicy import rollout_correction
     from training.config import TrainConfig
-    from training.offpolicy import rollout_correction
 
     rows = [[0.0, 0.0, 0.0], [2.0, -1.0, 0.1], [0.3, 0.3]]
     batch = _batch_with_drift(rows)
@@ -82,9 +82,9 @@ def test_tis_weights_are_the_ratio_capped_and_mis_drops_rows_outside_the_band():
 
 
 def test_no_reported_logprobs_means_no_correction_and_no_metrics():
+    from training.algos.offpolicy import rollout_correction
     from training.batch import collate
     from training.config import TrainConfig
-    from training.offpolicy import rollout_correction
 
     batch = collate([_traj([0, 1, 1])], pad_id=0)
     batch.old_logprobs = torch.zeros_like(batch.loss_mask)
@@ -105,7 +105,7 @@ def test_mis_band_must_hold_one():
 def test_weights_folded_into_the_advantages_equal_the_weighted_loss(agg, clip_c):
     """The CUDA kernel gets the IS weights folded into the advantages (ppo_clip is positively homogeneous
     in A, dual-clip included): loss and gradient must equal the reference's weighted policy term."""
-    from training.losses import policy_loss
+    from training.algos.losses import policy_loss
 
     g = torch.Generator().manual_seed(3)
     B, T = 4, 7
@@ -193,8 +193,8 @@ def test_the_cap_bounds_the_gradient_when_one_reported_logprob_is_far_off(tiny_p
     from agent.backends.hf import TransformersLLM
     from agent.loop.batch import run_episodes
     from training.actor import score_logprobs, update_policy
+    from training.algos.offpolicy import rollout_correction
     from training.batch import collate
-    from training.offpolicy import rollout_correction
 
     cfg = make_cfg()
     model, tok = load(tiny_policy_dir)

@@ -164,7 +164,7 @@ def test_truncated_trajectory_keeps_its_mask_through_packing(policy):
 
 
 def test_with_entropy_false_returns_zero_entropy_and_the_same_logprobs(policy):
-    from training.losses import masked_lm_head_logprobs
+    from training.algos.losses import masked_lm_head_logprobs
 
     model, tok = policy
     b = make_batch(tok)

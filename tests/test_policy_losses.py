@@ -1,4 +1,4 @@
-"""GSPO and CISPO (training.losses) against their papers' objectives: values on hand-computed cases, and
+"""GSPO and CISPO (training.algos.losses) against their papers' objectives: values on hand-computed cases, and
 gradients against autograd of the objective written as in the paper."""
 
 import math
@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
+from training.algos.losses import POLICY_LOSSES, policy_loss
 from training.config import TrainConfig
 from training.kernels import policy_loss as dispatched_loss
-from training.losses import POLICY_LOSSES, policy_loss
 
 MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
 OLD = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-1.5, -0.7, 0.0, 0.0]], dtype=torch.float64)

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from training import losses as L
+from training.algos import losses as L
 from training.registry import Registry
 
 
@@ -105,7 +105,7 @@ def test_the_reference_loss_runs_the_parts_the_kernel_lacks_and_cuda_refuses_the
 TOY_PLUGIN = """
 import torch
 
-from training.advantages import register_outcome_adv_est
+from training.algos.estimators import register_outcome_adv_est
 
 CALLS = []
 

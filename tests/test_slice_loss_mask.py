@@ -3,7 +3,7 @@
 import torch
 
 from agent.trajectory import Role
-from training.losses import policy_loss, token_logprobs
+from training.algos.losses import policy_loss, token_logprobs
 from training.masking import loss_mask_from_roles
 
 

@@ -11,7 +11,7 @@ from agent.loop.batch import run_episodes
 from sleuth.config import load_config
 from tests.conftest import PASSAGES, QUESTIONS, run_rl
 from training.actor import update_policy
-from training.advantages import grpo_advantages
+from training.algos.advantages import grpo_advantages
 from training.batch import collate
 
 

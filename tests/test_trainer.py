@@ -246,7 +246,7 @@ def test_gold_answer_probs_run_the_lm_head_on_the_gold_tokens_only(tiny_policy_d
 
     from agent.llm import encode
     from agent.loop.batch import run_episodes
-    from training.rewards import gold_answer_probs, turn_boundaries
+    from training.algos.rewards import gold_answer_probs, turn_boundaries
 
     model, tok = load(tiny_policy_dir)
     trajs = run_episodes(QUESTIONS[:2], SeededLLM(model, tok), retriever, agent_cfg, n_samples=2)

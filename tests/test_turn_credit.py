@@ -1,11 +1,13 @@
-"""Turn-level estimators (training.turn_credit) against hand-computed values of their papers' equations."""
+"""Turn-level estimators (training.algos.turn_credit) against hand-computed values of their papers' equations."""
 
 import pytest
 import torch
 
 from agent.trajectory import Trajectory, Turn
-from training import advantages as A
-from training import turn_credit as C
+from training.algos import advantages as A
+from training.algos import estimators as E
+from training.algos import turn_credit as C
+from training.algos.rewards import turn_table
 from training.config import TrainConfig
 
 
@@ -41,7 +43,7 @@ def test_discounted_turn_returns():
 
 
 def test_gigpo_hand_computed():
-    valid, _ = A.turn_table(GROUP)
+    valid, _ = turn_table(GROUP)
     rewards = torch.tensor([t.reward for t in GROUP])
     turn_r = torch.zeros(4, 3)
     turn_r[0, 2], turn_r[1, 2] = 1.0, 0.0  # the outcome on each trajectory's last turn (c, d: turn 2, zero)
@@ -66,7 +68,7 @@ def test_gigpo_discount_and_mean_norm():
     # two successes of different lengths from the same first state: with gamma < 1 the shorter one's first
     # turn has the higher return (0.9 vs 0.81), with F_norm = 1 the step advantage is R - mean
     trajs = [traj(1.0, ["D1"]), traj(1.0, ["D2", "D3"])]
-    valid, _ = A.turn_table(trajs)
+    valid, _ = turn_table(trajs)
     turn_r = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
     ret = C.discounted_turn_returns(turn_r, valid, 0.9)
     close(ret, [[0.9, 1.0, 0.0], [0.81, 0.9, 1.0]])
@@ -76,40 +78,40 @@ def test_gigpo_discount_and_mean_norm():
 
 def test_step_groups_never_cross_prompt_groups():
     trajs = [traj(1.0, ["D1"]), traj(0.0, ["D1"]), traj(0.0, ["D1"], 1), traj(1.0, ["D1"], 1)]
-    valid, _ = A.turn_table(trajs)
+    valid, _ = turn_table(trajs)
     turn_r = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 0.0], [0.0, 1.0]])
     step = C.gigpo_step_advantages(turn_r, valid, torch.tensor([0, 0, 1, 1]), C.anchor_states(trajs, 2))
     close(step[:, 1], [0.707107, -0.707107, -0.707107, 0.707107])
 
 
-def _inputs(trajs: list[Trajectory]) -> A.AdvantageInputs:
+def _inputs(trajs: list[Trajectory]) -> E.AdvantageInputs:
     """AdvantageInputs with two policy tokens per turn: token_turns [1, 1, 2, 2, ...]."""
-    valid, is_search = A.turn_table(trajs)
+    valid, is_search = turn_table(trajs)
     K = valid.shape[1]
     token_turns = torch.arange(1, K + 1).repeat_interleave(2).expand(len(trajs), 2 * K)
     mask = valid.repeat_interleave(2, dim=1).float()
-    return A.AdvantageInputs(rewards=torch.tensor([t.reward for t in trajs]), groups=torch.tensor([t.group for t in trajs]),
+    return E.AdvantageInputs(rewards=torch.tensor([t.reward for t in trajs]), groups=torch.tensor([t.group for t in trajs]),
                              mask=mask, token_turns=token_turns, turn_valid=valid, is_search=is_search,
                              search_calls=torch.tensor([t.num_search_calls for t in trajs]), trajs=trajs)
 
 
 def test_registered_gigpo_writes_turn_advantages_on_tokens():
     tc = TrainConfig(algorithm="gigpo", gigpo_omega=1.0)
-    out = A.compute_advantages(tc, _inputs(GROUP))["advantages"]
+    out = E.compute_advantages(tc, _inputs(GROUP))["advantages"]
     close(out[0], [3.0, 3.0, 2.6547, 2.6547, 1.5, 1.5])
     close(out[3], [-1.0, -1.0, -0.5, -0.5, 0.0, 0.0])
     # a search cost makes the return sum(turn rewards): d (1 search) now beats b (2 searches) by 0.1
     # F_norm = 1 (verl-agent's mean_norm): rewards [1, 0, 0, 0] -> episode [.75, -.25, -.25, -.25]; a's turn 2
     # step group [1, 0, 0] -> 2/3
-    out = A.compute_advantages(TrainConfig(algorithm="gigpo", gigpo_std_norm=False), _inputs(GROUP))["advantages"]
+    out = E.compute_advantages(TrainConfig(algorithm="gigpo", gigpo_std_norm=False), _inputs(GROUP))["advantages"]
     close(out[0], [1.5, 1.5, 0.75 + 2 / 3, 0.75 + 2 / 3, 0.75, 0.75])
     tc = TrainConfig(algorithm="gigpo", search_cost=0.1)
-    out = A.compute_advantages(tc, _inputs(GROUP))["advantages"]
+    out = E.compute_advantages(tc, _inputs(GROUP))["advantages"]
     assert out[3, 0] > out[1, 0]
 
 
 def test_gigpo_config():
-    assert A.ADV_ESTIMATORS.get("gigpo").groups
+    assert E.ADV_ESTIMATORS.get("gigpo").groups
     with pytest.raises(ValueError, match="group_size"):
         TrainConfig(algorithm="gigpo", group_size=1)
     with pytest.raises(ValueError):
@@ -135,9 +137,9 @@ def test_evidence_igpo_hand_computed():
     # unbiased std .534522: 1 -> 1.069045, 0 -> -.801784; accumulated from the last turn (gamma 1)
     group = [answered(1.0, ["Berlin is a city.", "Paris is the capital."]), answered(0.0, ["Paris it is."]),
              answered(0.0, ["Nothing here."])]
-    out = A.compute_advantages(TrainConfig(algorithm="evidence_igpo"), _inputs(group))["advantages"]
+    out = E.compute_advantages(TrainConfig(algorithm="evidence_igpo"), _inputs(group))["advantages"]
     close(out[0, ::2], [1.336306, 2.138090, 1.069045])
     close(out[1, ::2], [0.267261, -0.801784, 0.0])
     close(out[2, ::2], [-1.603568, -0.801784, 0.0])
     # the probability-free gain needs no gold-answer forward pass
-    assert not A.ADV_ESTIMATORS.get("evidence_igpo").gold_probs and A.ADV_ESTIMATORS.get("evidence_igpo").groups
+    assert not E.ADV_ESTIMATORS.get("evidence_igpo").gold_probs and E.ADV_ESTIMATORS.get("evidence_igpo").groups

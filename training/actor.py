@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.advantages import to_token_advantages
+from training.algos.advantages import to_token_advantages
+from training.algos.losses import LOSS_AGGS
 from training.batch import Batch, micro_batches
 from training.infra.distributed import all_reduce_sum, pad_micro_batches, world
 from training.lora import base_model
-from training.losses import LOSS_AGGS
 
 
 # -- the forward --------------------------------------------------------------------------------------

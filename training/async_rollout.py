@@ -12,7 +12,7 @@ come from: a push between two of its turns refreshes the rest of it, and the log
 the ones it was sampled with). Its *staleness* when trained on is the trainer's version minus that label. At
 most ``questions_per_step x max_staleness`` groups are running or waiting, so a group started right after a
 push is trained on within ``max_staleness`` updates, as in verl's one-step-off-policy trainer for
-``max_staleness=1``; the rollout correction of :mod:`training.offpolicy` (TIS) weighs the rest.
+``max_staleness=1``; the rollout correction of :mod:`training.algos.offpolicy` (TIS) weighs the rest.
 
 No starvation. A slow group (a question that takes many turns, a slow search) may finish later than the
 bound. Dropping it, as asynchronous trainers with a staleness bound do, would drop the hard questions again

@@ -32,7 +32,7 @@ class Batch:
       log-probs as the rollout backend reported them when it sampled (:attr:`agent.trajectory.Trajectory.
       logprobs`), NaN in the rows of trajectories without them; ``None`` when no trajectory has them;
     * ``is_weights``: optional ``[N, T-1]`` float32: the rollout correction's per-token importance weights on
-      the policy-gradient term (:func:`training.offpolicy.rollout_correction`);
+      the policy-gradient term (:func:`training.algos.offpolicy.rollout_correction`);
     * ``token_advantages``, ``returns``, ``old_values``: optional ``[N, T-1]`` float32, aligned with
       ``loss_mask`` (set by the trainer: per-token advantages, PPO value targets and values);
     * ``packed``: compute strategy for :func:`training.actor.policy_logprobs` (set by :meth:`select`): run the

@@ -10,8 +10,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from agent.config import Section
-from training.advantages import ADV_ESTIMATORS
-from training.losses import KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
+from training.algos.estimators import ADV_ESTIMATORS
+from training.algos.losses import KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
 
 
 def _default_retry_waits() -> list[float]:
@@ -31,12 +31,12 @@ class SFTConfig(Section):
 
 
 class TrainConfig(Section):
-    """Multi-turn policy-gradient training (GRPO by default); see :mod:`training.advantages` for the
-    estimators, :mod:`training.losses` for the losses and :mod:`training.trainer` for the loop.
+    """Multi-turn policy-gradient training (GRPO by default); see :mod:`training.algos.advantages` for the
+    estimators, :mod:`training.algos.losses` for the losses and :mod:`training.trainer` for the loop.
 
     ``algorithm``, ``policy_loss``, ``loss_agg`` and ``kl_type`` take the names registered in
-    :data:`training.advantages.ADV_ESTIMATORS`, :data:`training.losses.POLICY_LOSSES`,
-    :data:`training.losses.LOSS_AGGS` and :data:`training.losses.KL_ESTIMATORS` (a plugin module named in
+    :data:`training.algos.estimators.ADV_ESTIMATORS`, :data:`training.algos.losses.POLICY_LOSSES`,
+    :data:`training.algos.losses.LOSS_AGGS` and :data:`training.algos.losses.KL_ESTIMATORS` (a plugin module named in
     the config's ``plugins`` can register more); ``options`` carries a registered part's own settings."""
 
     algorithm: str = Field("grpo", description="advantage estimator (a registered name; ppo needs train.critic)")
@@ -96,7 +96,7 @@ class TrainConfig(Section):
         default_factory=_default_retry_waits,
         description="seconds waited before each rerun of the episodes that failed because the retrieval server "
                     "or rollout backend was down ([]: no rerun, they are left out of the update)")
-    # rollout correction (training.offpolicy), verified weight sync (training.weight_sync), async rollouts
+    # rollout correction (training.algos.offpolicy), verified weight sync (training.weight_sync), async rollouts
     tis_cap: float | None = Field(
         2.0, gt=0, description="truncated importance sampling (Yao et al. 2025): each token's policy-gradient term "
                                "weighted by min(pi_old / pi_rollout, tis_cap), from the log-probs the rollout "

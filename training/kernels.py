@@ -3,9 +3,9 @@
 Public entry points, each with the signature of its reference plus ``impl``:
 
 * :func:`span_mask` -- :func:`training.masking.span_mask_reference`;
-* :func:`masked_logprobs` -- :func:`training.losses.masked_lm_head_logprobs` (differentiable w.r.t. hidden
+* :func:`masked_logprobs` -- :func:`training.algos.losses.masked_lm_head_logprobs` (differentiable w.r.t. hidden
   states and the LM-head weight);
-* :func:`policy_loss` -- :func:`training.losses.policy_loss` (differentiable w.r.t. log-probs and
+* :func:`policy_loss` -- :func:`training.algos.losses.policy_loss` (differentiable w.r.t. log-probs and
   entropy).
 
 The switch: ``impl`` argument, else the environment variable ``SLEUTH_KERNELS``, else ``"auto"``.
@@ -34,8 +34,8 @@ from types import ModuleType
 
 import torch
 
-from training import losses as L
-from training.losses import masked_lm_head_logprobs
+from training.algos import losses as L
+from training.algos.losses import masked_lm_head_logprobs
 from training.masking import span_mask_reference
 
 IMPLS = ("auto", "cuda", "reference")
@@ -280,7 +280,7 @@ def masked_logprobs(
     shaped like ``targets``, zero at masked positions. On the CUDA
     path a ``torch.autograd.Function`` gives gradients for ``hidden`` and ``weight`` (the backward recomputes
     each chunk's logits: 4 LM-head matmuls over policy rows in all). Follows the spec
-    :func:`training.losses.masked_lm_head_logprobs`. Dtypes the kernel does not take (float64) use the
+    :func:`training.algos.losses.masked_lm_head_logprobs`. Dtypes the kernel does not take (float64) use the
     reference under ``auto``. Raises ``ValueError`` on a shape mismatch, a target out of range, or a dtype
     the kernel does not take under ``impl="cuda"``.
     """
@@ -415,7 +415,7 @@ def policy_loss(
     impl: str | None = None,
     is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The masked actor loss; same signature, semantics and stats as :func:`training.losses.policy_loss`.
+    """The masked actor loss; same signature, semantics and stats as :func:`training.algos.losses.policy_loss`.
 
     The fused kernel runs the combinations it implements: the ``ppo_clip`` term (dual-clip included) with
     an aggregation and a KL estimator that have kernel ids (token-mean, seq-mean-token-sum,

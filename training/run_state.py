@@ -25,7 +25,7 @@ import torch
 
 from corpora.formats import QAExample
 from training.actor import LogprobModule
-from training.advantages import ADV_ESTIMATORS
+from training.algos.estimators import ADV_ESTIMATORS
 from training.infra.checkpoint import (
     best_source,
     commit_directory,

@@ -8,7 +8,7 @@ is a function below, and :func:`rl_train`'s loop reads as the algorithm of the G
    flat groups and refills the batch;
 2. **score** (:func:`score`): the old policy's and the reference's log-probs (:mod:`training.actor`), the
    critic's values, IGPO's gold-answer probabilities, the KL penalty when it is a reward;
-3. **advantages** (:mod:`training.advantages`, the estimator registered as ``train.algorithm``);
+3. **advantages** (:mod:`training.algos.advantages`, the estimator registered as ``train.algorithm``);
 4. **update** (:func:`training.actor.update_policy`): the registered policy loss over policy tokens only
    (:func:`training.kernels.policy_loss`), micro-batched, with PPO's critic stepping beside it;
 5. **sync** the new weights to the rollout side (the rollout copy under FSDP2, a vLLM engine);
@@ -35,8 +35,10 @@ import torch
 from agent.trajectory import Trajectory, save_trajectories
 from corpora.formats import QAExample
 from retrieval.base import Retriever
-from training import advantages as A
 from training.actor import check_packed_masks, score_logprobs, split_micro_batches, update_policy
+from training.algos import estimators as E
+from training.algos.offpolicy import rollout_correction
+from training.algos.rewards import gold_answer_probs, kl_penalty
 from training.async_rollout import AsyncRollouts, rollout_copy
 from training.batch import Batch, collate
 from training.faults import FAULT_COUNTS
@@ -52,8 +54,6 @@ from training.infra.distributed import (
 from training.infra.gpu_health import check_gpu_memory
 from training.infra.monitors import MetricsLogger, drop_steps_after
 from training.lora import base_model, merged_lora_state
-from training.offpolicy import rollout_correction
-from training.rewards import gold_answer_probs, kl_penalty
 from training.rollout import RolloutWorker, rollout, rollout_stats
 from training.run_state import RunState, open_run, restore_rng_streams, save_run
 from training.weight_sync import check_tensors, probe_ids, verify_engine
@@ -94,14 +94,14 @@ def score(state: RunState, batch: Batch, trajs: list[Trajectory], tc: Any, token
 
         idx, micro, _ = split_micro_batches(batch, tc)
         extra["values"] = critic_values(state.critic, batch, idx, micro)
-    if A.ADV_ESTIMATORS.get(tc.algorithm).gold_probs:
+    if E.ADV_ESTIMATORS.get(tc.algorithm).gold_probs:
         extra["gold_probs"] = gold_answer_probs(state.gen_model, tokenizer, trajs, max_len=max_len)
     return extra
 
 
 def advantage_phase(tc: Any, batch: Batch, trajs: list[Trajectory], extra: dict[str, Any]) -> None:
     """Set ``batch.token_advantages`` (and PPO's ``returns`` / ``old_values``) from the registered estimator."""
-    adv = A.compute_advantages(tc, A.advantage_inputs(batch, trajs, **extra))
+    adv = E.compute_advantages(tc, E.advantage_inputs(batch, trajs, **extra))
     batch.token_advantages = adv["advantages"]
     if "returns" in adv:
         batch.returns, batch.old_values = adv["returns"], extra["values"]
@@ -239,7 +239,7 @@ def check_setup(tc: Any, agent_cfg: Any) -> None:
                          "train.dynamic_sampling=false and agent.kind=builtin, or train.async_rollouts=false")
     if not agent_cfg.temperature > 0:
         raise ValueError(f"RL needs sampled rollouts: agent.temperature must be > 0, got {agent_cfg.temperature}")
-    if A.ADV_ESTIMATORS.get(tc.algorithm).critic and tc.critic == "none":  # the config schema checks it too
+    if E.ADV_ESTIMATORS.get(tc.algorithm).critic and tc.critic == "none":  # the config schema checks it too
         raise ValueError(f"train.algorithm={tc.algorithm} needs train.critic (separate or shared)")
     if tc.packing:  # before the first rollout, not at the first packed micro-batch
         check_packed_masks()
@@ -252,7 +252,7 @@ def check_world(tc: Any, W: int) -> None:
         return
     if tc.async_rollouts:
         raise ValueError("train.async_rollouts is not supported under torchrun (world size > 1)")
-    if A.ADV_ESTIMATORS.get(tc.algorithm).critic and tc.critic == "shared":
+    if E.ADV_ESTIMATORS.get(tc.algorithm).critic and tc.critic == "shared":
         raise ValueError("train.critic=shared is not supported under torchrun (world size > 1): its value head "
                          "rides on the sharded policy's backbone; use train.critic=separate (a value model "
                          "sharded on its own, as verl's critic)")

@@ -373,7 +373,7 @@ def policy_loss(
     ``entropy_coef`` times the aggregated entropy when ``entropy`` is given. All inputs ``[B, T]`` float;
     ``loss_scale`` is the constant of ``seq-mean-token-sum-norm``; ``options`` go to the policy term;
     ``is_weights`` (``[B, T]``, non-negative constants: the rollout correction's truncated importance
-    weights, :mod:`training.offpolicy`) multiply the policy term per token before aggregation, as verl's
+    weights, :mod:`training.algos.offpolicy`) multiply the policy term per token before aggregation, as verl's
     ``rollout_is_weights`` (the KL and entropy terms are not weighted). Returns ``(loss, stats)`` with
     ``stats`` = pg_loss, the term's own stats (``ppo_clip``: clip_frac), approx_kl (vs. the old policy),
     ratio_mean, kl (vs. the reference) and entropy. Raises ``ValueError`` for an

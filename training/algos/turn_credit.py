@@ -1,8 +1,9 @@
-"""Turn-level credit for multi-turn search episodes: advantage estimators that give each turn its own value.
+"""Turn-level credit for multi-turn search episodes: the math of advantage estimators that give each turn its
+own value.
 
 An outcome estimator (GRPO and its kin) writes one number on every token of an episode: the search that
 found the missing document and the one that wasted a turn are credited alike. The estimators here compare
-*turns*, each registered in :data:`training.advantages.ADV_ESTIMATORS`:
+*turns*, each registered in :data:`training.algos.estimators.ADV_ESTIMATORS`:
 
 * ``gigpo``: GiGPO (Feng et al., 2025, "Group-in-Group Policy Optimization for LLM Agent Training";
   reference implementation ``verl-agent``'s ``gigpo/core_gigpo.py``). The episode-level group advantage of
@@ -20,8 +21,8 @@ found the missing document and the one that wasted a turn are credited alike. Th
   credits the search that reached the answer-bearing document at whatever depth, and it costs no forward
   pass. It reads the gold answer (as the EM reward does), never the hop count.
 
-Turn ``k`` is column ``k - 1`` of the ``[N, K]`` turn tensors (:func:`training.rewards.turn_table`);
-:func:`training.advantages.turns_to_tokens` writes a turn's value on its policy tokens.
+Turn ``k`` is column ``k - 1`` of the ``[N, K]`` turn tensors (:func:`training.algos.rewards.turn_table`);
+:func:`training.algos.advantages.turns_to_tokens` writes a turn's value on its policy tokens.
 """
 
 from __future__ import annotations
@@ -31,14 +32,7 @@ from typing import Any
 import torch
 
 from agent.metrics import normalize_answer
-from training.advantages import (
-    AdvantageInputs,
-    grpo_advantages,
-    igpo_turn_advantages,
-    register_adv_est,
-    segment_stats,
-    turns_to_tokens,
-)
+from training.algos.advantages import grpo_advantages, segment_stats
 
 
 # -- GiGPO ---------------------------------------------------------------------------------------------
@@ -118,29 +112,6 @@ def gigpo_advantages(rewards: torch.Tensor, groups: torch.Tensor, turn_rewards: 
     return (ep.unsqueeze(-1) + omega * step) * turn_valid.float()
 
 
-def outcome_turn_rewards(inp: AdvantageInputs, tc: Any) -> torch.Tensor:
-    """``[N, K]`` turn rewards of an outcome episode: the outcome (minus the KL penalty with
-    ``train.kl_mode=reward``) on each trajectory's last valid turn and ``-train.search_cost`` on every search
-    turn; their sum over turns is the episode's return."""
-    valid = inp.turn_valid
-    turn_r = -tc.search_cost * inp.is_search.float() * valid.float()
-    last = valid.long().cumsum(-1).argmax(-1)  # column of each trajectory's last valid turn
-    rows = torch.arange(len(inp.rewards))
-    turn_r[rows, last] += inp.rewards.float() - tc.kl_coef * inp.kl_seq()
-    return turn_r
-
-
-@register_adv_est("gigpo", groups=True)
-def _gigpo(inp: AdvantageInputs, tc: Any) -> dict[str, torch.Tensor]:
-    """GiGPO over the observation-history anchor states, ``train.gigpo_omega``, ``train.gamma`` and
-    ``train.gigpo_std_norm``."""
-    turn_r = outcome_turn_rewards(inp, tc)
-    states = anchor_states(inp.trajs, inp.turn_valid.shape[1])
-    adv = gigpo_advantages(turn_r.sum(-1), inp.groups, turn_r, inp.turn_valid, states, tc.gamma, tc.gigpo_omega,
-                           tc.gigpo_std_norm)
-    return {"advantages": turns_to_tokens(adv, inp.token_turns, inp.mask)}
-
-
 # -- evidence-gain IGPO ----------------------------------------------------------------------------------
 def _contains(text: str, answers: list[str]) -> bool:
     """Whether a normalised gold answer occurs in the normalised ``text`` as a whole word sequence."""
@@ -161,15 +132,3 @@ def evidence_gain(trajs: list[Any], K: int) -> torch.Tensor:
                 out[i, t.index - 1] = 1.0
                 break
     return out
-
-
-@register_adv_est("evidence_igpo", groups=True)
-def _evidence_igpo(inp: AdvantageInputs, tc: Any) -> dict[str, torch.Tensor]:
-    """IGPO's turn rewards and advantages (:func:`training.advantages.igpo_turn_advantages`: z-normalised
-    over the group's turns, accumulated with ``train.gamma``) with the evidence gain
-    (:func:`evidence_gain`, weight ``train.ig_coef``) in place of the probability gain: the outcome (minus
-    the KL penalty) on the last turn, ``-train.search_cost`` on every search turn."""
-    gain = evidence_gain(inp.trajs, inp.turn_valid.shape[1]) * inp.turn_valid.float()
-    turn_r = tc.ig_coef * gain + outcome_turn_rewards(inp, tc)
-    adv = igpo_turn_advantages(turn_r, inp.turn_valid, inp.groups, tc.gamma)
-    return {"advantages": turns_to_tokens(adv, inp.token_turns, inp.mask)}

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from agent.trajectory import Trajectory
-from training.losses import kl_estimate
+from training.algos.losses import kl_estimate
 
 
 def turn_table(trajs: list[Trajectory], max_turns: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
