@@ -14,7 +14,7 @@ with and without LoRA (peft), each measured in two phases:
   ``--seq-len`` tokens (a prompt, then policy turns and tool spans; loss mask from the roles), through the
   public functions the trainer uses: :func:`training.batch.micro_batches` (token budget
   ``--micro-tokens``), the old log-probs (no grad), then per micro-batch :func:`training.batch.policy_logprobs`
-  (the fused masked LM-head kernel of :mod:`training.kernels` on GPU) and :func:`training.kernels.policy_loss`
+  (the fused masked LM-head kernel of :mod:`training.model.kernels` on GPU) and :func:`training.model.kernels.policy_loss`
   (PPO-clip, token-mean) and backward, then gradient clipping and one AdamW step over the trainable
   parameters (all of them, or LoRA's adapters).
 
@@ -49,10 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent.backends.hf import TransformersLLM
 from agent.llm import SamplingParams
 from agent.trajectory import Role
-from training import kernels as K
-from training.actor import policy_logprobs
 from training.batch import Batch, micro_batches
 from training.masking import loss_mask_from_roles
+from training.model import kernels as K
+from training.model.forward import policy_logprobs
 
 VOCAB = 151_936
 # hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,

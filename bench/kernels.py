@@ -5,7 +5,7 @@ The grid: Qwen2.5 vocabulary V = 151,936; hidden H in {896, 2048, 3584}; N in {1
 
 Methods (each: loss = masked mean of -log p(target), then backward to hidden and LM-head weight):
 * ``naive``: LM head over all N -> float32 log_softmax -> gather -> masked mean (Search-R1 / verl style);
-* ``sleuth``: training.kernels.masked_logprobs (policy rows only, row blocks x vocabulary chunks, online LSE,
+* ``sleuth``: training.model.kernels.masked_logprobs (policy rows only, row blocks x vocabulary chunks, online LSE,
   recompute in the backward);
 * ``liger``: Liger-Kernel's LigerFusedLinearCrossEntropyLoss with ignore_index at tool tokens (if importable).
 
@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training import kernels as K
+from training.model import kernels as K
 
 V_QWEN25 = 151_936
 HIDDEN = (896, 2048, 3584)

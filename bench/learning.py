@@ -184,8 +184,8 @@ def prepare():
     from corpora.synthetic import SPEC, SPEC_V2, write
     from retrieval.index import build_index, load_retriever
     from sleuth.config import SFTConfig, TinyPolicyConfig
+    from training.model.tiny import create_tiny_policy
     from training.oracle import ChainOracleLLM
-    from training.policy import create_tiny_policy
     from training.sft import sft_train
 
     paths = write(WORK / "data", SPEC_V2 if TASK == "v2" else SPEC)

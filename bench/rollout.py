@@ -196,7 +196,7 @@ def load_policy(model: str | None, tmp: Path):
     from agent.backends.hf import TransformersLLM
     from corpora import read_corpus, read_qa, sample_paths
     from sleuth.config import load_config
-    from training.policy import create_tiny_policy
+    from training.model.tiny import create_tiny_policy
 
     if model:
         return TransformersLLM.from_pretrained(model, device="cpu"), model

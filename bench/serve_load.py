@@ -181,7 +181,7 @@ def prepare(args) -> tuple[Path, Path, list[str], str]:
     if args.model:
         return index, Path(args.model), questions, str(args.model)
     from sleuth.config import load_config
-    from training.policy import create_tiny_policy
+    from training.model.tiny import create_tiny_policy
 
     cfg = load_config(ROOT / "configs/quickstart.yaml", ["policy.tiny.tokenizer_texts=3000"])
     model = work / "tiny"

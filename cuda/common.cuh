@@ -1,5 +1,5 @@
 // Shared helpers for Sleuth's CUDA kernels. CUDA headers only (no torch headers: the CPU torch wheel lacks
-// torch's CUDA headers, so the .cu files are compiled by nvcc alone and bound from training/csrc/*.cpp).
+// torch's CUDA headers, so the .cu files are compiled by nvcc alone and bound from training/model/csrc/*.cpp).
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -8,7 +8,7 @@
 
 namespace sleuth {
 
-// dtype codes shared with training/csrc/sleuth_kernels.cpp
+// dtype codes shared with training/model/csrc/sleuth_kernels.cpp
 enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 __device__ __forceinline__ float to_f32(float x) { return x; }

@@ -1,6 +1,6 @@
 // Fused masked log-prob kernels: the softmax statistics and the logit gradient of one vocabulary chunk.
 //
-// Spec: training.algos.losses.masked_lm_head_logprobs. The host side (training/csrc/sleuth_kernels.cpp) compacts
+// Spec: training.algos.losses.masked_lm_head_logprobs. The host side (training/model/csrc/sleuth_kernels.cpp) compacts
 // the policy rows, then walks the vocabulary in chunks: it forms the chunk logits z = h W_c^T with cuBLAS
 // (through torch, in the input dtype with fp32 accumulation) into an [n, c] buffer and calls
 //   * sleuth_lse_chunk: per row, an online log-sum-exp update of the running (max m, sum s = sum e^(z-m),

@@ -61,7 +61,7 @@ def main() -> None:
     from corpora.formats import read_corpus
     from retrieval.index import build_index, load_retriever
     from sleuth.config import AgentConfig, TinyPolicyConfig
-    from training.policy import create_tiny_policy
+    from training.model.tiny import create_tiny_policy
 
     sample = Path("corpora/sample")
     example = next(q for q in map(json.loads, (sample / "test.jsonl").open()) if q["id"] == QUESTION_ID)

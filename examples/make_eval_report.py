@@ -1,7 +1,7 @@
 """Rebuild the example report in ``eval/example/``: the five methods on the shipped HotpotQA sample.
 
 Steps (CPU, a few minutes on 2 cores): BM25 index of ``corpora/sample/corpus.jsonl``; the tiny policy
-(BPE tokenizer + tiny Qwen2 from seed 0, :mod:`training.policy`) warm-started by SFT on oracle trajectories
+(BPE tokenizer + tiny Qwen2 from seed 0, :mod:`training.model.tiny`) warm-started by SFT on oracle trajectories
 of the *train* questions (:mod:`training.sft`); then ``direct``, ``rag``, ``ircot``, ``search_o1`` and
 ``agent`` on the 100 *test* questions through :func:`eval.run.run_benchmarks`, and
 :func:`eval.report.write_report` into ``eval/example/``. Work files go to ``runs/eval_example`` (re-running reuses
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from eval.run import run_benchmarks
     from retrieval.index import build_index, load_retriever
     from sleuth.config import load_config
-    from training.policy import create_tiny_policy
+    from training.model.tiny import create_tiny_policy
     from training.sft import oracle_trajectories, sft_train
 
     torch.manual_seed(0)

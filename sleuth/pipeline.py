@@ -152,7 +152,7 @@ def tiny_policy_path(cfg: Config, log=print) -> Path:
     name, then renamed: an interrupted build is never taken for a finished one)."""
     import shutil
 
-    from training.policy import create_tiny_policy
+    from training.model.tiny import create_tiny_policy
 
     path = Path(cfg.out_dir) / "tiny"
     if not (path / "config.json").exists():

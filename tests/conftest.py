@@ -56,7 +56,7 @@ def retriever(bm25_index):
 def tiny_policy_dir(tmp_path_factory):
     """A 1-layer Qwen2 with a BPE tokenizer trained on the fixture texts (built in about a second)."""
     from sleuth.config import TinyPolicyConfig
-    from training.policy import create_tiny_policy
+    from training.model.tiny import create_tiny_policy
 
     cfg = TinyPolicyConfig(vocab_size=400, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                            intermediate_size=64, max_position_embeddings=1024)

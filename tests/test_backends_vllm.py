@@ -31,7 +31,7 @@ pytestmark = [
 def tiny_dir(tmp_path_factory):
     from sleuth.config import TinyPolicyConfig
     from tests.conftest import PASSAGES, QUESTIONS
-    from training.policy import create_tiny_policy
+    from training.model.tiny import create_tiny_policy
 
     cfg = TinyPolicyConfig(vocab_size=400, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
                            intermediate_size=64, max_position_embeddings=1024)
@@ -93,7 +93,7 @@ def test_stop_string_ends_the_turn(engine, tiny_dir):
 
 def test_update_weights_without_restart(engine, tiny_dir):
     from agent.llm import SamplingParams, encode
-    from training.policy import build_tiny_policy
+    from training.model.tiny import build_tiny_policy
 
     new = build_tiny_policy(engine.tokenizer, tiny_dir[1], seed=123).eval()
     prompt = encode(engine.tokenizer, "Question: Where was Gustave Eiffel born?\n")
@@ -154,7 +154,7 @@ def test_a_push_that_left_one_tensor_stale_is_caught_by_the_probe(engine, tiny_d
     """vLLM's in-place reload keeps the old value of a tensor it is not given new values for: the push below
     names every weight (so the backend's own name check passes) but carries the engine's old value for one
     of them, as a loader that skipped it would. The probe check catches it; the full push passes it."""
-    from training.policy import build_tiny_policy
+    from training.model.tiny import build_tiny_policy
     from training.weight_sync import WeightSyncError, check_engine, probe_ids
 
     old = build_tiny_policy(engine.tokenizer, tiny_dir[1], seed=0).eval()

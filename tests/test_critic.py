@@ -1,4 +1,4 @@
-"""The value model (training.critic) on an FSDP2-sharded policy: refused at construction with a clear error.
+"""The value model (training.model.critic) on an FSDP2-sharded policy: refused at construction with a clear error.
 
 Under torchrun the policy is sharded before the critic is built; ``copy.deepcopy`` of a sharded backbone
 fails with FSDP's AssertionError, and the shared layout ran the sharded backbone outside its root FSDP unit
@@ -25,9 +25,9 @@ def _tiny():
 
 @pytest.mark.parametrize("shared", [True, False])
 def test_value_model_refuses_a_sharded_policy(shared):
-    from training.actor import LogprobModule
-    from training.critic import ValueModel
-    from training.infra.distributed import shard
+    from training.model.critic import ValueModel
+    from training.model.forward import LogprobModule
+    from training.model.fsdp import shard
 
     # no test leaves a process group behind (rl_train destroys its own); a leaked one is a failure, not a skip
     assert not dist.is_initialized(), "a process group leaked from an earlier test"
@@ -45,7 +45,7 @@ def test_value_model_refuses_a_sharded_policy(shared):
 def test_value_model_on_a_plain_policy_is_aligned_with_the_loss_mask(shared):
     from agent.trajectory import Role, Trajectory
     from training.batch import collate
-    from training.critic import ValueModel
+    from training.model.critic import ValueModel
 
     model = _tiny()
     t = Trajectory("q", "q")
@@ -66,7 +66,7 @@ def test_value_head_is_built_on_the_policy_device(shared):
     """The head was always made on the CPU, and forward moves the batch to the head's device: with the policy
     on a GPU the backbone got CPU input ids at the first PPO value forward. (The meta device stands in for a
     GPU here.)"""
-    from training.critic import ValueModel
+    from training.model.critic import ValueModel
 
     critic = ValueModel(_tiny().to("meta"), shared=shared)
     assert critic.head.weight.device.type == "meta" and critic.head.weight.dtype == torch.float32
@@ -78,7 +78,7 @@ def test_value_forward_builds_no_kv_cache(shared):
     batch that the value head never reads."""
     from agent.trajectory import Role, Trajectory
     from training.batch import collate
-    from training.critic import ValueModel
+    from training.model.critic import ValueModel
 
     critic = ValueModel(_tiny(), shared=shared)
     seen = []

@@ -1,7 +1,7 @@
 """CI compile check of the CUDA sources and the torch binding (no GPU needed).
 
 Every ``cuda/*.cu`` is compiled with ``nvcc -c`` for sm_80 and sm_90 with the defines torch's JIT build adds,
-so a syntax or type error fails CI. The binding ``training/csrc/*.cpp`` is syntax-checked with g++ against the
+so a syntax or type error fails CI. The binding ``training/model/csrc/*.cpp`` is syntax-checked with g++ against the
 installed (CPU) torch headers; it includes only ``torch/extension.h``, so this is the same code the GPU build
 compiles. Skipped (with the reason) only when ``nvcc`` / ``g++`` is absent.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from training.kernels import CSRC_DIR, CU_SOURCES, CUDA_ARCH_FLAGS, CUDA_DIR
+from training.model.kernels import CSRC_DIR, CU_SOURCES, CUDA_ARCH_FLAGS, CUDA_DIR
 
 NVCC = shutil.which("nvcc") or (shutil.which("nvcc", path="/usr/local/cuda/bin"))
 GXX = shutil.which("g++")
@@ -31,7 +31,7 @@ TORCH_NVCC_DEFINES = (
 
 def test_every_cu_file_is_listed_for_the_build():
     on_disk = sorted(p.name for p in CUDA_DIR.glob("*.cu"))
-    assert on_disk == sorted(CU_SOURCES), "training.kernels.CU_SOURCES must list every cuda/*.cu"
+    assert on_disk == sorted(CU_SOURCES), "training.model.kernels.CU_SOURCES must list every cuda/*.cu"
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed: cannot compile the CUDA sources")

@@ -268,10 +268,8 @@ def ppo_worker(policy_dir: str, index_dir: str, out: Path) -> None:
             torch.save((values, mask, res), out / f"whiten.rank{rank}.pt")
         return res
 
-    import training.critic as C
-
-    real_value_model = C.ValueModel
-    C.ValueModel, RS.load_critic_optimizer, E.batch_masked_whiten = remember, recorded_load, recorded_whiten
+    real_value_model = RS.ValueModel
+    RS.ValueModel, RS.load_critic_optimizer, E.batch_masked_whiten = remember, recorded_load, recorded_whiten
     try:
         for name, steps, resume in (("ppo_straight", 3, False), ("ppo_split", 2, False), ("ppo_split", 3, True)):
             held = {}
@@ -297,36 +295,38 @@ def ppo_worker(policy_dir: str, index_dir: str, out: Path) -> None:
                        tok, retriever, QUESTIONS, out / name, resume=resume, judge=varying_judge, llm_factory=factory,
                        on_step=on_step)
     finally:
-        C.ValueModel, RS.load_critic_optimizer, E.batch_masked_whiten = real_value_model, real_load, real_whiten
+        RS.ValueModel, RS.load_critic_optimizer, E.batch_masked_whiten = real_value_model, real_load, real_whiten
     D.shutdown()
     (out / f"done.ppo.rank{rank}").touch()
 
 
 def nan_on_one_rank(rank: int, policy_dir: str, out: Path) -> None:
     """A non-finite loss on rank 1 only: both ranks skip the step (FloatingPointError), none hangs."""
-    import training.kernels as K
+    import training.model.actor as ACT
     from tests.test_fsdp import build, train_cfg
-    from training.actor import LogprobModule, update_policy
     from training.infra import distributed as D
+    from training.model.actor import update_policy
+    from training.model.forward import LogprobModule
+    from training.model.fsdp import shard
 
     model, batch = build()
-    fwd = D.shard(LogprobModule(model))
+    fwd = shard(LogprobModule(model))
     opt = torch.optim.AdamW(fwd.parameters(), lr=1e-2)
     before = D.full_state_dict(fwd)
-    real = K.policy_loss
+    real = ACT.policy_loss
 
     def loss_fn(*a, **kw):
         loss, stats = real(*a, **kw)
         return (loss * float("nan") if rank == 1 else loss), stats
 
-    K.policy_loss = loss_fn
+    ACT.policy_loss = loss_fn
     try:
         update_policy(fwd, None, opt, batch.select(torch.arange(len(batch))[rank::2]), train_cfg())
         result = "no error"
     except FloatingPointError as e:
         result = f"FloatingPointError: {e}"
     finally:
-        K.policy_loss = real
+        ACT.policy_loss = real
     after = D.full_state_dict(fwd)
     moved = any(not torch.equal(before[k], after[k]) for k in before)
     (out / f"nan.rank{rank}.txt").write_text(f"{result}|moved={moved}")

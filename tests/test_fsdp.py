@@ -1,6 +1,6 @@
 """FSDP2 on CPU: two gloo processes (torchrun) each updating on half the batch produce the same parameters
 after a step as one process on the whole batch, for the policy and for PPO's separate value model (sharded
-on its own, :func:`training.infra.distributed.shard_value_model`). The ranks split their halves by a token budget into
+on its own, :func:`training.model.fsdp.shard_value_model`). The ranks split their halves by a token budget into
 different numbers of micro-batches (2 and 3), which :func:`training.infra.distributed.pad_micro_batches` evens out.
 
 Run as a script by torchrun (the worker); as a test it computes the one-process reference in-process and
@@ -60,7 +60,7 @@ def train_cfg():
 
 def critic_for(model):
     """PPO's separate value model of ``model``, its head set off zero so that the backbone gets gradients."""
-    from training.critic import ValueModel
+    from training.model.critic import ValueModel
 
     critic = ValueModel(model)
     with torch.no_grad():
@@ -69,7 +69,7 @@ def critic_for(model):
 
 
 def reference_params() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    from training.actor import update_policy
+    from training.model.actor import update_policy
 
     model, batch = build()
     critic = critic_for(model)
@@ -82,14 +82,16 @@ def reference_params() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]
 
 
 def worker(out: str) -> None:
-    from training.actor import LogprobModule, update_policy
     from training.infra import distributed as D
+    from training.model.actor import update_policy
+    from training.model.forward import LogprobModule
+    from training.model.fsdp import shard, shard_value_model
 
     rank, W = D.init_from_env("gloo")
     torch.set_num_threads(1)
     model, batch = build()
-    critic = D.shard_value_model(critic_for(model))  # built from the full policy, before it is sharded
-    fwd = D.shard(LogprobModule(model))
+    critic = shard_value_model(critic_for(model))  # built from the full policy, before it is sharded
+    fwd = shard(LogprobModule(model))
     opt = torch.optim.SGD(fwd.parameters(), lr=train_cfg().lr)
     copt = torch.optim.SGD(critic.parameters(), lr=train_cfg().lr)
     rows = torch.arange(len(batch))[rank::W]

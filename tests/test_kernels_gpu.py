@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training import kernels as K
 from training.algos.losses import LOSS_AGGS, masked_lm_head_logprobs, policy_loss
+from training.model import kernels as K
 
 KERNEL_AGGS = tuple(m for m in LOSS_AGGS if LOSS_AGGS.get(m).kernel_mode is not None)
 from training.masking import span_mask_reference
@@ -354,8 +354,8 @@ def test_policy_logprobs_kernel_under_autocast(monkeypatch, packed):
     # gets bf16 hidden states and an fp32 weight; it must agree with the reference under the same autocast
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from training.actor import policy_logprobs
     from training.batch import Batch
+    from training.model.forward import policy_logprobs
 
     torch.manual_seed(0)
     V, N, T = 3001, 4, 96

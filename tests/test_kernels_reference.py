@@ -16,8 +16,8 @@ import random
 import pytest
 import torch
 
-from training import kernels as K
 from training.algos.losses import LOSS_AGGS, aggregate, kl_estimate, masked_lm_head_logprobs, policy_loss
+from training.model import kernels as K
 
 #: the aggregation modes the CUDA loss kernel implements (the reference implements every registered one)
 KERNEL_AGGS = tuple(m for m in LOSS_AGGS if LOSS_AGGS.get(m).kernel_mode is not None)

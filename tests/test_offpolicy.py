@@ -149,17 +149,17 @@ class PerturbedRollouts:
 
 def _spy_weights(monkeypatch):
     """Record the IS weights and the loss of every micro-batch the update computes."""
-    import training.kernels as K
+    import training.model.actor as ACT
 
     seen = []
-    real = K.policy_loss
+    real = ACT.policy_loss
 
     def spy(*a, **kw):
         loss, stats = real(*a, **kw)
         seen.append((kw.get("is_weights"), float(loss.detach())))
         return loss, stats
 
-    monkeypatch.setattr(K, "policy_loss", spy)
+    monkeypatch.setattr(ACT, "policy_loss", spy)
     return seen
 
 
@@ -192,9 +192,9 @@ def test_the_cap_bounds_the_gradient_when_one_reported_logprob_is_far_off(tiny_p
     update; TIS caps it at C, and the gradient stays that of the on-policy batch's order."""
     from agent.backends.hf import TransformersLLM
     from agent.loop.batch import run_episodes
-    from training.actor import score_logprobs, update_policy
     from training.algos.offpolicy import rollout_correction
     from training.batch import collate
+    from training.model.actor import score_logprobs, update_policy
 
     cfg = make_cfg()
     model, tok = load(tiny_policy_dir)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from agent.trajectory import Role, Trajectory
-from training.actor import policy_logprobs
 from training.batch import Batch, collate, micro_batches
+from training.model.forward import policy_logprobs
 
 LENGTHS = [23, 9, 1, 2, 16, 5]
 
@@ -23,7 +23,7 @@ def policy(tiny_policy_dir):
     from transformers import AutoTokenizer
 
     from sleuth.config import TinyPolicyConfig
-    from training.policy import build_tiny_policy
+    from training.model.tiny import build_tiny_policy
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(str(tiny_policy_dir))
@@ -218,7 +218,7 @@ def test_micro_batches_packed_budget_is_the_sum_of_real_lengths(policy):
 
 
 def test_select_carries_the_flag_and_logprob_module_follows_it(policy):
-    from training.actor import LogprobModule
+    from training.model.forward import LogprobModule
 
     model, tok = policy
     b = make_batch(tok)
@@ -237,7 +237,7 @@ def test_update_policy_with_packing_equals_padded(policy):
     import copy
 
     from sleuth.config import TrainConfig
-    from training.actor import update_policy
+    from training.model.actor import update_policy
 
     model, tok = policy
     states = []
@@ -287,7 +287,7 @@ def test_the_critic_follows_packing_with_the_same_values_and_grads(policy, share
     """PPO's value model runs a packed micro-batch packed too: the same values and gradients as padded, and
     the backbone sees one [1, sum(lengths)] row, not the padded [N, T] (a packed micro-batch is budgeted on
     the sum of real lengths, so its padded form may be many times train.micro_batch_tokens)."""
-    from training.critic import ValueModel
+    from training.model.critic import ValueModel
 
     model, tok = policy
     critic = ValueModel(model, shared=shared)

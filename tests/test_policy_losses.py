@@ -8,7 +8,7 @@ import torch
 
 from training.algos.losses import POLICY_LOSSES, policy_loss
 from training.config import TrainConfig
-from training.kernels import policy_loss as dispatched_loss
+from training.model.kernels import policy_loss as dispatched_loss
 
 MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
 OLD = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-1.5, -0.7, 0.0, 0.0]], dtype=torch.float64)

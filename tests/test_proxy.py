@@ -164,9 +164,9 @@ def test_the_built_in_loop_through_the_proxy_is_token_identical(tiny_llm, retrie
 
     import torch
 
-    from training.actor import update_policy
     from training.batch import collate
     from training.config import TrainConfig
+    from training.model.actor import update_policy
 
     def step(trajs):
         model = copy.deepcopy(tiny_llm.model).train()

@@ -87,7 +87,7 @@ def test_plugin_errors_name_the_plugin(tmp_path):
 
 
 def test_the_reference_loss_runs_the_parts_the_kernel_lacks_and_cuda_refuses_them(monkeypatch):
-    from training import kernels as K
+    from training.model import kernels as K
 
     g = torch.Generator().manual_seed(0)
     lp, old, adv = -torch.rand(2, 4, generator=g), -torch.rand(2, 4, generator=g), torch.randn(2, 4, generator=g)

@@ -412,7 +412,7 @@ def test_an_interrupted_tiny_policy_build_is_built_again(tmp_path, monkeypatch):
     """create_tiny_policy saves the model (config.json first) and then the tokenizer; a run killed in between
     left <out_dir>/tiny with a config.json, which the next run took for a finished policy and then failed
     to load (no tokenizer, or truncated weights). The policy is built under a temporary name and renamed."""
-    import training.policy
+    import training.model.tiny
     from sleuth.config import load_config
     from sleuth.pipeline import tiny_policy_path
 
@@ -428,10 +428,10 @@ def test_an_interrupted_tiny_policy_build_is_built_again(tmp_path, monkeypatch):
         return Path(out_dir)
 
     cfg = load_config(None, [f"out_dir={tmp_path}"])
-    monkeypatch.setattr(training.policy, "create_tiny_policy", killed)
+    monkeypatch.setattr(training.model.tiny, "create_tiny_policy", killed)
     with pytest.raises(KeyboardInterrupt):
         tiny_policy_path(cfg, log=lambda *_: None)
-    monkeypatch.setattr(training.policy, "create_tiny_policy", finished)
+    monkeypatch.setattr(training.model.tiny, "create_tiny_policy", finished)
     path = tiny_policy_path(cfg, log=lambda *_: None)
     assert path == tmp_path / "tiny" and (path / "tokenizer.json").exists()
     assert tiny_policy_path(cfg, log=lambda *_: None) == path  # a finished one is reused

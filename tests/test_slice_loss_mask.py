@@ -28,8 +28,8 @@ def test_gradient_is_zero_exactly_at_tool_and_prompt_tokens():
 def test_policy_logprobs_path_matches_full_logits(tiny_llm):
     """The masked LM-head path used in training equals gather(log_softmax(logits)) at policy tokens."""
     from agent.trajectory import Trajectory
-    from training.actor import policy_logprobs
     from training.batch import collate
+    from training.model.forward import policy_logprobs
 
     tok = tiny_llm.tokenizer
     t = Trajectory("q", "q")

@@ -10,9 +10,9 @@ import torch
 from agent.loop.batch import run_episodes
 from sleuth.config import load_config
 from tests.conftest import PASSAGES, QUESTIONS, run_rl
-from training.actor import update_policy
 from training.algos.advantages import grpo_advantages
 from training.batch import collate
+from training.model.actor import update_policy
 
 
 def _params(model):

@@ -99,8 +99,8 @@ def test_token_budget_micro_batches_equal_one_full_batch(tiny_policy_dir, retrie
     """Gradient accumulation over length-sorted micro-batches (padding trimmed) == one full-batch step."""
     from agent.backends.hf import TransformersLLM
     from agent.loop.batch import run_episodes
-    from training.actor import update_policy
     from training.batch import collate, micro_batches
+    from training.model.actor import update_policy
 
     cfg = make_cfg()
     model, tok = load(tiny_policy_dir)
@@ -246,7 +246,8 @@ def test_gold_answer_probs_run_the_lm_head_on_the_gold_tokens_only(tiny_policy_d
 
     from agent.llm import encode
     from agent.loop.batch import run_episodes
-    from training.algos.rewards import gold_answer_probs, turn_boundaries
+    from training.algos.rewards import turn_boundaries
+    from training.model.forward import gold_answer_probs
 
     model, tok = load(tiny_policy_dir)
     trajs = run_episodes(QUESTIONS[:2], SeededLLM(model, tok), retriever, agent_cfg, n_samples=2)
@@ -287,12 +288,12 @@ def test_gold_answer_probs_run_the_lm_head_on_the_gold_tokens_only(tiny_policy_d
 def test_log_probs_are_scored_at_the_rollout_temperature(tiny_policy_dir, retriever, tmp_path, monkeypatch):
     """rl_train scores old, new (and reference) log-probs at agent.temperature, the temperature the rollout
     sampled at; greedy rollouts (temperature 0) are refused before anything runs."""
-    import training.actor as ACT
+    import training.model.forward as FWD
     from tests.conftest import run_rl
 
     seen = []
-    real = ACT.tempered
-    monkeypatch.setattr(ACT, "tempered", lambda h, t: seen.append(t) or real(h, t))
+    real = FWD.tempered
+    monkeypatch.setattr(FWD, "tempered", lambda h, t: seen.append(t) or real(h, t))
     model, tok = load(tiny_policy_dir)
     with pytest.raises(ValueError, match="agent.temperature must be > 0"):
         run_rl(make_cfg("train.steps=1", "agent.temperature=0"), model, tok, retriever, QUESTIONS, tmp_path / "greedy",
@@ -326,16 +327,16 @@ def test_a_retriever_with_a_curriculum_follows_the_training_step(tiny_policy_dir
 
 
 def test_nonfinite_loss_is_skipped_then_stops(tiny_policy_dir, retriever, tmp_path, monkeypatch):
-    import training.kernels as K
+    import training.model.actor as ACT
     from tests.conftest import run_rl
 
-    real = K.policy_loss
+    real = ACT.policy_loss
 
     def nan_loss(*a, **kw):
         loss, stats = real(*a, **kw)
         return loss * float("nan"), stats
 
-    monkeypatch.setattr(K, "policy_loss", nan_loss)
+    monkeypatch.setattr(ACT, "policy_loss", nan_loss)
     model, tok = load(tiny_policy_dir)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     cfg = make_cfg("train.steps=5", "train.max_nonfinite_steps=2")
@@ -357,10 +358,10 @@ def test_a_nonfinite_later_ppo_epoch_still_pushes_the_epochs_that_stepped(tiny_p
     (vLLM; the rollout copy under torchrun, which checkpoints save) must get them. Before, the push sat in the
     skipped branch: the next rollout sampled from stale weights and a checkpoint saved them beside the moved
     optimizer state."""
-    import training.kernels as K
+    import training.model.actor as ACT
     from tests.conftest import run_rl
 
-    real, stepped = K.policy_loss, {"n": 0}
+    real, stepped = ACT.policy_loss, {"n": 0}
     real_step = torch.optim.AdamW.step
 
     def nan_after_a_step(*a, **kw):
@@ -371,7 +372,7 @@ def test_a_nonfinite_later_ppo_epoch_still_pushes_the_epochs_that_stepped(tiny_p
         stepped["n"] += 1
         return real_step(self, *a, **kw)
 
-    monkeypatch.setattr(K, "policy_loss", nan_after_a_step)
+    monkeypatch.setattr(ACT, "policy_loss", nan_after_a_step)
     monkeypatch.setattr(torch.optim.AdamW, "step", counting_step)
     pushed = []
     model, tok = load(tiny_policy_dir)
@@ -474,7 +475,7 @@ def test_micro_batches_equal_full_batch_with_a_row_without_policy_tokens(agg, ti
     """Gradient accumulation over one-row micro-batches equals the full-batch step for every aggregation, also
     when a row has no policy token (a trajectory truncated inside its prompt): seq-mean-token-mean averages
     over the rows that have policy tokens, so a micro-batch's weight must count those rows, not all rows."""
-    from training.actor import update_policy
+    from training.model.actor import update_policy
 
     model, tok = load(tiny_policy_dir)
     rows = [[0, 0, 1, 1, 1, 2, 2, 1, 1], [0, 0, 0, 0, 0, 0], [0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]
@@ -502,8 +503,8 @@ def test_old_logprobs_are_computed_under_the_update_autocast(tiny_policy_dir, re
     clipping). The autocast is faked on CPU: every policy/reference forward must happen inside it."""
     import contextlib
 
-    import training.actor as ACT
-    from training.actor import LogprobModule
+    import training.model.actor as ACT
+    from training.model.forward import LogprobModule
 
     active, seen = [0], []
 
@@ -533,9 +534,9 @@ def test_old_logprobs_are_computed_under_the_update_autocast(tiny_policy_dir, re
 def test_nonfinite_value_loss_raises_before_any_weight_moves(shared, tiny_policy_dir, monkeypatch):
     """A NaN value loss (PPO's critic) must raise FloatingPointError like a NaN policy loss, with neither the
     policy nor the critic moved; before, the critic stepped on NaN gradients and silently became NaN."""
-    import training.critic as C
-    from training.actor import update_policy
-    from training.critic import ValueModel
+    import training.model.critic as C
+    from training.model.actor import update_policy
+    from training.model.critic import ValueModel
 
     model, tok = load(tiny_policy_dir)
     critic = ValueModel(model, shared=shared)
@@ -586,18 +587,19 @@ def test_ppo_critic_estimates_in_eval_mode_and_trains_in_train_mode(shared, hand
     mode the policy had when it was copied (eval after ``from_pretrained``), so dropout (GPT-2's
     ``resid_pdrop``, ``train.lora_dropout``) was off in its update, or on in its estimates for a policy
     handed over in train mode."""
-    import training.critic as C
+    import training.run_state as RS
+    from training.model.critic import ValueModel
 
     model, tok = load(tiny_policy_dir)
     model.train(handed_over_training)  # the mode the policy is handed over in must not matter
     modes: dict[bool, set[bool]] = {True: set(), False: set()}  # grad enabled -> the backbone's modes seen
 
-    class Recording(C.ValueModel):
+    class Recording(ValueModel):
         def forward(self, batch):
             modes[torch.is_grad_enabled()] |= {m.training for m in self._body().modules()}
             return super().forward(batch)
 
-    monkeypatch.setattr(C, "ValueModel", Recording)
+    monkeypatch.setattr(RS, "ValueModel", Recording)
     run_rl(make_cfg("train.steps=1", "train.algorithm=ppo", f"train.critic={'shared' if shared else 'separate'}"),
                model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
     assert modes == {False: {False}, True: {True}}, modes
@@ -606,7 +608,7 @@ def test_ppo_critic_estimates_in_eval_mode_and_trains_in_train_mode(shared, hand
 def test_a_critic_optimizer_state_of_the_one_process_format_still_resumes(tiny_policy_dir):
     """Checkpoints written before PPO ran under torchrun hold ``optimizer.state_dict()`` (keyed by position):
     one process restores it; under torchrun the moments restart with a warning."""
-    from training.critic import ValueModel
+    from training.model.critic import ValueModel
     from training.run_state import load_critic_optimizer as _load_critic_optimizer
 
     model, _ = load(tiny_policy_dir)
@@ -730,7 +732,7 @@ def test_data_stream_shuffles_once_per_epoch(monkeypatch):
 def test_logged_lr_is_the_one_the_step_used(tiny_policy_dir):
     """update_policy reported the learning rate read after scheduler.step(), i.e. the next step's: with a
     warm-up, step 1 (lr x 1/4) was logged as lr x 2/4. It now reports the rate its optimizer steps used."""
-    from training.actor import update_policy
+    from training.model.actor import update_policy
 
     model, tok = load(tiny_policy_dir)
     batch = _synthetic_batch(tok, [[0, 0, 1, 1, 1], [0, 1, 1, 2, 1]])
@@ -910,7 +912,7 @@ def test_a_resumed_run_replaces_the_redone_steps_in_tensorboard_too(tmp_path):
 def test_packing_without_packed_sequence_masks_is_refused_before_the_first_rollout(retriever, tmp_path,
                                                                                      monkeypatch):
     """``train.packing`` on a transformers without packed-sequence detection (4.51-4.52) is an error
-    (training.actor.check_packed_masks); it came at the first packed micro-batch, after a whole rollout. It
+    (training.model.forward.check_packed_masks); it came at the first packed micro-batch, after a whole rollout. It
     now comes when ``rl_train`` starts, before any model is touched or rollout made."""
     import sys
 

@@ -47,8 +47,8 @@ def test_lora_trains_adapters_and_resumes_exactly(tiny_policy_dir, retriever, tm
 def test_gradient_checkpointing_gives_the_same_update(tiny_policy_dir, retriever):
     from agent.backends.hf import TransformersLLM
     from agent.loop.batch import run_episodes
-    from training.actor import update_policy
     from training.batch import collate
+    from training.model.actor import update_policy
 
     cfg = make_cfg()
     model, tok = load(tiny_policy_dir)

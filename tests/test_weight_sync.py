@@ -34,7 +34,7 @@ def test_check_tensors_names_the_tensor_a_push_skipped(tiny_policy_dir):
 
 def _fsdp_like_state(model):
     """A RunState stand-in for the torchrun path of sync_phase: a world of 2 whose rollout copy is separate."""
-    from training.actor import LogprobModule
+    from training.model.forward import LogprobModule
 
     return types.SimpleNamespace(world_size=2, fwd=LogprobModule(model), policy=model,
                                  rollout_model=copy.deepcopy(model), gen_model=None)
@@ -135,7 +135,7 @@ def test_lora_adapters_not_merged_into_the_push_are_caught(tiny_policy_dir, retr
     """LoRA: the engine must get the adapters merged into the base weights. A push of the peft model's own
     state dict (``...q_proj.base_layer.weight``, ``lora_A``/``lora_B``) through a loader that ignores
     unknown names leaves the engine on the base weights; the merged push of the trainer passes."""
-    from training.lora import base_model
+    from training.model.lora import base_model
 
     lora = ["train.lora=true", "train.lora_rank=4", "train.lora_targets=[q_proj,v_proj]", "train.lr=5e-2",
             "train.steps=2", TIGHT]

@@ -227,8 +227,8 @@ class AsyncRollouts:
 def rollout_copy(policy: Any, lora: bool) -> Any:
     """The plain model the asynchronous rollout backend starts from: the policy itself (the backend copies
     it) or, with LoRA, a model of the same architecture holding the merged weights
-    (:func:`training.lora.merged_lora_state`)."""
-    from training.lora import base_model, merged_lora_state
+    (:func:`training.model.lora.merged_lora_state`)."""
+    from training.model.lora import base_model, merged_lora_state
 
     base = base_model(policy)
     if not lora:

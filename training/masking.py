@@ -1,7 +1,7 @@
 """Loss masks: which tokens of a trajectory receive gradient (the policy's own) and which turn each is in.
 
 This is the PyTorch reference (the spec) of the span-mask CUDA kernel in ``cuda/``; the dispatching entry
-points that pick kernel or reference live in :mod:`training.kernels`.
+points that pick kernel or reference live in :mod:`training.model.kernels`.
 """
 
 from __future__ import annotations

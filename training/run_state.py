@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from corpora.formats import QAExample
-from training.actor import LogprobModule
 from training.algos.estimators import ADV_ESTIMATORS
 from training.infra.checkpoint import (
     best_source,
@@ -46,18 +45,19 @@ from training.infra.distributed import (
     gather_objects,
     load_full_optimizer_state,
     run_on_rank0,
-    shard,
-    shard_value_model,
 )
 from training.infra.monitors import Alarms
-from training.lora import MergedView, apply_lora, base_model, lora_state
+from training.model.critic import ValueModel
+from training.model.forward import LogprobModule
+from training.model.fsdp import shard, shard_value_model
+from training.model.lora import MergedView, apply_lora, base_model, lora_state
 from training.rollout import DataStream
 
 
 @dataclass
 class RunState:
     """Everything a run holds between steps. ``policy`` is the model being trained (peft-wrapped with LoRA),
-    ``fwd`` its :class:`training.actor.LogprobModule` (FSDP2-sharded under torchrun), ``rollout_model`` the
+    ``fwd`` its :class:`training.model.forward.LogprobModule` (FSDP2-sharded under torchrun), ``rollout_model`` the
     full copy the rollout side runs under torchrun (``None`` on one process: the policy itself),
     ``base_state`` LoRA's frozen base weights (written into every checkpoint); ``start`` is the first step to
     run, ``best``/``best_step`` the best held-out EM so far, ``nonfinite`` the steps skipped for a non-finite
@@ -187,8 +187,6 @@ def open_run(tc: Any, model: Any, run_dir: str | Path, train_examples: list[QAEx
     rollout_model = copy.deepcopy(policy) if W > 1 else None
     critic = None
     if critic_needed:  # from the full policy, before it is sharded; then sharded on its own
-        from training.critic import ValueModel
-
         critic = ValueModel(base_model(policy), shared=tc.critic == "shared")
         if "critic" in saved:
             critic.load_state_dict(saved["critic"])

@@ -15,8 +15,8 @@ from agent.loop.batch import run_episodes
 from agent.trajectory import Trajectory
 from corpora.formats import QAExample
 from retrieval.base import Retriever
-from training.actor import policy_logprobs
 from training.batch import collate
+from training.model.forward import policy_logprobs
 from training.oracle import OracleLLM
 
 

@@ -6,11 +6,11 @@ is a function below, and :func:`rl_train`'s loop reads as the algorithm of the G
 1. **rollout** (:mod:`training.rollout`): the LangGraph agent loop samples ``group_size`` episodes per
    question with the current policy; its judge sets the rewards; DAPO's dynamic sampling optionally drops
    flat groups and refills the batch;
-2. **score** (:func:`score`): the old policy's and the reference's log-probs (:mod:`training.actor`), the
+2. **score** (:func:`score`): the old policy's and the reference's log-probs (:mod:`training.model.actor`), the
    critic's values, IGPO's gold-answer probabilities, the KL penalty when it is a reward;
 3. **advantages** (:mod:`training.algos.advantages`, the estimator registered as ``train.algorithm``);
-4. **update** (:func:`training.actor.update_policy`): the registered policy loss over policy tokens only
-   (:func:`training.kernels.policy_loss`), micro-batched, with PPO's critic stepping beside it;
+4. **update** (:func:`training.model.actor.update_policy`): the registered policy loss over policy tokens only
+   (:func:`training.model.kernels.policy_loss`), micro-batched, with PPO's critic stepping beside it;
 5. **sync** the new weights to the rollout side (the rollout copy under FSDP2, a vLLM engine);
 6. **log** the step's record (rollout, loss and health stats, :mod:`training.infra.monitors`) and, every
    ``eval_every`` steps, the held-out evaluation;
@@ -35,10 +35,9 @@ import torch
 from agent.trajectory import Trajectory, save_trajectories
 from corpora.formats import QAExample
 from retrieval.base import Retriever
-from training.actor import check_packed_masks, score_logprobs, split_micro_batches, update_policy
 from training.algos import estimators as E
 from training.algos.offpolicy import rollout_correction
-from training.algos.rewards import gold_answer_probs, kl_penalty
+from training.algos.rewards import kl_penalty
 from training.async_rollout import AsyncRollouts, rollout_copy
 from training.batch import Batch, collate
 from training.faults import FAULT_COUNTS
@@ -53,7 +52,10 @@ from training.infra.distributed import (
 )
 from training.infra.gpu_health import check_gpu_memory
 from training.infra.monitors import MetricsLogger, drop_steps_after
-from training.lora import base_model, merged_lora_state
+from training.model.actor import score_logprobs, split_micro_batches, update_policy
+from training.model.critic import critic_values
+from training.model.forward import check_packed_masks, gold_answer_probs
+from training.model.lora import base_model, merged_lora_state
 from training.rollout import RolloutWorker, rollout, rollout_stats
 from training.run_state import RunState, open_run, restore_rng_streams, save_run
 from training.weight_sync import check_tensors, probe_ids, verify_engine
@@ -90,8 +92,6 @@ def score(state: RunState, batch: Batch, trajs: list[Trajectory], tc: Any, token
     if state.ref_model is not None and tc.kl_mode == "reward":
         extra["kl_tokens"] = kl_penalty(batch.old_logprobs, batch.ref_logprobs, batch.loss_mask, tc.kl_type)
     if state.critic is not None:
-        from training.critic import critic_values
-
         idx, micro, _ = split_micro_batches(batch, tc)
         extra["values"] = critic_values(state.critic, batch, idx, micro)
     if E.ADV_ESTIMATORS.get(tc.algorithm).gold_probs:
@@ -137,7 +137,7 @@ def sync_phase(state: RunState, worker: RolloutWorker, tc: Any, moved: bool,
                probe: list[int] | None) -> dict[str, float]:
     """Push the updated weights to the rollout side: under torchrun the gathered full weights into every
     rank's rollout copy (what checkpoints and evaluation see); to a backend holding its own weights (vLLM)
-    under the base model's names, LoRA merged (:func:`training.lora.merged_lora_state`). With
+    under the base model's names, LoRA merged (:func:`training.model.lora.merged_lora_state`). With
     ``tc.verify_sync`` each push is checked (:mod:`training.weight_sync`: the copy tensor by tensor, the
     engine on the ``probe`` sequence) and a rollout side that does not run the new weights raises
     :class:`training.weight_sync.WeightSyncError`; returns the checks' ``sync/...`` statistics."""
@@ -232,7 +232,7 @@ def checkpoint_phase(state: RunState, step: int, record: dict[str, Any], tokeniz
 def check_setup(tc: Any, agent_cfg: Any) -> None:
     """Raise ``ValueError`` before anything is built for settings that cannot train: greedy rollouts (log-probs
     are scored at the rollout temperature), a critic estimator without a critic, packing on a transformers
-    without packed-sequence masks (:func:`training.actor.check_packed_masks`), asynchronous rollouts with
+    without packed-sequence masks (:func:`training.model.forward.check_packed_masks`), asynchronous rollouts with
     DAPO's dynamic sampling or an external agent (neither runs in the background producer)."""
     if tc.async_rollouts and (tc.dynamic_sampling or getattr(agent_cfg, "kind", "builtin") == "external"):
         raise ValueError("train.async_rollouts runs the built-in agent loop without dynamic sampling: set "

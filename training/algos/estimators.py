@@ -56,7 +56,7 @@ class AdvantageInputs:
     * ``trajs``: the trajectories themselves (anything else an estimator wants to read);
     * ``values`` ``[N, T-1]``: the critic's values (estimators registered with ``critic=True``);
     * ``gold_probs``: per-turn gold-answer probabilities (``gold_probs=True``,
-      :func:`training.algos.rewards.gold_answer_probs`);
+      :func:`training.model.forward.gold_answer_probs`);
     * ``kl_tokens`` ``[N, T-1]``: the per-token KL to the reference when it is a reward penalty
       (``train.kl_mode=reward``), else ``None``; :meth:`kl_seq` is its per-trajectory sum.
     """

@@ -15,7 +15,7 @@ float32 natural logs. Three registries (:mod:`training.registry`), each filled b
   (token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm).
 
 :func:`policy_loss` composes them (policy term + KL-to-reference loss - entropy bonus);
-:func:`training.kernels.policy_loss` runs the fused kernel for the combinations it implements and this
+:func:`training.model.kernels.policy_loss` runs the fused kernel for the combinations it implements and this
 reference otherwise.
 """
 
@@ -36,7 +36,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.T
 
     ``logits``: ``[..., V]`` any float dtype (upcast to float32); ``targets``: ``[...]`` int64.
     Returns ``(logprobs, entropy)``, both ``[...]`` float32. This materialises ``[..., V]`` in float32: the
-    naive path that :func:`training.kernels.masked_logprobs` avoids.
+    naive path that :func:`training.model.kernels.masked_logprobs` avoids.
     """
     logp = F.log_softmax(logits.float(), dim=-1)
     lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -99,7 +99,7 @@ def sequence_keep(log_rho: torch.Tensor, known: torch.Tensor, band: tuple[float,
 
 def rollout_correction(batch: Any, tc: Any) -> dict[str, float]:
     """Compare ``batch.rollout_logprobs`` with ``batch.old_logprobs`` (both ``[N, T-1]``; call it after
-    :func:`training.actor.score_logprobs` and after the advantages) and apply the configured correction:
+    :func:`training.model.actor.score_logprobs` and after the advantages) and apply the configured correction:
     ``batch.is_weights`` ``[N, T-1]`` = ``min(rho, tc.tis_cap)`` on the known policy tokens and 1 elsewhere
     (``None`` with ``tc.tis_cap=None``), and with ``tc.mis_band`` the rows outside the band get a zero
     ``loss_mask`` (``offpolicy/mis_rejected``: the share of rows with known tokens dropped). ``tc``: a

@@ -1,19 +1,20 @@
 """Reward shaping that needs the trajectories or the model: turn tables, IGPO information gain, KL penalty.
 
 * :func:`turn_table`: which turns each trajectory has and which of them searched (``[N, K]`` bool);
-* :func:`gold_answer_probs`: the policy's probability of the gold answer after each turn, for IGPO's
-  information-gain turn reward (Wang et al., 2025);
+* :func:`turn_boundaries`, :func:`answer_ids`: where each turn ends and how the gold answer is written, for
+  :func:`training.model.forward.gold_answer_probs` (the policy's probability of the gold answer after each
+  turn) and :func:`information_gain_rewards`, IGPO's information-gain turn reward (Wang et al., 2025);
 * :func:`kl_penalty`: per-token KL to the reference as a reward penalty (InstructGPT / verl's
   ``apply_kl_penalty``; REINFORCE++ folds it into the return).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
+from agent.llm import encode
 from agent.trajectory import Trajectory
 from training.algos.losses import kl_estimate
 
@@ -53,62 +54,12 @@ def answer_ids(tokenizer: Any, gold: str) -> tuple[list[int], int, int]:
     policy writes it, and the span ``[start, end)`` of the gold answer's own tokens in them (so ``" Paris"``,
     not a separate token for the space before ``</answer>``). Where tokens merge across the answer's edges,
     the three parts are tokenised apart instead. An empty ``gold`` gives an empty span."""
-    from agent.llm import encode
-
     head, upto = encode(tokenizer, "<answer>"), encode(tokenizer, f"<answer> {gold}")
     full = encode(tokenizer, f"<answer> {gold} </answer>")
     if gold and full[: len(upto)] == upto and upto[: len(head)] == head and len(upto) > len(head):
         return full, len(head), len(upto)
     body = encode(tokenizer, f" {gold}") if gold else []
     return head + body + encode(tokenizer, " </answer>"), len(head), len(head) + len(body)
-
-
-@torch.no_grad()
-def gold_answer_probs(model: Any, tokenizer: Any, trajs: list[Trajectory], batch_rows: int = 32,
-                      max_len: int | None = None) -> list[list[float]]:
-    """For each trajectory, ``[p_0, ..., p_K]``: the policy's probability of the gold answer given the
-    episode up to each turn boundary (:func:`turn_boundaries`), as IGPO's information gain uses it.
-
-    The answer ``<answer> gold </answer>`` is teacher-forced after the prefix (tokenised as the policy would
-    write it, :func:`answer_ids`) and ``p`` is the geometric mean of the gold tokens' probabilities
-    (length-normalised, so answers of different lengths compare).
-    The first gold answer is used. ``max_len`` keeps the last ``max_len`` tokens of a long prefix. The LM
-    head runs on the gold positions only (:func:`training.kernels.masked_logprobs`).
-    """
-    from training.actor import policy_logprobs
-    from training.batch import Batch
-
-    rows: list[tuple[int, list[int], int, int]] = []  # (traj index, ids, gold start, gold end)
-    for i, tr in enumerate(trajs):
-        answer, g0, g1 = answer_ids(tokenizer, tr.golden_answers[0] if tr.golden_answers else "")
-        for b in turn_boundaries(tr):
-            prefix = tr.token_ids[:b]
-            if max_len is not None:
-                prefix = prefix[-max(max_len - len(answer), 1):]
-            rows.append((i, prefix + answer, len(prefix) + g0, len(prefix) + g1))
-    out: list[list[float]] = [[] for _ in trajs]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    for c in range(0, len(rows), batch_rows):
-        chunk = rows[c : c + batch_rows]
-        T = max(len(r[1]) for r in chunk)
-        ids = torch.full((len(chunk), T), pad, dtype=torch.long)
-        attn = torch.zeros((len(chunk), T), dtype=torch.long)
-        for j, (_, seq, _, _) in enumerate(chunk):
-            ids[j, : len(seq)] = torch.tensor(seq)
-            attn[j, : len(seq)] = 1
-        at_gold = torch.zeros((len(chunk), T - 1))  # positions predicting a gold token: the "loss mask"
-        for j, (_, _, s, e) in enumerate(chunk):
-            at_gold[j, s - 1 : e - 1] = 1.0
-        # the actor forward with the gold positions as its mask: the LM head runs there only
-        zeros = torch.zeros(len(chunk), T, dtype=torch.long)
-        batch = Batch(ids, attn, zeros, at_gold, zeros, torch.zeros(len(chunk)), torch.zeros(len(chunk), dtype=torch.long))
-        lp = policy_logprobs(model, batch, with_entropy=False)[0].cpu()
-        for j, (i, _, s, e) in enumerate(chunk):
-            if e > s:
-                out[i].append(math.exp(float(lp[j, s - 1 : e - 1].mean())))
-            else:
-                out[i].append(0.0)
-    return out
 
 
 def information_gain_rewards(probs: list[list[float]], valid: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ full, unsharded *rollout* copy for generation (or a vLLM engine); after each upd
 gathered on every rank and pushed to the rollout side (:func:`full_state_dict`, then ``llm.update_weights``
 when the backend has it). Each rank rolls out its own slice of the step's questions; the loss is normalised
 by *global* token / sequence counts and FSDP averages gradients over ranks, so a step on ``W`` ranks equals
-a step on one process with the whole batch.
+a step on one process with the whole batch. The sharding of the policy and critic themselves (which layers
+are units) is :mod:`training.model.fsdp`'s.
 
 Checkpoints hold the *full* (unsharded) optimizer state keyed by parameter names
 (:func:`full_optimizer_state` / :func:`load_full_optimizer_state`, torch.distributed.checkpoint's
@@ -176,50 +177,10 @@ def run_on_rank0(fn: Callable[[], Any], timeout_s: float = 24 * 3600.0) -> Any:
     return value
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a Hugging Face causal LM (``model.model.layers`` and alikes) or of its bare
-    backbone (``model.layers``, ``model.h``); ``ValueError`` when there are none."""
-    from training.lora import base_model
-
-    model = base_model(model)
-    prefix = getattr(model, "base_model_prefix", "")
-    base = getattr(model, prefix) if prefix and hasattr(model, prefix) else model
-    layers = getattr(base, "layers", None) or getattr(base, "h", None)
-    if layers is None:
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
-    return list(layers)
-
-
-def shard(module: nn.Module, mixed_precision: bool = False) -> nn.Module:
-    """Apply FSDP2 ``fully_shard`` to every decoder layer of ``module.model`` and to ``module`` (the root
-    unit: a :class:`training.actor.LogprobModule`), in place.
-
-    ``mixed_precision`` uses bf16 parameters with float32 gradient reduction (GPU)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    kw: dict[str, Any] = {}
-    if mixed_precision:
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in decoder_layers(module.model):
-        fully_shard(layer, **kw)
-    fully_shard(module, **kw)
-    return module
-
-
-def shard_value_model(critic: nn.Module) -> nn.Module:
-    """Apply FSDP2 ``fully_shard`` to every decoder layer of a separate value model's backbone
-    (:class:`training.critic.ValueModel`) and to the value model (the root unit: value head, embeddings,
-    final norm), in place, as verl's FSDP critic worker does. FSDP2 then averages its gradients over ranks,
-    as it does the policy's. No mixed precision: the critic runs in its parameters' dtype, as on one process.
-    Raises ``ValueError`` for a shared critic (its backbone is the policy's)."""
-    from torch.distributed.fsdp import fully_shard
-
-    if getattr(critic, "shared", False):
-        raise ValueError("a shared value model rides on the policy's backbone and cannot be sharded on its own")
-    for layer in decoder_layers(critic.backbone):
-        fully_shard(layer)
-    fully_shard(critic)
-    return critic
+def clipped_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` of ``params``, as a plain tensor also for FSDP2's DTensor norm."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

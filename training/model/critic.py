@@ -8,7 +8,7 @@ Two layouts (``train.critic``), as in verl / OpenRLHF:
   policy (a cheap critic: the backbone is shared, the value loss trains the head only).
 
 Under torchrun only ``separate``: it is built from the full policy before that is sharded, then sharded on
-its own (:func:`training.infra.distributed.shard_value_model`).
+its own (:func:`training.model.fsdp.shard_value_model`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.actor import clipped_grad_norm, packed_hidden
 from training.batch import Batch
-from training.infra.distributed import world
+from training.infra.distributed import clipped_grad_norm, world
+from training.model.forward import packed_hidden
 
 
 def _is_sharded(module: nn.Module) -> bool:
@@ -62,7 +62,7 @@ class ValueModel(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Values ``[N, T-1]`` float32 of ``batch``; a packed batch (``batch.packed``, ``train.packing``) runs
-        its rows' real tokens as one row, as the policy's log-probs do (:func:`training.actor.packed_hidden`),
+        its rows' real tokens as one row, as the policy's log-probs do (:func:`training.model.forward.packed_hidden`),
         with the same values; raises ``ValueError`` for a batch that cannot be packed (left padding)."""
         body = self._body()
         device = self.head.weight.device

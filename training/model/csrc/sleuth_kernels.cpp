@@ -4,7 +4,7 @@
 // through extern "C" launchers that take raw device pointers and the cudaStream_t as an opaque pointer,
 // which Python passes as an integer (torch.cuda.current_stream().cuda_stream). The matmuls of the fused
 // masked log-prob run through torch (cuBLAS) on torch's current stream, which is the stream passed in, so
-// torch ops and kernels stay ordered. Built by training/kernels.py (torch.utils.cpp_extension.load).
+// torch ops and kernels stay ordered. Built by training/model/kernels.py (torch.utils.cpp_extension.load).
 #include <torch/extension.h>
 
 #include <optional>

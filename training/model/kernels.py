@@ -19,7 +19,7 @@ The extension is built on first use with :func:`torch.utils.cpp_extension.load` 
 (plus compute_90 PTX for newer GPUs), cached in ``$SLEUTH_KERNELS_BUILD_DIR`` (default
 ``~/.cache/sleuth/torch_extensions/<torch version>``); ninja rebuilds only what changed. The ``.cu`` sources
 are read from the repository's ``cuda/``, so the kernels need a source checkout (``pip install -e .``). The ``.cu`` files
-include only CUDA headers and the binding (``training/csrc/sleuth_kernels.cpp``) only ``torch/extension.h``;
+include only CUDA headers and the binding (``training/model/csrc/sleuth_kernels.cpp``) only ``torch/extension.h``;
 the CUDA stream is passed as an integer (``torch.cuda.current_stream().cuda_stream``).
 """
 
@@ -49,7 +49,7 @@ CUDA_ARCH_FLAGS = (
 MAX_MARKERS = 16  # per kind, see cuda/span_mask.cu
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_ROOT = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
 CUDA_DIR = _ROOT / "cuda"
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 CU_SOURCES = ("span_mask.cu", "masked_logprobs.cu", "ppo_loss.cu")
