@@ -185,7 +185,7 @@ def prepare():
     from retrieval.index import build_index, load_retriever
     from sleuth.config import SFTConfig, TinyPolicyConfig
     from training.model.tiny import create_tiny_policy
-    from training.oracle import ChainOracleLLM
+    from training.rollout.oracle import ChainOracleLLM
     from training.sft import sft_train
 
     paths = write(WORK / "data", SPEC_V2 if TASK == "v2" else SPEC)

@@ -1,4 +1,4 @@
-"""Asynchronous rollouts with bounded staleness (training.async_rollout) and the rollout worker process
+"""Asynchronous rollouts with bounded staleness (training.rollout.producer) and the rollout worker process
 (agent.backends.process): slow prompts are re-queued and trained on, never dropped; staleness stays within the
 bound; the trainer's async mode trains, verifies each push to the worker and resumes from the oldest
 question not yet trained on."""
@@ -43,9 +43,9 @@ def test_slow_prompts_are_requeued_and_trained_on_not_starved(tiny_llm, retrieve
     re-queues them, first in line and pinned, and the slow questions are trained on about as often as the
     others, each time with a staleness within the bound. The bound holds for every group trained on."""
     from sleuth.config import AgentConfig
-    from training.async_rollout import AsyncRollouts
     from training.config import TrainConfig
-    from training.rollout import DataStream, RolloutWorker
+    from training.rollout.producer import AsyncRollouts
+    from training.rollout.worker import DataStream, RolloutWorker
 
     qs = [QAExample(f"f{i}", f"What is fast fact {i}?", ["Paris"]) for i in range(6)]
     qs += [QAExample(f"s{i}", f"What is slowly found fact {i}?", ["Paris"]) for i in range(2)]
@@ -81,9 +81,9 @@ def test_slow_prompts_are_requeued_and_trained_on_not_starved(tiny_llm, retrieve
 
 def test_the_frontier_is_the_oldest_question_not_trained_on(tiny_llm, retriever):
     from sleuth.config import AgentConfig
-    from training.async_rollout import AsyncRollouts
     from training.config import TrainConfig
-    from training.rollout import DataStream, RolloutWorker
+    from training.rollout.producer import AsyncRollouts
+    from training.rollout.worker import DataStream, RolloutWorker
 
     qs = [QAExample(f"f{i}", f"What is fast fact {i}?", ["Paris"]) for i in range(6)]
     agent = AgentConfig(max_turns=2, max_new_tokens=16, max_total_tokens=400, max_obs_tokens=40, max_doc_chars=40)
@@ -106,7 +106,7 @@ def test_the_worker_process_generates_scores_and_takes_weight_updates(tiny_polic
     from agent.backends.hf import TransformersLLM
     from agent.backends.process import ProcessLLM
     from agent.llm import BackendUnavailable
-    from training.weight_sync import WeightSyncError, check_tensors, probe_ids
+    from training.rollout.weight_sync import WeightSyncError, check_tensors, probe_ids
 
     local = TransformersLLM.from_pretrained(str(tiny_policy_dir))
     llm = ProcessLLM(local.model, local.tokenizer)

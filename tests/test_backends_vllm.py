@@ -142,7 +142,7 @@ def test_probe_logprobs_are_the_engines_prompt_logprobs(engine, tiny_dir):
     """The weight-sync probe scored by the engine (vLLM's prompt log-probs) equals transformers' scoring of
     the same weights (fp32 on CPU: to ~1e-6)."""
     from agent.backends.hf import TransformersLLM
-    from training.weight_sync import probe_ids
+    from training.rollout.weight_sync import probe_ids
 
     hf = TransformersLLM.from_pretrained(str(tiny_dir[0]))
     engine.update_weights(hf.model.state_dict().items())
@@ -155,7 +155,7 @@ def test_a_push_that_left_one_tensor_stale_is_caught_by_the_probe(engine, tiny_d
     names every weight (so the backend's own name check passes) but carries the engine's old value for one
     of them, as a loader that skipped it would. The probe check catches it; the full push passes it."""
     from training.model.tiny import build_tiny_policy
-    from training.weight_sync import WeightSyncError, check_engine, probe_ids
+    from training.rollout.weight_sync import WeightSyncError, check_engine, probe_ids
 
     old = build_tiny_policy(engine.tokenizer, tiny_dir[1], seed=0).eval()
     new = build_tiny_policy(engine.tokenizer, tiny_dir[1], seed=123).eval()
@@ -176,7 +176,7 @@ def test_lora_training_on_vllm_checks_that_the_merged_adapters_arrive(engine, ti
     from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import QUESTIONS, run_rl
     from tests.test_trainer import make_cfg, varying_judge
-    from training.weight_sync import WeightSyncError
+    from training.rollout.weight_sync import WeightSyncError
 
     lora = ["train.lora=true", "train.lora_rank=4", "train.lora_targets=[q_proj,v_proj]", "train.lr=5e-2",
             "train.steps=2", "train.sync_probe_tol=1e-4"]

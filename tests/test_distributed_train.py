@@ -337,7 +337,7 @@ def refill_check(rank: int, policy_dir: str, retriever, out: Path) -> None:
     from agent.backends.hf import TransformersLLM
     from tests.conftest import QUESTIONS
     from tests.test_trainer import load
-    from training.rollout import DataStream, RolloutWorker, rollout
+    from training.rollout.worker import DataStream, RolloutWorker, rollout
 
     def judge(traj):
         r = float(len(traj.token_ids) % 2) if "Germany" in traj.question else 0.0

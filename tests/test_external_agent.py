@@ -80,7 +80,7 @@ def test_failing_hanging_and_silent_agents_fail_their_own_episodes(tiny_llm, cfg
         assert runner.stats["episodes"] == 5  # the two failed ones were run again, and failed again
     assert ok.stop_reason in ("answer", "max_turns") and len(ok) > 0
     assert [t.metadata["failed_attempts"] for t in (ok, bug, hang)] == [0, 2, 2]
-    from training.faults import drop_failed
+    from training.rollout.faults import drop_failed
     assert drop_failed([ok, bug, hang]) == ([ok], {"rollout_errors": 4.0, "rollout_dropped": 2.0})
     assert bug.stop_reason == "error" and "the agent's own bug" in bug.metadata["error"] and bug.reward == 0.0
     assert hang.stop_reason == "error" and "longer than 3 s" in hang.metadata["error"]

@@ -35,14 +35,14 @@ class FlakyRetriever:
 
 @pytest.fixture()
 def no_waits(monkeypatch):
-    import training.faults
+    import training.rollout.faults
 
-    monkeypatch.setattr(training.faults, "RETRY_WAITS_S", (0.01, 0.01, 0.01))
+    monkeypatch.setattr(training.rollout.faults, "RETRY_WAITS_S", (0.01, 0.01, 0.01))
 
 
 def test_episodes_failed_by_a_retrieval_outage_are_run_again_in_their_group(tiny_llm, retriever, agent_cfg,
                                                                               no_waits):
-    from training.faults import run_episodes_retrying
+    from training.rollout.faults import run_episodes_retrying
 
     flaky = FlakyRetriever(retriever, fail_calls=2)  # the first batch and its second try
     trajs = run_episodes_retrying(QUESTIONS[:2], ScriptLLM(tiny_llm.tokenizer, SCRIPTS), flaky, agent_cfg,
@@ -57,10 +57,10 @@ def test_a_request_fault_is_run_again_once_at_once_then_dropped_and_counted(tiny
                                                                             monkeypatch):
     """A failure that is the request's own (the retriever raising ValueError for it) is not waited for: one
     immediate rerun, then the episode is left out with its failed runs counted."""
-    import training.faults
-    from training.faults import drop_failed, run_episodes_retrying
+    import training.rollout.faults
+    from training.rollout.faults import drop_failed, run_episodes_retrying
 
-    monkeypatch.setattr(training.faults, "RETRY_WAITS_S", (600.0,))  # would hang the test if waited for
+    monkeypatch.setattr(training.rollout.faults, "RETRY_WAITS_S", (600.0,))  # would hang the test if waited for
     flaky = FlakyRetriever(retriever, error=ValueError("the encoder rejected the query"))
     flaky.down = True
     trajs = run_episodes_retrying(QUESTIONS[:1], ScriptLLM(tiny_llm.tokenizer, SCRIPTS), flaky, agent_cfg,
@@ -73,7 +73,7 @@ def test_a_request_fault_is_run_again_once_at_once_then_dropped_and_counted(tiny
 
 def test_drop_failed_leaves_out_failed_episodes_and_counts_them():
     from agent.trajectory import Trajectory
-    from training.faults import drop_failed
+    from training.rollout.faults import drop_failed
 
     ok = Trajectory("q", "x", stop_reason="answer", metadata={"failed_attempts": 1})
     bad = Trajectory("q", "x", stop_reason="error", metadata={"error": "ConnectionError: x", "failed_attempts": 3})
@@ -89,7 +89,7 @@ def test_the_trainer_rollout_neither_trains_on_nor_hides_episodes_of_an_outage(t
     import time
 
     from tests.test_trainer import load, make_cfg
-    from training.rollout import RolloutWorker, rollout
+    from training.rollout.worker import RolloutWorker, rollout
 
     cfg = make_cfg("train.group_size=2", "agent.max_turns=3", "agent.max_new_tokens=40", "agent.max_total_tokens=400",
                    "agent.max_obs_tokens=120", "train.rollout_retry_waits=[0.01,0.01,0.01]")
@@ -114,7 +114,7 @@ def test_the_trainer_rollout_neither_trains_on_nor_hides_episodes_of_an_outage(t
 
 def test_rollout_retry_waits_are_validated_and_default_to_the_module_schedule():
     from training.config import TrainConfig
-    from training.faults import RETRY_WAITS_S
+    from training.rollout.faults import RETRY_WAITS_S
 
     assert TrainConfig().rollout_retry_waits == list(RETRY_WAITS_S)
     assert TrainConfig(rollout_retry_waits=[]).rollout_retry_waits == []

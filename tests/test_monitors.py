@@ -261,7 +261,7 @@ def test_collapse_alarm_fires_on_a_provoked_collapse(tiny_policy_dir, retriever,
     from sleuth.config import SFTConfig
     from tests.conftest import PASSAGES, QUESTIONS, run_rl
     from tests.test_trainer import load, make_cfg
-    from training.oracle import OracleLLM
+    from training.rollout.oracle import OracleLLM
     from training.sft import sft_train
 
     model, tok = load(tiny_policy_dir)

@@ -52,7 +52,7 @@ def test_sft_on_oracle_trajectories_lowers_the_loss(tiny_llm, retriever, agent_c
 def test_oracle_with_the_full_search_r1_instruction(tiny_llm, retriever, agent_cfg):
     """The full instruction names ``<search> query </search>``: the oracle must not count that as a search
     already made (it skipped searching the question, and the two-hop question got one search)."""
-    from training.oracle import ChainOracleLLM
+    from training.rollout.oracle import ChainOracleLLM
     from training.sft import oracle_trajectories
 
     cfg = agent_cfg.model_copy(update={"short_prompt": False, "chat_template": "off", "max_total_tokens": 1024})
@@ -107,7 +107,7 @@ def test_oracle_search_fits_the_turn_budget(tiny_llm, retriever, agent_cfg):
     the hint's own '<search>' counted as a search and the oracle answered without ever searching (SFT taught
     unclosed searches). The query is shortened to fit instead; a cut turn reports finish_reason 'length'."""
     from agent.llm import SamplingParams, encode
-    from training.oracle import OracleLLM
+    from training.rollout.oracle import OracleLLM
     from training.sft import oracle_trajectories
 
     cfg = agent_cfg.model_copy(update={"max_new_tokens": 8})
@@ -189,7 +189,7 @@ def test_oracle_sees_supporting_titles_that_contain_a_closing_parenthesis():
     from agent.protocols.base import format_docs
     from corpora.formats import QAExample
     from retrieval.base import Hit
-    from training.oracle import OracleLLM
+    from training.rollout.oracle import OracleLLM
 
     title = "Queen (band) discography"
     ex = QAExample("q1", "Who sang Bohemian Rhapsody?", ["Queen"], {"supporting_ids": ["d1"]})
@@ -212,7 +212,7 @@ def test_oracle_still_searches_after_an_invalid_turn():
     from agent.protocols.search_r1 import INVALID_HINT
     from corpora.formats import QAExample
     from retrieval.base import Hit
-    from training.oracle import OracleLLM
+    from training.rollout.oracle import OracleLLM
 
     ex = QAExample("q1", "Who sang Bohemian Rhapsody?", ["Queen"], {"supporting_ids": ["d1", "d2"]})
     oracle = OracleLLM(None, [ex], {"d1": "Bohemian Rhapsody", "d2": "Queen (band)"})

@@ -31,7 +31,7 @@ def test_chain_oracle_solves_with_exactly_h_searches(tmp_path, tiny_llm):
     from corpora import read_qa
     from retrieval.index import build_index, load_retriever
     from sleuth.config import AgentConfig
-    from training.oracle import ChainOracleLLM
+    from training.rollout.oracle import ChainOracleLLM
 
     paths = write(tmp_path, SyntheticSpec(n_train=12, n_test=3))
     build_index(paths["corpus"], tmp_path / "idx", build_dense=False, show_progress=False)
@@ -76,7 +76,7 @@ def test_v2_chain_oracle_solves_four_hops_with_four_searches(tmp_path, tiny_llm)
     from corpora.synthetic import SyntheticSpecV2
     from retrieval.index import build_index, load_retriever
     from sleuth.config import AgentConfig
-    from training.oracle import ChainOracleLLM
+    from training.rollout.oracle import ChainOracleLLM
 
     paths = write(tmp_path, SyntheticSpecV2(n_train=6, n_test=8))
     build_index(paths["corpus"], tmp_path / "idx", build_dense=False, show_progress=False)

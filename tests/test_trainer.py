@@ -386,7 +386,7 @@ def test_a_nonfinite_later_ppo_epoch_still_pushes_the_epochs_that_stepped(tiny_p
 
 def test_dynamic_sampling_drops_flat_groups_and_refills(tiny_policy_dir, retriever):
     from agent.backends.hf import TransformersLLM
-    from training.rollout import DataStream, RolloutWorker, rollout
+    from training.rollout.worker import DataStream, RolloutWorker, rollout
 
     def judge(traj):  # only the Berlin question ever gets varying rewards
         r = float(len(traj.token_ids) % 2) if "Germany" in traj.question else 0.0
@@ -708,7 +708,7 @@ def test_data_stream_shuffles_once_per_epoch(monkeypatch):
     now shuffled once; the stream (and so a checkpointed position) is unchanged."""
     import random
 
-    from training.rollout import DataStream
+    from training.rollout.worker import DataStream
 
     examples = list(range(7))
 

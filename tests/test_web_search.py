@@ -136,7 +136,7 @@ def test_a_rollout_survives_a_provider_outage(fake, tmp_path, tiny_llm, agent_cf
     whose searches hit the outage fail with the provider's error and are dropped; the others train."""
     from sleuth.config import Config
     from sleuth.pipeline import open_retriever
-    from training.faults import drop_failed, run_episodes_retrying
+    from training.rollout.faults import drop_failed, run_episodes_retrying
 
     url, mode = fake
     mode["down_for"] = "Eiffel"

@@ -1,4 +1,4 @@
-"""Verified weight sync (training.weight_sync): a push that leaves the rollout side on other weights than the
+"""Verified weight sync (training.rollout.weight_sync): a push that leaves the rollout side on other weights than the
 trainer's fails loudly, naming the parameter (in-process copy) or the probe (an engine), on the in-process,
 engine and LoRA paths; an intact push passes even at a tolerance far below bf16 noise. The real vLLM engine's
 side is in tests/test_backends_vllm.py."""
@@ -19,7 +19,7 @@ TIGHT = "train.sync_probe_tol=1e-4"
 
 
 def test_check_tensors_names_the_tensor_a_push_skipped(tiny_policy_dir):
-    from training.weight_sync import WeightSyncError, check_tensors
+    from training.rollout.weight_sync import WeightSyncError, check_tensors
 
     model, _ = load(tiny_policy_dir)
     copy_ = copy.deepcopy(model)
@@ -44,7 +44,7 @@ def test_the_in_process_copy_under_fsdp_is_checked_after_each_push(tiny_policy_d
     """sync_phase's torchrun path loads the gathered weights into each rank's rollout copy; a load that
     skips one tensor (and says nothing) is caught, naming it."""
     import training.trainer as T
-    from training.weight_sync import WeightSyncError
+    from training.rollout.weight_sync import WeightSyncError
 
     model, _ = load(tiny_policy_dir)
     with torch.no_grad():

@@ -15,7 +15,8 @@ from training.algos.losses import KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
 
 
 def _default_retry_waits() -> list[float]:
-    from training.faults import RETRY_WAITS_S  # imported when a config is made: faults imports the agent loop
+    # imported when a config is made: faults imports the agent loop
+    from training.rollout.faults import RETRY_WAITS_S
 
     return list(RETRY_WAITS_S)
 
@@ -96,7 +97,7 @@ class TrainConfig(Section):
         default_factory=_default_retry_waits,
         description="seconds waited before each rerun of the episodes that failed because the retrieval server "
                     "or rollout backend was down ([]: no rerun, they are left out of the update)")
-    # rollout correction (training.algos.offpolicy), verified weight sync (training.weight_sync), async rollouts
+    # rollout correction (training.algos.offpolicy), verified weight sync (training.rollout.weight_sync), async rollouts
     tis_cap: float | None = Field(
         2.0, gt=0, description="truncated importance sampling (Yao et al. 2025): each token's policy-gradient term "
                                "weighted by min(pi_old / pi_rollout, tis_cap), from the log-probs the rollout "
@@ -113,7 +114,7 @@ class TrainConfig(Section):
         0.05, gt=0, description="largest mean |log-prob difference| (nats) over the probe's tokens between the "
                                 "rollout engine and the trainer that still counts as the same weights")
     async_rollouts: bool = Field(
-        False, description="generate the next step's rollouts while this step updates (training.async_rollout): "
+        False, description="generate the next step's rollouts while this step updates (training.rollout.producer): "
                            "one process only; rollouts are off-policy by up to max_staleness updates")
     max_staleness: int = Field(
         1, ge=1, description="async: the most updates a rollout's weights may lag the trainer's when it is "

@@ -51,7 +51,7 @@ from training.model.critic import ValueModel
 from training.model.forward import LogprobModule
 from training.model.fsdp import shard, shard_value_model
 from training.model.lora import MergedView, apply_lora, base_model, lora_state
-from training.rollout import DataStream
+from training.rollout.worker import DataStream
 
 
 @dataclass
@@ -63,7 +63,7 @@ class RunState:
     run, ``best``/``best_step`` the best held-out EM so far, ``nonfinite`` the steps skipped for a non-finite
     loss; ``resumed`` the trainer state of the checkpoint resumed (``None``: a fresh start); ``frontier`` the
     stream position a checkpoint saves when the asynchronous rollouts read ahead of the training
-    (:meth:`training.async_rollout.AsyncRollouts.frontier`; ``None``: ``data.position``)."""
+    (:meth:`training.rollout.producer.AsyncRollouts.frontier`; ``None``: ``data.position``)."""
 
     run_dir: Path
     rank: int

@@ -38,9 +38,7 @@ from retrieval.base import Retriever
 from training.algos import estimators as E
 from training.algos.offpolicy import rollout_correction
 from training.algos.rewards import kl_penalty
-from training.async_rollout import AsyncRollouts, rollout_copy
 from training.batch import Batch, collate
-from training.faults import FAULT_COUNTS
 from training.infra.checkpoint import latest_checkpoint, run_dir_lock
 from training.infra.distributed import (
     all_reduce_sum,
@@ -56,9 +54,11 @@ from training.model.actor import score_logprobs, split_micro_batches, update_pol
 from training.model.critic import critic_values
 from training.model.forward import check_packed_masks, gold_answer_probs
 from training.model.lora import base_model, merged_lora_state
-from training.rollout import RolloutWorker, rollout, rollout_stats
+from training.rollout.faults import FAULT_COUNTS
+from training.rollout.producer import AsyncRollouts, rollout_copy
+from training.rollout.weight_sync import check_tensors, probe_ids, verify_engine
+from training.rollout.worker import RolloutWorker, rollout, rollout_stats
 from training.run_state import RunState, open_run, restore_rng_streams, save_run
-from training.weight_sync import check_tensors, probe_ids, verify_engine
 
 
 # -- the phases of a step -----------------------------------------------------------------------------
@@ -67,7 +67,7 @@ def rollout_phase(state: RunState, worker: RolloutWorker, tc: Any, step: int,
     """This rank's share of the step's questions, ``tc.group_size`` episodes each, with the policy (and the
     critic) in eval mode; ZeroSearch's noise curriculum follows the step. With ``producer``
     (``train.async_rollouts``) the groups it generated in the background, at most ``tc.max_staleness``
-    updates old (:meth:`training.async_rollout.AsyncRollouts.take`)."""
+    updates old (:meth:`training.rollout.producer.AsyncRollouts.take`)."""
     state.policy.eval()
     if state.critic is not None:  # as verl's critic: values estimated in eval mode, the update in train mode
         state.critic.eval()
@@ -138,9 +138,9 @@ def sync_phase(state: RunState, worker: RolloutWorker, tc: Any, moved: bool,
     """Push the updated weights to the rollout side: under torchrun the gathered full weights into every
     rank's rollout copy (what checkpoints and evaluation see); to a backend holding its own weights (vLLM)
     under the base model's names, LoRA merged (:func:`training.model.lora.merged_lora_state`). With
-    ``tc.verify_sync`` each push is checked (:mod:`training.weight_sync`: the copy tensor by tensor, the
+    ``tc.verify_sync`` each push is checked (:mod:`training.rollout.weight_sync`: the copy tensor by tensor, the
     engine on the ``probe`` sequence) and a rollout side that does not run the new weights raises
-    :class:`training.weight_sync.WeightSyncError`; returns the checks' ``sync/...`` statistics."""
+    :class:`training.rollout.weight_sync.WeightSyncError`; returns the checks' ``sync/...`` statistics."""
     full, stats = None, {}
     if moved and state.world_size > 1:
         gathered = {k.removeprefix("model."): v for k, v in full_state_dict(state.fwd).items()}
@@ -264,7 +264,7 @@ def check_world(tc: Any, W: int) -> None:
 def rollout_side(state: RunState, tc: Any, agent_cfg: Any, tokenizer: Any, retriever: Retriever, top_k: int,
                  judge: Any, llm_factory: Callable[[Any, Any], Any] | None, seed: int,
                  stack: contextlib.ExitStack) -> RolloutWorker:
-    """The rollout backend and its :class:`training.rollout.RolloutWorker`: ``llm_factory(model, tokenizer)``,
+    """The rollout backend and its :class:`training.rollout.worker.RolloutWorker`: ``llm_factory(model, tokenizer)``,
     by default :class:`agent.backends.hf.TransformersLLM` on the trainer's own model, or with ``tc.async_rollouts`` a
     worker process on a copy (:class:`agent.backends.process.ProcessLLM`, closed by ``stack``; the backend must
     hold its own weights: ``ValueError`` for one that generates on the parameters being updated)."""

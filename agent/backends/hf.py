@@ -194,7 +194,7 @@ class TransformersLLM:
 
     def probe_logprobs(self, ids: list[int]) -> list[float]:
         """:func:`sequence_logprobs` of ``ids`` under this backend's model: what the trainer compares with its
-        own after a weight push (:mod:`training.weight_sync`)."""
+        own after a weight push (:mod:`training.rollout.weight_sync`)."""
         return sequence_logprobs(self.model, ids)
 
     @torch.no_grad()

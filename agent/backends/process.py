@@ -117,7 +117,7 @@ class ProcessLLM:
 
     def probe_logprobs(self, ids: list[int]) -> list[float]:
         """The worker's ``log p(ids[i] | ids[:i])`` for ``i >= 1`` at temperature 1 (the weight-sync check's probe,
-        :mod:`training.weight_sync`)."""
+        :mod:`training.rollout.weight_sync`)."""
         return self._call("probe", list(ids))[0]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

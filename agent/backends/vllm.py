@@ -149,7 +149,7 @@ class VLLMBackend:
     def probe_logprobs(self, ids: list[int]) -> list[float]:
         """The engine's ``log p(ids[i] | ids[:i])`` for ``i >= 1`` at temperature 1 (natural log; ``len(ids) - 1``
         floats), from vLLM's prompt log-probs: what the trainer compares with its own after a weight push
-        (:mod:`training.weight_sync`). Raises ``RuntimeError`` when the engine returns none."""
+        (:mod:`training.rollout.weight_sync`). Raises ``RuntimeError`` when the engine returns none."""
         from vllm import SamplingParams as VParams
         from vllm.inputs import TokensPrompt
 

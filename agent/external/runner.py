@@ -160,7 +160,7 @@ class ExternalRunner:
                 attempts += int(seqs[0].stop_reason == "error")
                 if seqs[0].stop_reason != "error" or attempts > self.reruns:
                     break
-            for t in seqs:  # what training.faults.drop_failed counts
+            for t in seqs:  # what training.rollout.faults.drop_failed counts
                 t.metadata["failed_attempts"] = attempts
             return [merged(seqs)] if merge else seqs
 

@@ -39,7 +39,8 @@ from agent.loop.batch import arun_episodes
 from agent.loop.nodes import make_context
 from agent.trajectory import Trajectory
 from corpora.formats import QAExample
-from training.faults import drop_failed
+from training.model.lora import base_model, merged_lora_state
+from training.rollout.faults import drop_failed
 
 
 @dataclass
@@ -61,7 +62,7 @@ class Group:
 class AsyncRollouts:
     """The background producer of rollout groups (see the module docstring).
 
-    ``worker``: a :class:`training.rollout.RolloutWorker` whose backend does not share the trainer's
+    ``worker``: a :class:`training.rollout.worker.RolloutWorker` whose backend does not share the trainer's
     parameters (a worker process or an engine with ``update_weights``); ``data``: the question stream (read by
     this producer only while it runs); ``tc``: a :class:`training.config.TrainConfig` (``questions_per_step``,
     ``group_size``, ``max_staleness``); ``version``: the weight version the backend runs now (the step the run
@@ -228,8 +229,6 @@ def rollout_copy(policy: Any, lora: bool) -> Any:
     """The plain model the asynchronous rollout backend starts from: the policy itself (the backend copies
     it) or, with LoRA, a model of the same architecture holding the merged weights
     (:func:`training.model.lora.merged_lora_state`)."""
-    from training.model.lora import base_model, merged_lora_state
-
     base = base_model(policy)
     if not lora:
         return base

@@ -18,9 +18,9 @@ from typing import Any
 from agent.trajectory import Trajectory
 from corpora.formats import QAExample
 from retrieval.base import Retriever
-from training.faults import drop_failed, run_episodes_retrying
 from training.infra.distributed import all_reduce_max, all_reduce_min, world
 from training.infra.monitors import health_stats
+from training.rollout.faults import drop_failed, run_episodes_retrying
 
 
 class DataStream:
@@ -54,7 +54,7 @@ class RolloutWorker:
     """What rolls out episodes: the backend ``llm`` (an :class:`agent.llm.LLM` over the current policy), the
     ``retriever``, the agent's settings (:class:`agent.config.AgentConfig`), the search top-k, the judge
     (``None``: the agent config's own) and the waits in seconds before rerunning episodes that a service
-    outage failed (``None``: :data:`training.faults.RETRY_WAITS_S`; ``train.rollout_retry_waits``)."""
+    outage failed (``None``: :data:`training.rollout.faults.RETRY_WAITS_S`; ``train.rollout_retry_waits``)."""
 
     llm: Any
     retriever: Retriever
@@ -66,7 +66,7 @@ class RolloutWorker:
 
     def episodes(self, questions: list[QAExample], n: int) -> list[Trajectory]:
         """``n`` episodes per question, grouped by question (group id = its index); episodes that failed on
-        a retrieval server or backend that went away are run again (:func:`training.faults.run_episodes_retrying`).
+        a retrieval server or backend that went away are run again (:func:`training.rollout.faults.run_episodes_retrying`).
         An external agent's episodes run over its proxy (:class:`agent.external.runner.ExternalRunner`, failed ones
         run again there); one that a chat template split is several sequences of its group."""
         if self.external is not None:
@@ -91,7 +91,7 @@ def rollout(worker: RolloutWorker, questions: list[QAExample], tc: Any,
     ``tc.dynamic_sampling`` (DAPO), groups whose rewards are all equal are dropped and up to
     ``tc.dynamic_sampling_max_tries`` extra rounds of fresh questions from ``data`` refill the batch to
     ``len(questions)`` groups (:func:`dynamic_sampling`). Episodes that still failed on a service outage
-    after their reruns are left out of the update (:mod:`training.faults`; counted in ``stats``'
+    after their reruns are left out of the update (:mod:`training.rollout.faults`; counted in ``stats``'
     ``rollout_errors`` and ``rollout_dropped``; ``RuntimeError`` when every episode failed). Returns
     ``(trajectories, stats)``; group ids are renumbered 0..G-1."""
     before = dict(worker.external.stats) if worker.external is not None else None
