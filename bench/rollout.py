@@ -265,7 +265,7 @@ def update_markdown(res: dict) -> None:
     path.write_text(text)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     from sleuth.commands.common import positive_int
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -284,8 +284,75 @@ def main() -> int:
     ap.add_argument("--overhead-repeats", type=positive_int, default=3, help="paired runs of that measurement")
     ap.add_argument("--overhead-only", action="store_true",
                     help="only the loop-overhead measurements (instant backend), printed and in --out")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def paired_runs(examples, llm, retriever, acfg, top_k: int, repeats: int, main_thread: bool) -> dict:
+    """The hand-written loop and the LangGraph one on the same episodes, ``repeats`` paired runs in
+    alternating order (after a warm-up): ``{"throughput": {loop: medians, pooled tokens/s, backend calls},
+    "ratios": [LangGraph / hand-written tokens/s per pair], "identical": bool, "main_thread": dict | None}``
+    (``main_thread``: the hand-written loop once more with the backend called from the main thread)."""
+    calls = {"n": 0}
+    inner = llm.generate
+
+    def counted(prompts, params):
+        calls["n"] += 1
+        return inner(prompts, params)
+
+    llm.generate = counted
+    run_episodes(examples[:4], llm, retriever, acfg, temperature=0.0, top_k=top_k)  # warm-up
+    runs = {"handwritten": [], "langgraph": []}
+    ncalls = {}
+    identical = True
+    for r in range(repeats):
+        order = ["handwritten", "langgraph"] if r % 2 == 0 else ["langgraph", "handwritten"]
+        res = {}
+        for name in order:
+            calls["n"] = 0
+            if name == "langgraph":
+                res[name] = measure(lambda: run_episodes(examples, llm, retriever, acfg, temperature=0.0, top_k=top_k), len(examples))
+            else:
+                res[name] = measure(lambda: in_worker_thread(lambda: handwritten_rollout(examples, llm, retriever, acfg, top_k)),
+                                    len(examples))
+            ncalls[name] = calls["n"]
+            runs[name].append(res[name])
+        identical &= all(a.token_ids == b.token_ids for a, b in zip(res["handwritten"]["trajs"], res["langgraph"]["trajs"], strict=True))
+        print(f"run {r + 1}: hand-written {res['handwritten']['gen_tokens_per_s']:.0f} tok/s, "
+              f"LangGraph {res['langgraph']['gen_tokens_per_s']:.0f} tok/s", flush=True)
+    main = None
+    if main_thread:
+        m = measure(lambda: handwritten_rollout(examples, llm, retriever, acfg, top_k), len(examples))
+        main = {k: m[k] for k in ("wall_s", "episodes_per_s", "gen_tokens_per_s")}
+        print(f"hand-written, backend called from the main thread: {m['gen_tokens_per_s']:.0f} tok/s", flush=True)
+    ratios = [lg["gen_tokens_per_s"] / hw["gen_tokens_per_s"] for lg, hw in zip(runs["langgraph"], runs["handwritten"], strict=True)]
+    throughput = {}
+    for name, rs in runs.items():
+        throughput[name] = {k: statistics.median(x[k] for x in rs) for k in ("wall_s", "episodes_per_s", "gen_tokens_per_s")}
+        throughput[name]["generated_tokens"] = rs[0]["generated_tokens"]
+        throughput[name]["pooled_gen_tokens_per_s"] = sum(x["generated_tokens"] for x in rs) / sum(x["wall_s"] for x in rs)
+        throughput[name]["backend_calls"] = ncalls[name]
+    llm.generate = inner
+    return {"throughput": throughput, "ratios": ratios, "identical": identical, "main_thread": main}
+
+
+def print_tables(out: dict, max_turns: int) -> None:
+    """The throughput, loop-overhead and serving tables of one run's results."""
+    print(f"\n{'loop':<12} {'episodes/s':>10} {'gen tok/s':>10} {'pooled':>8} {'calls':>6}")
+    for name, r in out["throughput"].items():
+        print(f"{name:<12} {r['episodes_per_s']:>10.2f} {r['gen_tokens_per_s']:>10.0f} "
+              f"{r['pooled_gen_tokens_per_s']:>8.0f} {r['backend_calls']:>6}")
+    print(f"LangGraph / hand-written tokens/s: {out['ratio']:.3f} (median of paired runs "
+          f"{', '.join(f'{x:.3f}' for x in out['ratios'])}; pooled {out['pooled_ratio']:.3f}); identical episodes: "
+          f"{out['identical']}")
+    for o in (out["overhead"], out["overhead_scale"]):
+        print("loop overhead (instant backend), " + overhead_line(o, max_turns))
+    print(f"\n{'clients':>7} {'requests':>8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7}")
+    for c, r in out["serving"].items():
+        print(f"{c:>7} {r['requests']:>8} {r['p50_ms']:>8.0f} {r['p99_ms']:>8.0f} {r['requests_per_s']:>7.2f}")
+
+
+def main() -> int:
+    args = parse_args()
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -309,46 +376,8 @@ def main() -> int:
     if args.overhead_only:
         return overhead_only(args, examples, llm.tokenizer, retriever, acfg, top_k)
 
-    calls = {"n": 0}
-    inner = llm.generate
-
-    def counted(prompts, params):
-        calls["n"] += 1
-        return inner(prompts, params)
-
-    llm.generate = counted
-    run_episodes(examples[:4], llm, retriever, acfg, temperature=0.0, top_k=top_k)  # warm-up
-    runs = {"handwritten": [], "langgraph": []}
-    ncalls = {}
-    identical = True
-    for r in range(args.repeats):
-        order = ["handwritten", "langgraph"] if r % 2 == 0 else ["langgraph", "handwritten"]
-        res = {}
-        for name in order:
-            calls["n"] = 0
-            if name == "langgraph":
-                res[name] = measure(lambda: run_episodes(examples, llm, retriever, acfg, temperature=0.0, top_k=top_k), len(examples))
-            else:
-                res[name] = measure(lambda: in_worker_thread(lambda: handwritten_rollout(examples, llm, retriever, acfg, top_k)),
-                                    len(examples))
-            ncalls[name] = calls["n"]
-            runs[name].append(res[name])
-        identical &= all(a.token_ids == b.token_ids for a, b in zip(res["handwritten"]["trajs"], res["langgraph"]["trajs"], strict=True))
-        print(f"run {r + 1}: hand-written {res['handwritten']['gen_tokens_per_s']:.0f} tok/s, "
-              f"LangGraph {res['langgraph']['gen_tokens_per_s']:.0f} tok/s", flush=True)
-    main_thread = None
-    if args.main_thread:
-        m = measure(lambda: handwritten_rollout(examples, llm, retriever, acfg, top_k), len(examples))
-        main_thread = {k: m[k] for k in ("wall_s", "episodes_per_s", "gen_tokens_per_s")}
-        print(f"hand-written, backend called from the main thread: {m['gen_tokens_per_s']:.0f} tok/s", flush=True)
-    ratios = [lg["gen_tokens_per_s"] / hw["gen_tokens_per_s"] for lg, hw in zip(runs["langgraph"], runs["handwritten"], strict=True)]
-    throughput = {}
-    for name, rs in runs.items():
-        throughput[name] = {k: statistics.median(x[k] for x in rs) for k in ("wall_s", "episodes_per_s", "gen_tokens_per_s")}
-        throughput[name]["generated_tokens"] = rs[0]["generated_tokens"]
-        throughput[name]["pooled_gen_tokens_per_s"] = sum(x["generated_tokens"] for x in rs) / sum(x["wall_s"] for x in rs)
-        throughput[name]["backend_calls"] = ncalls[name]
-    llm.generate = inner
+    paired = paired_runs(examples, llm, retriever, acfg, top_k, args.repeats, args.main_thread)
+    throughput, ratios = paired["throughput"], paired["ratios"]
     overhead = loop_overhead(examples, llm.tokenizer, retriever, acfg, top_k)
     overhead_scale = loop_overhead(scaled_examples(args.overhead_episodes), llm.tokenizer, retriever, acfg, top_k,
                                    repeats=args.overhead_repeats)
@@ -361,22 +390,12 @@ def main() -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared), Python {platform.python_version()}",
         "threads": torch.get_num_threads(), "model": model_desc, "questions": len(examples), "repeats": args.repeats,
         "agent": {k: getattr(acfg, k) for k in ("max_turns", "max_new_tokens", "max_total_tokens", "max_obs_tokens")},
-        "identical": identical, "throughput": throughput, "ratio": statistics.median(ratios), "ratios": ratios,
+        "identical": paired["identical"], "throughput": throughput, "ratio": statistics.median(ratios), "ratios": ratios,
         "pooled_ratio": throughput["langgraph"]["pooled_gen_tokens_per_s"] / throughput["handwritten"]["pooled_gen_tokens_per_s"],
-        "serving": serving, "handwritten_main_thread": main_thread, "overhead": overhead,
+        "serving": serving, "handwritten_main_thread": paired["main_thread"], "overhead": overhead,
         "overhead_scale": overhead_scale,
     }
-    print(f"\n{'loop':<12} {'episodes/s':>10} {'gen tok/s':>10} {'pooled':>8} {'calls':>6}")
-    for name, r in throughput.items():
-        print(f"{name:<12} {r['episodes_per_s']:>10.2f} {r['gen_tokens_per_s']:>10.0f} "
-              f"{r['pooled_gen_tokens_per_s']:>8.0f} {r['backend_calls']:>6}")
-    print(f"LangGraph / hand-written tokens/s: {out['ratio']:.3f} (median of paired runs "
-          f"{', '.join(f'{x:.3f}' for x in ratios)}; pooled {out['pooled_ratio']:.3f}); identical episodes: {identical}")
-    for o in (overhead, overhead_scale):
-        print("loop overhead (instant backend), " + overhead_line(o, acfg.max_turns))
-    print(f"\n{'clients':>7} {'requests':>8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7}")
-    for c, r in serving.items():
-        print(f"{c:>7} {r['requests']:>8} {r['p50_ms']:>8.0f} {r['p99_ms']:>8.0f} {r['requests_per_s']:>7.2f}")
+    print_tables(out, acfg.max_turns)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
     if args.markdown:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from corpora.formats import DataFormatError, Passage, QAExample, iter_records, passage_field, write_jsonl
@@ -115,6 +116,119 @@ def _paragraphs(obj: dict, where: str, n: int) -> tuple[list[tuple[str, str, boo
     return paras, qa
 
 
+def _digest(title: str, text: str) -> bytes:
+    """The dedup key of a paragraph: a 16-byte digest of its title and whitespace-normalised text."""
+    return hashlib.blake2b(f"{title}\x00{_norm(text)}".encode(), digest_size=16).digest()
+
+
+def _chunk_ids(base: str, n_chunks: int) -> list[str]:
+    return [base] if n_chunks == 1 else [f"{base}-{j}" for j in range(n_chunks)]
+
+
+@dataclass
+class _Pool:
+    """One pooling run of :func:`pool_corpus`: the digests and ids written so far, the counts and the
+    questions kept (``keep_questions``: a QA file is wanted)."""
+
+    chunk_size: int | None
+    overlap: int
+    id_prefix: str
+    dataset: str | None
+    keep_questions: bool
+    seen: dict[bytes, list[str]] = field(default_factory=dict)
+    taken: set[str] = field(default_factory=set)  # every id written
+    next_n: int = 0  # generated ids count up from here
+    stats: dict[str, int] = field(default_factory=lambda: {
+        "records": 0, "paragraphs": 0, "passages": 0, "duplicates": 0, "questions": 0,
+        "duplicate_questions": 0, "unanswerable": 0})
+    questions: list[QAExample] = field(default_factory=list)
+    question_ids: set[str] = field(default_factory=set)
+
+    def fresh_ids(self, n_chunks: int) -> list[str]:
+        n = max(self.next_n, len(self.seen))
+        ids = _chunk_ids(f"{self.id_prefix}{n}", n_chunks)
+        while not self.taken.isdisjoint(ids):
+            n += 1
+            ids = _chunk_ids(f"{self.id_prefix}{n}", n_chunks)
+        self.next_n = n + 1
+        return ids
+
+    def add(self, title: str, text: str, src: tuple[str, str] | None) -> list[Passage]:
+        """The passages of one paragraph (none for a duplicate); ``src`` = (id, where) of a corpus line."""
+        key = _digest(title, text)
+        if key in self.seen:
+            self.stats["duplicates"] += 1
+            return []
+        chunks = chunk_words(_norm(text), self.chunk_size, self.overlap)
+        if src is None:
+            ids = self.fresh_ids(len(chunks))
+        else:
+            pid, where = src
+            ids = _chunk_ids(pid, len(chunks))
+            if not self.taken.isdisjoint(ids):
+                dup = next(i for i in ids if i in self.taken)
+                raise DataFormatError(
+                    f"{where}: passage id {dup!r} is already taken by an earlier passage of the pool "
+                    "(ids must be unique; kept corpus ids are never renamed): pool the corpus files first, "
+                    "or choose an --id-prefix (id_prefix) that none of their ids start with"
+                )
+        self.seen[key] = ids
+        self.taken.update(ids)
+        return [Passage.make(i, title, c) for i, c in zip(ids, chunks)]
+
+    def corpus_line(self, obj: dict, where: str) -> list[Passage]:
+        """The passages of a corpus-JSONL line (its id kept)."""
+        pid = passage_field(obj, "id", where)
+        contents = passage_field(obj, "contents" if "contents" in obj else "text", where)
+        title = str(obj.get("title") or "")
+        if not title and "\n" in contents and "contents" in obj:  # wiki-18: '"Title"\ntext', no title field
+            title = contents.partition("\n")[0].strip('"')
+        # the body without the title line, only when the first line is the title (Passage.text)
+        text = Passage(pid, title, contents).text if "contents" in obj else contents
+        self.stats["paragraphs"] += 1
+        return self.add(title, text, (pid, where))
+
+    def qa_record(self, paras: list[tuple[str, str, bool]], qa: dict | None, source: str) -> Iterator[Passage]:
+        """The passages of a QA record's paragraphs; then its question is kept (with the ids of its
+        supporting paragraphs) unless it has no answer, is unanswerable or came in an earlier source."""
+        supporting: list[str] = []
+        for title, text, is_sup in paras:
+            self.stats["paragraphs"] += 1
+            yield from self.add(title, text, None)
+            if is_sup:
+                supporting += self.seen[_digest(title, text)]
+        if not self.keep_questions or qa is None or not qa["answers"]:
+            return
+        if qa.get("answerable") is False:  # MuSiQue-full: the paragraphs do not support the gold
+            self.stats["unanswerable"] += 1
+            return
+        if qa["id"] in self.question_ids:  # the same question in two sources: the first copy is kept
+            self.stats["duplicate_questions"] += 1
+            return
+        self.question_ids.add(qa["id"])
+        meta = {"supporting_ids": supporting, "source": source}
+        if self.dataset:
+            meta["dataset"] = self.dataset
+        self.questions.append(QAExample(qa["id"], qa["question"], qa["answers"], meta))
+
+    def passages(self, sources: list[str | Path]) -> Iterator[Passage]:
+        """Every passage of ``sources`` in order, counted as written."""
+        for src in sources:
+            src = Path(src)
+            if not src.exists():
+                raise FileNotFoundError(f"source file not found: {src}")
+            if src.suffix == ".parquet":
+                raise DataFormatError(f"{src}: parquet input is a Search-R1-format QA file here (no paragraphs); "
+                                      "pool a JSONL with paragraphs")
+            for n, (where, obj) in enumerate(iter_records(src), start=1):
+                self.stats["records"] += 1
+                got = _paragraphs(obj, where, n)
+                found = self.corpus_line(obj, where) if got is None else self.qa_record(*got, src.name)
+                for p in found:
+                    self.stats["passages"] += 1
+                    yield p
+
+
 def pool_corpus(
     sources: list[str | Path],
     out: str | Path,
@@ -141,102 +255,12 @@ def pool_corpus(
     and ``FileNotFoundError`` for a missing source.
     """
     out = Path(out)
-    seen: dict[bytes, list[str]] = {}
-    taken: set[str] = set()  # every id written
-    next_n = [0]  # generated ids count up from here
-    stats = {"records": 0, "paragraphs": 0, "passages": 0, "duplicates": 0, "questions": 0,
-             "duplicate_questions": 0, "unanswerable": 0}
-    questions: list[QAExample] = []
-    question_ids: set[str] = set()
-
-    def chunk_ids(base: str, n_chunks: int) -> list[str]:
-        return [base] if n_chunks == 1 else [f"{base}-{j}" for j in range(n_chunks)]
-
-    def fresh_ids(n_chunks: int) -> list[str]:
-        n = max(next_n[0], len(seen))
-        ids = chunk_ids(f"{id_prefix}{n}", n_chunks)
-        while not taken.isdisjoint(ids):
-            n += 1
-            ids = chunk_ids(f"{id_prefix}{n}", n_chunks)
-        next_n[0] = n + 1
-        return ids
-
-    def add(title: str, text: str, src: tuple[str, Path, int] | None) -> list[Passage]:
-        """The passages of one paragraph (none for a duplicate); ``src`` = (id, file, line) of a corpus line."""
-        key = hashlib.blake2b(f"{title}\x00{_norm(text)}".encode(), digest_size=16).digest()
-        if key in seen:
-            stats["duplicates"] += 1
-            return []
-        chunks = chunk_words(_norm(text), chunk_size, overlap)
-        if src is None:
-            ids = fresh_ids(len(chunks))
-        else:
-            pid, where = src
-            ids = chunk_ids(pid, len(chunks))
-            if not taken.isdisjoint(ids):
-                dup = next(i for i in ids if i in taken)
-                raise DataFormatError(
-                    f"{where}: passage id {dup!r} is already taken by an earlier passage of the pool "
-                    "(ids must be unique; kept corpus ids are never renamed): pool the corpus files first, "
-                    "or choose an --id-prefix (id_prefix) that none of their ids start with"
-                )
-        seen[key] = ids
-        taken.update(ids)
-        return [Passage.make(i, title, c) for i, c in zip(ids, chunks)]
-
-    def passages() -> Iterator[Passage]:
-        for src in sources:
-            src = Path(src)
-            if not src.exists():
-                raise FileNotFoundError(f"source file not found: {src}")
-            if src.suffix == ".parquet":
-                raise DataFormatError(f"{src}: parquet input is a Search-R1-format QA file here (no paragraphs); "
-                                      "pool a JSONL with paragraphs")
-            for n, (where, obj) in enumerate(iter_records(src), start=1):
-                stats["records"] += 1
-                got = _paragraphs(obj, where, n)
-                if got is None:  # a corpus line
-                    pid = passage_field(obj, "id", where)
-                    contents = passage_field(obj, "contents" if "contents" in obj else "text", where)
-                    title = str(obj.get("title") or "")
-                    if not title and "\n" in contents and "contents" in obj:  # wiki-18: '"Title"\ntext', no title field
-                        title = contents.partition("\n")[0].strip('"')
-                    # the body without the title line, only when the first line is the title (Passage.text)
-                    text = Passage(pid, title, contents).text if "contents" in obj else contents
-                    stats["paragraphs"] += 1
-                    yield from add(title, text, (pid, where))
-                    continue
-                paras, qa = got
-                supporting: list[str] = []
-                for title, text, is_sup in paras:
-                    stats["paragraphs"] += 1
-                    yield from add(title, text, None)
-                    key = hashlib.blake2b(f"{title}\x00{_norm(text)}".encode(), digest_size=16).digest()
-                    if is_sup:
-                        supporting += seen[key]
-                if qa_out is not None and qa is not None and qa["answers"]:
-                    if qa.get("answerable") is False:  # MuSiQue-full: the paragraphs do not support the gold
-                        stats["unanswerable"] += 1
-                        continue
-                    if qa["id"] in question_ids:  # the same question in two sources: the first copy is kept
-                        stats["duplicate_questions"] += 1
-                        continue
-                    question_ids.add(qa["id"])
-                    meta = {"supporting_ids": supporting, "source": src.name}
-                    if dataset:
-                        meta["dataset"] = dataset
-                    questions.append(QAExample(qa["id"], qa["question"], qa["answers"], meta))
-
-    def counted() -> Iterator[Passage]:
-        for p in passages():
-            stats["passages"] += 1
-            yield p
-
+    pool = _Pool(chunk_size, overlap, id_prefix, dataset, keep_questions=qa_out is not None)
     try:
-        write_jsonl(out, counted())
+        write_jsonl(out, pool.passages(sources))
     except BaseException:
         out.with_suffix(out.suffix + ".tmp").unlink(missing_ok=True)  # write_jsonl's temp file
         raise
     if qa_out is not None:
-        stats["questions"] = write_jsonl(qa_out, questions)
-    return stats
+        pool.stats["questions"] = write_jsonl(qa_out, pool.questions)
+    return pool.stats

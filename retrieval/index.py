@@ -209,39 +209,8 @@ def build_index(
         built = True
     if build_dense:
         enc = Encoder(dense_model, device=device, query_prefix=query_prefix, passage_prefix=passage_prefix)
-        dense_model = _model_ref(dense_model)
-        check_dense_spec(dense_spec, n, enc.dim)  # before the encoding pass, not after it
-        ddir = out / "dense"
-        ddir.mkdir(parents=True, exist_ok=True)
-        _mark_rebuilding(out, manifest, "dense")
-        vectors = f"{fp}:{enc.fingerprint}:{enc.passage_prefix}"  # what the embeddings depend on
-        emb = encode_to_memmap(
-            lambda texts: enc.encode_passages(texts, batch_size),
-            store.iter_contents,
-            n,
-            enc.dim,
-            ddir / "embeddings.npy",
-            chunk=max(batch_size * 16, 1024),
-            fingerprint=vectors,
-            show_progress=show_progress,
-        )
-        desc = {
-            "model": dense_model,
-            "dim": enc.dim,
-            "query_prefix": enc.query_prefix,
-            "passage_prefix": enc.passage_prefix,
-            "spec": asdict(dense_spec),
-            "vectors": vectors,
-        }
-        kept = same.get("dense") or {}
-        same_part = {k: kept.get(k) for k in desc} == desc and kept.get("shards")
-        if same_part and all((ddir / s).is_file() for s in kept["shards"]):
-            shards = kept["shards"]  # the same vectors in the same kind of index: not trained and added again
-        else:
-            shards = build_dense_shards(emb, ddir, dense_spec, show_progress)
-            built = True  # (the encoder resumed or skipped finished embeddings before)
-        manifest["dense"] = {**desc, "shards": shards}
-        _write_manifest(out, manifest)
+        built |= _dense_part(out, store, manifest, same.get("dense") or {}, enc, _model_ref(dense_model), dense_spec,
+                             batch_size, show_progress)
     if build_lucene:
         if not manifest["lucene"]:
             _mark_rebuilding(out, manifest, "lucene")
@@ -257,6 +226,49 @@ def build_index(
     manifest["reused"] = not built
     _write_manifest(out, manifest)
     return manifest
+
+
+def _dense_part(out: Path, store: DocStore, manifest: dict, kept: dict, enc: Encoder, model: str,
+                dense_spec: DenseIndexSpec, batch_size: int, show_progress: bool) -> bool:
+    """Build ``out/dense`` for :func:`build_index`: embed the store's passages with ``enc`` into the resumable
+    memmap, then the FAISS shards of ``dense_spec``, unless ``kept`` (the manifest's dense part of the same
+    corpus) describes the same vectors in the same kind of index with its shards on disk. Records the part in
+    ``manifest`` (written) and returns whether shards were built. Raises what :func:`check_dense_spec` raises
+    before the encoding pass."""
+    n = manifest["num_passages"]
+    check_dense_spec(dense_spec, n, enc.dim)  # before the encoding pass, not after it
+    ddir = out / "dense"
+    ddir.mkdir(parents=True, exist_ok=True)
+    _mark_rebuilding(out, manifest, "dense")
+    vectors = f"{manifest['fingerprint']}:{enc.fingerprint}:{enc.passage_prefix}"  # what the embeddings depend on
+    emb = encode_to_memmap(
+        lambda texts: enc.encode_passages(texts, batch_size),
+        store.iter_contents,
+        n,
+        enc.dim,
+        ddir / "embeddings.npy",
+        chunk=max(batch_size * 16, 1024),
+        fingerprint=vectors,
+        show_progress=show_progress,
+    )
+    desc = {
+        "model": model,
+        "dim": enc.dim,
+        "query_prefix": enc.query_prefix,
+        "passage_prefix": enc.passage_prefix,
+        "spec": asdict(dense_spec),
+        "vectors": vectors,
+    }
+    same_part = {k: kept.get(k) for k in desc} == desc and kept.get("shards")
+    built = False
+    if same_part and all((ddir / s).is_file() for s in kept["shards"]):
+        shards = kept["shards"]  # the same vectors in the same kind of index: not trained and added again
+    else:
+        shards = build_dense_shards(emb, ddir, dense_spec, show_progress)
+        built = True  # (the encoder resumed or skipped finished embeddings before)
+    manifest["dense"] = {**desc, "shards": shards}
+    _write_manifest(out, manifest)
+    return built
 
 
 def _replace_dir(path: Path, build: Callable[[Path], object]) -> None:
@@ -441,98 +453,105 @@ def load_retriever(index_dir: str | Path, method: str = "bm25", **kw):
     store = DocStore(index_dir)
     cache_size = int(kw.pop("cache_size", 0) or 0)
 
-    def bm25():
-        if not man.get("bm25") or not (index_dir / "bm25").is_dir():
-            raise IndexNotFoundError(
-                f"index {index_dir} has no BM25 part (its last build did not finish); rebuild with: {cmd}"
-            )
-        try:
-            b = BM25Index.load(
-                index_dir / "bm25", mmap=kw.get("mmap", False), n_threads=kw.get("n_threads", 0),
-                backend=kw.get("bm25_backend", "maxscore"),
-            )
-        except FileNotFoundError as e:
-            raise IndexNotFoundError(
-                f"index {index_dir}: BM25 part incomplete ({e}); rebuild with: {cmd}"
-            ) from None
-        return BM25Retriever(b, store)
-
-    def dense():
-        d = man.get("dense")
-        if not d:
-            raise IndexNotFoundError(
-                f"index {index_dir} has no dense part (it was built with --no-dense, or its last dense build did not "
-                f"finish); rebuild with: {cmd}"
-            )
-        want = kw.get("dense_model")
-        if want is not None and not same_dense_model(want, d["model"]):
-            raise ValueError(
-                f"index {index_dir} was built with dense model {d['model']!r}, not with {want!r} (the "
-                f"configured retrieval.dense_model): vectors of one model cannot be searched with another; leave "
-                f"retrieval.dense_model unset (or set it to {d['model']!r}) to search it, or rebuild the dense "
-                f"part with the other model: {build_command(index_dir, man.get('corpus'), f'--dense-model {want}')}"
-            )
-        spec = DenseIndexSpec(**d.get("spec", {}))
-        try:
-            idx = DenseIndex.load(
-                index_dir / "dense",
-                d["shards"],
-                spec,
-                mmap=kw.get("mmap", False),
-                use_gpu=kw.get("use_gpu", False),
-            )
-        except FileNotFoundError as e:
-            raise IndexNotFoundError(
-                f"index {index_dir}: dense part incomplete ({e}); rebuild with: {cmd}"
-            ) from None
-        enc = Encoder(
-            d["model"],
-            device=kw.get("device"),
-            query_prefix=d.get("query_prefix"),
-            passage_prefix=d.get("passage_prefix"),
-        )
-        check_dense_model(enc, index_dir / "dense", store, f"{cmd} --dense-model {d['model']}")
-        return DenseRetriever(enc, idx, store, kw.get("batch_size", 64))
-
-    def lucene():
-        lu, ldir = man.get("lucene"), index_dir / "lucene"
-        lcmd = build_command(index_dir, man.get("corpus"), "--lucene")
-        if not lu or not ldir.is_dir():
-            raise IndexNotFoundError(
-                f"index {index_dir} has no Lucene part (it is opt-in); build it with: {lcmd} "
-                "(needs the lucene extra: pip install 'sleuth[lucene]')"
-            )
-        from retrieval.lucene import LuceneBM25Retriever, setup_jvm
-
-        setup_jvm()  # ImportError naming the install command without the extra
-        from jnius import JavaException
-
-        threads = int(kw.get("n_threads") or 0) or os.cpu_count() or 1
-        try:
-            searcher = LuceneBM25Retriever(ldir, k1=lu["k1"], b=lu["b"], threads=threads)
-        except JavaException as e:
-            raise IndexNotFoundError(
-                f"index {index_dir}: Lucene part unreadable ({e}); rebuild with: {lcmd}"
-            ) from e
-        if searcher.searcher.num_docs != len(store):
-            raise IndexNotFoundError(
-                f"index {index_dir}: Lucene part has {searcher.searcher.num_docs} documents, the passages "
-                f"{len(store)}; rebuild with: {lcmd}"
-            )
-        return LuceneRetriever(searcher, store)
-
     if method == "bm25":
-        r = bm25()
+        r = _open_bm25(index_dir, man, store, cmd, kw)
     elif method == "lucene":
-        r = lucene()
+        r = _open_lucene(index_dir, man, store, kw)
     elif method == "dense":
-        r = dense()
+        r = _open_dense(index_dir, man, store, cmd, kw)
     else:
         from retrieval.hybrid import HybridRetriever
 
-        r = HybridRetriever(bm25(), dense(), rrf_k=kw.get("rrf_k", 60), depth=kw.get("depth", 100))
+        r = HybridRetriever(_open_bm25(index_dir, man, store, cmd, kw), _open_dense(index_dir, man, store, cmd, kw),
+                            rrf_k=kw.get("rrf_k", 60), depth=kw.get("depth", 100))
     if cache_size:
         from retrieval.cache import CachedRetriever
 
         r = CachedRetriever(r, maxsize=cache_size)
     return r
+
+
+def _open_bm25(index_dir: Path, man: dict, store: DocStore, cmd: str, kw: dict) -> BM25Retriever:
+    """The BM25 part of :func:`load_retriever`'s index, or :class:`IndexNotFoundError` naming ``cmd``."""
+    if not man.get("bm25") or not (index_dir / "bm25").is_dir():
+        raise IndexNotFoundError(
+            f"index {index_dir} has no BM25 part (its last build did not finish); rebuild with: {cmd}"
+        )
+    try:
+        b = BM25Index.load(
+            index_dir / "bm25", mmap=kw.get("mmap", False), n_threads=kw.get("n_threads", 0),
+            backend=kw.get("bm25_backend", "maxscore"),
+        )
+    except FileNotFoundError as e:
+        raise IndexNotFoundError(
+            f"index {index_dir}: BM25 part incomplete ({e}); rebuild with: {cmd}"
+        ) from None
+    return BM25Retriever(b, store)
+
+
+def _open_dense(index_dir: Path, man: dict, store: DocStore, cmd: str, kw: dict) -> DenseRetriever:
+    """The dense part of :func:`load_retriever`'s index (see there for the errors)."""
+    d = man.get("dense")
+    if not d:
+        raise IndexNotFoundError(
+            f"index {index_dir} has no dense part (it was built with --no-dense, or its last dense build did not "
+            f"finish); rebuild with: {cmd}"
+        )
+    want = kw.get("dense_model")
+    if want is not None and not same_dense_model(want, d["model"]):
+        raise ValueError(
+            f"index {index_dir} was built with dense model {d['model']!r}, not with {want!r} (the "
+            f"configured retrieval.dense_model): vectors of one model cannot be searched with another; leave "
+            f"retrieval.dense_model unset (or set it to {d['model']!r}) to search it, or rebuild the dense "
+            f"part with the other model: {build_command(index_dir, man.get('corpus'), f'--dense-model {want}')}"
+        )
+    spec = DenseIndexSpec(**d.get("spec", {}))
+    try:
+        idx = DenseIndex.load(
+            index_dir / "dense",
+            d["shards"],
+            spec,
+            mmap=kw.get("mmap", False),
+            use_gpu=kw.get("use_gpu", False),
+        )
+    except FileNotFoundError as e:
+        raise IndexNotFoundError(
+            f"index {index_dir}: dense part incomplete ({e}); rebuild with: {cmd}"
+        ) from None
+    enc = Encoder(
+        d["model"],
+        device=kw.get("device"),
+        query_prefix=d.get("query_prefix"),
+        passage_prefix=d.get("passage_prefix"),
+    )
+    check_dense_model(enc, index_dir / "dense", store, f"{cmd} --dense-model {d['model']}")
+    return DenseRetriever(enc, idx, store, kw.get("batch_size", 64))
+
+
+def _open_lucene(index_dir: Path, man: dict, store: DocStore, kw: dict) -> LuceneRetriever:
+    """The Lucene part of :func:`load_retriever`'s index (see there for the errors)."""
+    lu, ldir = man.get("lucene"), index_dir / "lucene"
+    lcmd = build_command(index_dir, man.get("corpus"), "--lucene")
+    if not lu or not ldir.is_dir():
+        raise IndexNotFoundError(
+            f"index {index_dir} has no Lucene part (it is opt-in); build it with: {lcmd} "
+            "(needs the lucene extra: pip install 'sleuth[lucene]')"
+        )
+    from retrieval.lucene import LuceneBM25Retriever, setup_jvm
+
+    setup_jvm()  # ImportError naming the install command without the extra
+    from jnius import JavaException
+
+    threads = int(kw.get("n_threads") or 0) or os.cpu_count() or 1
+    try:
+        searcher = LuceneBM25Retriever(ldir, k1=lu["k1"], b=lu["b"], threads=threads)
+    except JavaException as e:
+        raise IndexNotFoundError(
+            f"index {index_dir}: Lucene part unreadable ({e}); rebuild with: {lcmd}"
+        ) from e
+    if searcher.searcher.num_docs != len(store):
+        raise IndexNotFoundError(
+            f"index {index_dir}: Lucene part has {searcher.searcher.num_docs} documents, the passages "
+            f"{len(store)}; rebuild with: {lcmd}"
+        )
+    return LuceneRetriever(searcher, store)
