@@ -127,8 +127,9 @@ def synthetic_batch(rows: int, seq_len: int, prompt_len: int, policy_span: int, 
     ids = torch.where(attn.bool(), ids, 1)
     turns = torch.where(pos < prompt_len, 0, (pos - prompt_len) // period + 1).expand(rows, seq_len).clone()
     adv = torch.randint(0, 2, (rows,), generator=g).float() * 2 - 1
-    return Batch(input_ids=ids, attention_mask=attn, roles=roles, loss_mask=loss_mask_from_roles(roles[:, 1:]),
-                 turn_ids=turns, rewards=(adv > 0).float(), groups=torch.arange(rows) // 8, advantages=adv)
+    loss_mask = loss_mask_from_roles(roles[:, 1:])
+    return Batch(input_ids=ids, attention_mask=attn, roles=roles, loss_mask=loss_mask, turn_ids=turns,
+                 rewards=(adv > 0).float(), groups=torch.arange(rows) // 8, token_advantages=adv[:, None] * loss_mask)
 
 
 def _sync(device: torch.device) -> None:
@@ -205,7 +206,7 @@ def update_step(model, optimizer, batch: Batch, args, autocast) -> dict:
         with autocast():
             lp, ent = policy_logprobs(model, mb)
         mask = mb.loss_mask.to(lp.device)
-        adv = mb.advantages.to(lp.device)[:, None] * mask
+        adv = mb.token_advantages.to(lp.device)
         loss, stats = K.policy_loss(lp, old_lp, adv, mask, entropy=ent)
         (loss * (float(mask.sum()) / total)).backward()
     params = [p for p in model.parameters() if p.requires_grad]

@@ -67,7 +67,6 @@ REGISTRY: dict[str, Benchmark] = {
 }
 ALIASES = {"2wiki": "2wikimultihopqa", "hotpot": "hotpotqa", "tqa": "triviaqa", "natural_questions": "nq"}
 ALL = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
-MULTIHOP = tuple(n for n in ALL if REGISTRY[n].multihop)
 
 
 def known_benchmarks() -> list[str]:

@@ -87,7 +87,7 @@ def default_prefixes(name: str) -> tuple[str, str]:
     """(query prefix, passage prefix) a model family was trained with: e5 (``query: ``/``passage: ``; the
     instruct e5 models take :data:`E5_INSTRUCT_QUERY` on queries only) and bge (not bge-m3); empty otherwise.
     The family is a whole word of ``name`` (``e5`` in ``multilingual-e5-large``, not in ``lr2e5``; ``bge`` not
-    in ``/home/bgeorge``)."""
+    in ``/srv/bgeo-models``)."""
     words = _name_words(name)
     if "e5" in words:
         return (E5_INSTRUCT_QUERY, "") if "instruct" in words else ("query: ", "passage: ")

@@ -1,6 +1,8 @@
 """Every advantage estimator against hand-computed values on a small batch, incl. an all-equal group and a
 batch of one trajectory; plus the config check that rejects PPO without a critic."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -55,12 +57,24 @@ def test_strata_do_not_mix_groups():
     close(A.stratified_grpo_advantages(r, g, s, alpha=1.0), [0.707107, -0.707107, -0.707107, 0.707107])
 
 
-OUTCOME = [n for n in E.ADV_ESTIMATORS if E.ADV_ESTIMATORS.get(n).outcome is not None]
+OUTCOME = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "stratified_grpo"]
 TC = TrainConfig()
 
 
+def outcome(name: str, rewards: torch.Tensor, groups: torch.Tensor, search_calls: torch.Tensor,
+            tc: TrainConfig = TC) -> torch.Tensor:
+    """``[N]`` advantages of the registered estimator ``name`` through the trainer's path
+    (:func:`training.algos.estimators.compute_advantages`), each trajectory one policy token long."""
+    n = len(rewards)
+    inp = E.AdvantageInputs(rewards=rewards.float(), groups=groups, mask=torch.ones(n, 1),
+                            token_turns=torch.ones(n, 1, dtype=torch.long), turn_valid=torch.ones(n, 1, dtype=torch.bool),
+                            is_search=torch.zeros(n, 1, dtype=torch.bool), search_calls=search_calls,
+                            trajs=[SimpleNamespace(group=int(g), metadata={}) for g in groups])
+    return E.compute_advantages(tc.model_copy(update={"algorithm": name}), inp)["advantages"][:, 0]
+
+
 def test_the_built_in_estimators_are_registered():
-    assert set(OUTCOME) == {"grpo", "dr_grpo", "rloo", "reinforce_pp", "stratified_grpo"}
+    assert list(E.ADV_ESTIMATORS) == [*OUTCOME, "ppo", "igpo", "gigpo", "evidence_igpo"]  # in this order
     assert E.ADV_ESTIMATORS.get("ppo").critic and not E.ADV_ESTIMATORS.get("grpo").critic
     assert E.ADV_ESTIMATORS.get("igpo").gold_probs and E.ADV_ESTIMATORS.get("igpo").groups
     assert not E.ADV_ESTIMATORS.get("reinforce_pp").groups
@@ -68,9 +82,9 @@ def test_the_built_in_estimators_are_registered():
 
 @pytest.mark.parametrize("name", OUTCOME)
 def test_all_equal_group_and_single_trajectory_give_zero(name):
-    eq = E.outcome_advantages(name, torch.tensor([0.3, 0.3, 0.3]), torch.tensor([0, 0, 0]), torch.tensor([0, 1, 1]), TC)
+    eq = outcome(name, torch.tensor([0.3, 0.3, 0.3]), torch.tensor([0, 0, 0]), torch.tensor([0, 1, 1]), TC)
     close(eq, [0.0, 0.0, 0.0])
-    one = E.outcome_advantages(name, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([2]), TC)
+    one = outcome(name, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([2]), TC)
     close(one, [0.0])
     assert torch.isfinite(one).all()
 
@@ -83,12 +97,12 @@ def test_all_equal_rewards_give_exactly_zero_whatever_the_value(name, value, n):
     ``r - mean`` was divided by ``std + eps`` with ``std`` of the same tiny size, giving every member of a
     flat group the same advantage (up to 0.19) instead of 0."""
     r = torch.full((n,), value)
-    adv = E.outcome_advantages(name, r, torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), TC)
+    adv = outcome(name, r, torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), TC)
     assert torch.equal(adv, torch.zeros(n)), adv
     # a flat group next to a varying one stays exactly 0, and the varying one is unchanged
     r2 = torch.cat([r, torch.tensor([0.0, 1.0])])
     g2 = torch.cat([torch.zeros(n, dtype=torch.long), torch.ones(2, dtype=torch.long)])
-    adv2 = E.outcome_advantages(name, r2, g2, torch.zeros(n + 2, dtype=torch.long), TC)
+    adv2 = outcome(name, r2, g2, torch.zeros(n + 2, dtype=torch.long), TC)
     if name != "reinforce_pp":  # batch-level: the flat group is not flat in the batch
         assert torch.equal(adv2[:n], torch.zeros(n))
     k = (A.igpo_turn_advantages(torch.full((n, 2), value), torch.ones(n, 2, dtype=torch.bool),
@@ -98,11 +112,11 @@ def test_all_equal_rewards_give_exactly_zero_whatever_the_value(name, value, n):
 
 def test_unknown_estimator():
     with pytest.raises(ValueError, match="unknown advantage estimator 'nope'"):
-        E.outcome_advantages("nope", R, G, G, TC)
+        outcome("nope", R, G, G)
     with pytest.raises(ValueError, match="did you mean 'grpo'"):
         E.ADV_ESTIMATORS.get("grpp")
-    with pytest.raises(ValueError, match="not an outcome-level"):
-        E.outcome_advantages("ppo", R, G, G, TC)
+    with pytest.raises(ValueError, match="ppo needs critic values"):
+        outcome("ppo", R, G, G)
 
 
 def test_gae_over_policy_tokens_only():
@@ -169,13 +183,12 @@ def test_outcome_advantages_under_torchrun_equal_one_process_on_the_whole_batch(
     r = [torch.rand(6, generator=g), torch.rand(4, generator=g) * 3]  # the two ranks' rewards: other scales
     groups = [torch.tensor([0, 0, 0, 1, 1, 1]), torch.tensor([0, 0, 1, 1])]
     strata = [torch.tensor([0, 1, 2, 0, 1, 1]), torch.tensor([2, 2, 0, 1])]
-    whole = E.outcome_advantages(name, torch.cat(r), torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 3, 3]), torch.cat(strata), TC)
-    fn = E.ADV_ESTIMATORS.get(name).outcome
+    whole = outcome(name, torch.cat(r), torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 3, 3]), torch.cat(strata))
     for rank in (0, 1):
         parts = [(r[i].tolist(), groups[i].tolist(), strata[i].tolist()) for i in (0, 1)]
         monkeypatch.setattr(E, "world", lambda rank=rank: (rank, 2))
         monkeypatch.setattr(E, "gather_objects", lambda obj, parts=parts: parts)
-        got = E.gathered_outcome(fn, r[rank], groups[rank], strata[rank], TC)
+        got = outcome(name, r[rank], groups[rank], strata[rank])
         torch.testing.assert_close(got, whole[:6] if rank == 0 else whole[6:])
 
 

@@ -28,6 +28,7 @@ def build():
     """A tiny random Qwen2 (2 layers) and a fixed batch of 6 trajectories with tool spans and advantages."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from training.algos.advantages import to_token_advantages
     from training.batch import Batch
     from training.masking import loss_mask_from_roles
 
@@ -45,8 +46,8 @@ def build():
         roles[i, :n] = torch.tensor(([0] * 3 + [1] * 4 + [2] * 3 + [1] * 10)[:n])
     attn = (roles >= 0).long()
     batch = Batch(input_ids=ids * attn, attention_mask=attn, roles=roles, loss_mask=loss_mask_from_roles(roles[:, 1:]),
-                  turn_ids=torch.zeros(N, T, dtype=torch.long), rewards=torch.zeros(N), groups=torch.zeros(N, dtype=torch.long),
-                  advantages=torch.tensor([1.0, -0.5, 0.3, -1.2, 0.8, -0.4]))
+                  turn_ids=torch.zeros(N, T, dtype=torch.long), rewards=torch.zeros(N), groups=torch.zeros(N, dtype=torch.long))
+    batch.token_advantages = to_token_advantages(torch.tensor([1.0, -0.5, 0.3, -1.2, 0.8, -0.4]), batch.loss_mask)
     batch.returns = torch.randn(N, T - 1, generator=g) * batch.loss_mask  # PPO's critic targets
     batch.old_values = torch.zeros(N, T - 1)
     return model, batch

@@ -13,6 +13,7 @@ import torch
 from agent.trajectory import Role, Trajectory
 from tests.conftest import QUESTIONS, run_rl
 from tests.test_trainer import load, make_cfg, varying_judge
+from training.algos.advantages import to_token_advantages
 
 
 def _traj(roles, logprobs=None, ids=None):
@@ -204,7 +205,7 @@ def test_the_cap_bounds_the_gradient_when_one_reported_logprob_is_far_off(tiny_p
     for name, cap in (("on-policy", None), ("tis", 2.0), ("uncapped", 1e30)):
         m, _ = load(tiny_policy_dir)
         b = collate(trajs, tok.pad_token_id)
-        b.advantages = torch.linspace(-1, 1, len(b))
+        b.token_advantages = to_token_advantages(torch.linspace(-1, 1, len(b)), b.loss_mask)
         row, col = (b.loss_mask > 0).nonzero()[len(b) // 2].tolist()
         b.rollout_logprobs[row, col] -= 15.0
         tc = cfg.train.model_copy(update={"tis_cap": cap, "max_grad_norm": 1e30})

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from agent.trajectory import Role, Trajectory
+from training.algos.advantages import to_token_advantages
 from training.batch import Batch, collate, micro_batches
 from training.model.forward import policy_logprobs
 
@@ -244,7 +245,7 @@ def test_update_policy_with_packing_equals_padded(policy):
     for packing in (False, True):
         m = copy.deepcopy(model)
         b = make_batch(tok)
-        b.advantages = torch.linspace(-1, 1, len(b))
+        b.token_advantages = to_token_advantages(torch.linspace(-1, 1, len(b)), b.loss_mask)
         tc = TrainConfig(
             micro_batch=3,
             micro_batch_tokens=30,

@@ -14,6 +14,7 @@ from agent.llm import encode
 from agent.protocols.function_call import SEARCH_TOOL
 from agent.trajectory import Role
 from tests.chat_templates import CALLS, CHATML_TOOLS, Recording, ScriptedSampler
+from training.algos.advantages import to_token_advantages
 
 MSGS = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is the capital of France?"}]
 
@@ -171,7 +172,7 @@ def test_the_built_in_loop_through_the_proxy_is_token_identical(tiny_llm, retrie
     def step(trajs):
         model = copy.deepcopy(tiny_llm.model).train()
         batch = collate(trajs, tiny_llm.tokenizer.pad_token_id, agent_cfg.max_total_tokens)
-        batch.advantages = torch.tensor([1.0, -0.5])
+        batch.token_advantages = to_token_advantages(torch.tensor([1.0, -0.5]), batch.loss_mask)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         stats = update_policy(model, None, opt, batch, TrainConfig(micro_batch=2, bf16=False))
         return stats, torch.cat([p.detach().flatten() for p in model.parameters()])

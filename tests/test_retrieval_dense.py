@@ -328,7 +328,7 @@ def test_mmap_load_without_mmap_ifc_reads_flat_into_memory(tmp_path, monkeypatch
         ("BAAI/bge-base-en-v1.5", (encoder.BGE_QUERY_INSTRUCTION, "")),
         ("BAAI/bge-m3", ("", "")),
         # family names inside other words or folder names are not the family
-        ("/home/bgeorge/models/all-MiniLM-L6-v2", ("", "")),
+        ("/srv/bgeo-models/all-MiniLM-L6-v2", ("", "")),
         ("ckpt/minilm-lr2e5", ("", "")),
         ("/data/m3data/bge-small-en-v1.5", (encoder.BGE_QUERY_INSTRUCTION, "")),
     ],

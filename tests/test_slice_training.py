@@ -10,7 +10,7 @@ import torch
 from agent.loop.batch import run_episodes
 from sleuth.config import load_config
 from tests.conftest import PASSAGES, QUESTIONS, run_rl
-from training.algos.advantages import grpo_advantages
+from training.algos.estimators import advantage_inputs, compute_advantages
 from training.batch import collate
 from training.model.actor import update_policy
 
@@ -25,8 +25,9 @@ def test_one_grpo_step_changes_the_weights(tiny_llm, retriever, agent_cfg):
     for i, t in enumerate(trajs):  # rewards with in-group variance, so GRPO advantages are non-zero
         t.reward = float(i % 2)
     batch = collate(trajs, tiny_llm.tokenizer.pad_token_id)
-    batch.advantages = grpo_advantages(batch.rewards, batch.groups)
-    assert batch.advantages.abs().sum() > 0
+    # the trainer's advantage phase: the registered estimator (GRPO) on the batch and its trajectories
+    batch.token_advantages = compute_advantages(cfg.train, advantage_inputs(batch, trajs))["advantages"]
+    assert batch.token_advantages.abs().sum() > 0
     before = _params(tiny_llm.model)
     opt = torch.optim.AdamW(tiny_llm.model.parameters(), lr=1e-3)
     tiny_llm.model.train()

@@ -12,6 +12,7 @@ import torch
 
 from agent.trajectory import Role, Trajectory
 from tests.conftest import QUESTIONS, run_rl
+from training.algos.advantages import to_token_advantages
 
 
 def varying_judge(traj):
@@ -107,7 +108,7 @@ def test_token_budget_micro_batches_equal_one_full_batch(tiny_policy_dir, retrie
     torch.manual_seed(0)
     trajs = run_episodes(QUESTIONS, TransformersLLM(model, tok), retriever, cfg.agent, n_samples=2)
     batch = collate(trajs, tok.pad_token_id)
-    batch.advantages = torch.linspace(-1, 1, len(batch))
+    batch.token_advantages = to_token_advantages(torch.linspace(-1, 1, len(batch)), batch.loss_mask)
     parts = micro_batches(batch, 8, 2 * int(batch.lengths.float().mean()))
     assert len(parts) > 1 and sorted(torch.cat(parts).tolist()) == list(range(len(batch)))
     results = []
@@ -117,7 +118,7 @@ def test_token_budget_micro_batches_equal_one_full_batch(tiny_policy_dir, retrie
         tc = cfg.train.model_copy(update={"micro_batch": 64 if tokens is None else 8, "micro_batch_tokens": tokens,
                                           "max_grad_norm": 1e9})
         b = collate(trajs, tok.pad_token_id)
-        b.advantages = batch.advantages.clone()
+        b.token_advantages = batch.token_advantages.clone()
         update_policy(m, None, opt, b, tc)
         results.append(m.state_dict())
     for k in results[0]:
@@ -487,7 +488,7 @@ def test_micro_batches_equal_full_batch_with_a_row_without_policy_tokens(agg, ti
             update={"micro_batch": mb, "micro_batch_tokens": None, "max_grad_norm": 1e9})
         b = _synthetic_batch(tok, rows)
         assert b.loss_mask[1].sum() == 0
-        b.advantages = torch.tensor([1.0, -2.0, -0.5, 0.7])
+        b.token_advantages = to_token_advantages(torch.tensor([1.0, -2.0, -0.5, 0.7]), b.loss_mask)
         update_policy(m, None, opt, b, tc)
         results.append(m.state_dict())
     moved = 0
@@ -736,13 +737,12 @@ def test_logged_lr_is_the_one_the_step_used(tiny_policy_dir):
 
     model, tok = load(tiny_policy_dir)
     batch = _synthetic_batch(tok, [[0, 0, 1, 1, 1], [0, 1, 1, 2, 1]])
-    batch.advantages = torch.tensor([1.0, -1.0])
+    batch.token_advantages = to_token_advantages(torch.tensor([1.0, -1.0]), batch.loss_mask)
     cfg = make_cfg("train.lr=1e-3").train
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / 4)
     stats = update_policy(model, None, opt, batch, cfg, scheduler=sched)
     assert stats["lr"] == pytest.approx(0.25e-3)
-    batch.token_advantages = None
     assert update_policy(model, None, opt, batch, cfg, scheduler=sched)["lr"] == pytest.approx(0.5e-3)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from tests.conftest import QUESTIONS
 from tests.test_trainer import SeededLLM, load, make_cfg, varying_judge
+from training.algos.advantages import to_token_advantages
 
 peft = pytest.importorskip("peft")
 
@@ -61,7 +62,7 @@ def test_gradient_checkpointing_gives_the_same_update(tiny_policy_dir, retriever
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         m.train()
         b = collate(trajs, tok.pad_token_id)
-        b.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+        b.token_advantages = to_token_advantages(torch.tensor([1.0, -1.0, 0.5, -0.5]), b.loss_mask)
         update_policy(m, None, torch.optim.SGD(m.parameters(), lr=0.1), b, cfg.train)
         out.append(m.state_dict())
     for k in out[0]:

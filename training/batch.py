@@ -25,7 +25,7 @@ class Batch:
     * ``roles``: ``[N, T]`` int64 (:class:`agent.trajectory.Role`, -1 at padding);
     * ``loss_mask``: ``[N, T-1]`` float32, 1.0 where the *target* token ``t+1`` is a policy token;
     * ``turn_ids``: ``[N, T]`` int64;
-    * ``rewards``, ``advantages``: ``[N]`` float32; ``groups``: ``[N]`` int64;
+    * ``rewards``: ``[N]`` float32; ``groups``: ``[N]`` int64;
     * ``old_logprobs``, ``ref_logprobs``: optional ``[N, T-1]`` float32: the policy's log-probs before the
       update and the reference model's (:func:`training.model.actor.score_logprobs`);
     * ``rollout_logprobs``: optional ``[N, T-1]`` float32, aligned with ``loss_mask``: the behaviour policy's
@@ -50,7 +50,6 @@ class Batch:
     turn_ids: torch.Tensor
     rewards: torch.Tensor
     groups: torch.Tensor
-    advantages: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None

@@ -402,8 +402,3 @@ def rl_train(
                 break
         return {"steps": tc.steps, "start_step": state.start, "last": last, "best_eval_em": state.best,
                 "stopped": stopped}
-
-
-def resume_model_path(run_dir: str | Path) -> Path | None:
-    """The model directory to load when resuming ``run_dir`` (its latest complete checkpoint), or None."""
-    return latest_checkpoint(run_dir)

@@ -38,11 +38,6 @@ def segment_stats(values: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tenso
     return mean[inv], std[inv], count[inv]
 
 
-def _group_stats(rewards: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-trajectory group mean, unbiased group std and group size (all ``[N]``)."""
-    return segment_stats(rewards, groups)
-
-
 def grpo_advantages(
     rewards: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6, norm_std: bool = True
 ) -> torch.Tensor:
@@ -53,7 +48,7 @@ def grpo_advantages(
     gets advantage 0; a group of one trajectory has no baseline and gets advantage 0.
     """
     rewards = rewards.float()
-    mean, std, count = _group_stats(rewards, groups)
+    mean, std, count = segment_stats(rewards, groups)
     adv = rewards - mean
     if norm_std:
         adv = adv / (std + eps)
@@ -75,7 +70,7 @@ def rloo_advantages(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor
     2019): the baseline of sample ``i`` is the mean of the *other* samples of its group,
     ``A_i = r_i - (sum_g - r_i) / (G - 1) = G / (G - 1) * (r_i - mean_g)``; 0 for groups of one."""
     rewards = rewards.float()
-    mean, _, count = _group_stats(rewards, groups)
+    mean, _, count = segment_stats(rewards, groups)
     adv = (rewards - mean) * count / (count - 1).clamp(min=1.0)
     return torch.where(count > 1, adv, torch.zeros_like(adv))
 

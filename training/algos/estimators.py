@@ -94,15 +94,13 @@ def advantage_inputs(batch: Any, trajs: list[Any], **extra: Any) -> AdvantageInp
 class AdvEstimator:
     """A registered estimator: ``fn(inp, tc) -> {"advantages", "returns"?}`` and what it needs: a value
     model (``critic``: ``train.critic`` must be set), group structure (``groups``: ``train.group_size >= 2``),
-    per-turn gold-answer probabilities (``gold_probs``). ``outcome`` is the raw ``[N] -> [N]`` function of an
-    outcome-level estimator (:func:`outcome_advantages`), ``None`` otherwise."""
+    per-turn gold-answer probabilities (``gold_probs``)."""
 
     name: str
     fn: Callable[[AdvantageInputs, Any], dict[str, torch.Tensor]]
     critic: bool = False
     groups: bool = False
     gold_probs: bool = False
-    outcome: Callable[..., torch.Tensor] | None = None
 
 
 ADV_ESTIMATORS: Registry[AdvEstimator] = Registry("advantage estimator", "train.algorithm")
@@ -146,7 +144,7 @@ def register_outcome_adv_est(name: str, *, groups: bool = True, replace: bool = 
                 tok = tok + turns_to_tokens(cost, inp.token_turns, inp.mask)
             return {"advantages": tok}
 
-        ADV_ESTIMATORS.add(name, AdvEstimator(name, estimate, groups=groups, outcome=fn), replace=replace)
+        ADV_ESTIMATORS.add(name, AdvEstimator(name, estimate, groups=groups), replace=replace)
         return fn
 
     return wrap
@@ -195,16 +193,6 @@ def gathered_outcome(fn: Callable[..., torch.Tensor], rewards: torch.Tensor, gro
         S.extend(s)
     adv = fn(torch.tensor(R, dtype=torch.float32), torch.tensor(G), torch.tensor(S), tc)
     return adv[start : start + len(rewards)]
-
-
-def outcome_advantages(name: str, rewards: torch.Tensor, groups: torch.Tensor, search_calls: torch.Tensor,
-                       tc: Any) -> torch.Tensor:
-    """``[N]`` advantages of the registered outcome-level estimator ``name`` on one process's rows (no KL,
-    no search cost, no gathering). Raises ``ValueError`` for an unknown name or a token-level estimator."""
-    entry = ADV_ESTIMATORS.get(name)
-    if entry.outcome is None:
-        raise ValueError(f"{name!r} is not an outcome-level advantage estimator")
-    return entry.outcome(rewards, groups, search_calls, tc)
 
 
 def compute_advantages(tc: Any, inp: AdvantageInputs) -> dict[str, torch.Tensor]:

@@ -136,15 +136,6 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Rank ``src``'s ``obj`` on every rank (pickled; ``obj`` itself on one process)."""
-    if world()[1] == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
 def run_on_rank0(fn: Callable[[], Any], timeout_s: float = 24 * 3600.0) -> Any:
     """Run ``fn()`` on rank 0 only while the other ranks wait, and return its (picklable) result on every
     rank. For setup work that writes files (index, tiny policy, SFT warm start).

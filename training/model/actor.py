@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from training.algos.advantages import to_token_advantages
 from training.algos.losses import LOSS_AGGS
 from training.batch import Batch, micro_batches
 from training.infra.distributed import all_reduce_sum, clipped_grad_norm, pad_micro_batches, world
@@ -114,8 +113,8 @@ def update_policy(
     rate the optimizer steps used, before the scheduler advanced it).
 
     ``module`` is the policy (a Hugging Face causal LM) or its :class:`LogprobModule` (possibly
-    FSDP2-sharded); ``batch.token_advantages`` ``[N, T-1]`` must be set (else ``batch.advantages`` ``[N]`` is
-    broadcast). ``batch.old_logprobs`` (and ``batch.ref_logprobs`` for a KL loss) are those of
+    FSDP2-sharded); ``batch.token_advantages`` ``[N, T-1]`` must be set (``ValueError`` otherwise).
+    ``batch.old_logprobs`` (and ``batch.ref_logprobs`` for a KL loss) are those of
     :func:`score_logprobs`, computed here when missing (``ref_model`` for the reference). ``cfg`` is a
     :class:`training.config.TrainConfig`; ``loss_scale`` the constant of ``seq-mean-token-sum-norm``. With
     ``ppo_epochs == 1`` the ratio is 1 and the update is the on-policy policy gradient. Micro-batches follow
@@ -128,9 +127,7 @@ def update_policy(
     """
     fwd = module if isinstance(module, LogprobModule) else LogprobModule(module)
     if batch.token_advantages is None:
-        if batch.advantages is None:
-            raise ValueError("update_policy needs batch.token_advantages or batch.advantages")
-        batch.token_advantages = to_token_advantages(batch.advantages, batch.loss_mask)
+        raise ValueError("update_policy needs batch.token_advantages (the advantage phase sets them)")
     use_ref = ref_model is not None and cfg.kl_coef > 0 and cfg.kl_mode == "loss"
     if batch.old_logprobs is None or (use_ref and batch.ref_logprobs is None):
         score_logprobs(fwd, ref_model if use_ref else None, batch, cfg)
