@@ -153,8 +153,8 @@ def judge_batch(llm: LLM, trajs: list[Trajectory], unparseable: str = "zero", fa
 
 def llm_judge(llm: LLM, unparseable: str = "zero", fallback_metric: str = "em", format_reward: float = 0.0,
               max_new_tokens: int = 16) -> Callable[[Trajectory], tuple[float, dict[str, Any]]]:
-    """A per-episode judge for :func:`agent.loop.batch.run_episodes` (``judge=``): one backend call per episode
-    (the batch form is :func:`judge_batch`)."""
+    """A per-episode judge for :func:`agent.loop.batch.run_episodes` (``judge=``): one backend call per
+    episode (the batch form is :func:`judge_batch`)."""
 
     def judge(traj: Trajectory) -> tuple[float, dict[str, Any]]:
         return judge_batch(llm, [traj], unparseable, fallback_metric, format_reward, max_new_tokens)[0]

@@ -47,16 +47,16 @@ class Generation:
 
 class BackendUnavailable(RuntimeError):
     """The backend as a whole cannot serve (down, unreachable, closed, still failing after its own retries):
-    every request would fail the same way, so :class:`agent.loop.scheduler.Scheduler` does not retry the members
-    of a batch that raised it one by one. Backends raise other exceptions for a failure that may be one
-    request's (a prompt over the model's context, a request the server rejects)."""
+    every request would fail the same way, so :class:`agent.loop.scheduler.Scheduler` does not retry the
+    members of a batch that raised it one by one. Backends raise other exceptions for a failure that may be
+    one request's (a prompt over the model's context, a request the server rejects)."""
 
 
 class BatchPartlyFailed(RuntimeError):
     """Some requests of a batched call failed and the others did not: ``results[i]`` is request ``i``'s
     :class:`Generation` or its exception. A backend that sends each request on its own (an OpenAI-compatible
-    server) raises it so that :class:`agent.loop.scheduler.Scheduler` answers every request with its own outcome
-    instead of running the batch again one request at a time."""
+    server) raises it so that :class:`agent.loop.scheduler.Scheduler` answers every request with its own
+    outcome instead of running the batch again one request at a time."""
 
     def __init__(self, results: list[Any]):
         self.results = results

@@ -4,19 +4,21 @@ Randomly initialised ``Qwen2ForCausalLM`` policies of the shapes of Qwen2.5-0.5B
 below, from each model's public ``config.json``; nothing is downloaded), in bf16 with gradient checkpointing,
 with and without LoRA (peft), each measured in two phases:
 
-* **rollout**: one batched generation call of the transformers backend (:class:`agent.backends.hf.TransformersLLM`, the
-  one Sleuth's trainer uses by default): ``--rollout-batch`` prompts of ``--prompt-len`` random tokens, up to
-  ``--new-tokens`` sampled tokens each at temperature 1 with the Search-R1 stop strings (several tokens each
-  here, as with Qwen's tokenizer, so the stop-string check runs at every step). A random policy almost never
-  samples a stop, so every row generates the full budget. With vLLM importable, the same prompts through
-  :class:`agent.backends.vllm.VLLMBackend` too (``--vllm auto``).
+* **rollout**: one batched generation call of the transformers backend
+  (:class:`agent.backends.hf.TransformersLLM`, the one Sleuth's trainer uses by default): ``--rollout-batch``
+  prompts of ``--prompt-len`` random tokens, up to ``--new-tokens`` sampled tokens each at temperature 1 with
+  the Search-R1 stop strings (several tokens each here, as with Qwen's tokenizer, so the stop-string check
+  runs at every step). A random policy almost never samples a stop, so every row generates the full budget.
+  With vLLM importable, the same prompts through :class:`agent.backends.vllm.VLLMBackend` too
+  (``--vllm auto``).
 * **update**: the masked policy-gradient update on a synthetic batch of ``--update-rows`` episodes of up to
   ``--seq-len`` tokens (a prompt, then policy turns and tool spans; loss mask from the roles), through the
   public functions the trainer uses: :func:`training.batch.micro_batches` (token budget
-  ``--micro-tokens``), the old log-probs (no grad), then per micro-batch :func:`training.batch.policy_logprobs`
-  (the fused masked LM-head kernel of :mod:`training.model.kernels` on GPU) and :func:`training.model.kernels.policy_loss`
-  (PPO-clip, token-mean) and backward, then gradient clipping and one AdamW step over the trainable
-  parameters (all of them, or LoRA's adapters).
+  ``--micro-tokens``), the old log-probs (no grad), then per micro-batch
+  :func:`training.model.forward.policy_logprobs` (the fused masked LM-head kernel of
+  :mod:`training.model.kernels` on GPU) and :func:`training.model.kernels.policy_loss` (PPO-clip, token-mean)
+  and backward, then gradient clipping and one AdamW step over the trainable parameters (all of them, or
+  LoRA's adapters).
 
 Reported per phase: wall time after a warm-up, tokens/s (rollout: generated tokens; update: every real token
 the policy ran on, and policy tokens apart), peak memory (``max_memory_allocated`` and ``max_memory_reserved``,
@@ -129,7 +131,8 @@ def synthetic_batch(rows: int, seq_len: int, prompt_len: int, policy_span: int, 
     adv = torch.randint(0, 2, (rows,), generator=g).float() * 2 - 1
     loss_mask = loss_mask_from_roles(roles[:, 1:])
     return Batch(input_ids=ids, attention_mask=attn, roles=roles, loss_mask=loss_mask, turn_ids=turns,
-                 rewards=(adv > 0).float(), groups=torch.arange(rows) // 8, token_advantages=adv[:, None] * loss_mask)
+                 rewards=(adv > 0).float(), groups=torch.arange(rows) // 8,
+                 token_advantages=adv[:, None] * loss_mask)
 
 
 def _sync(device: torch.device) -> None:
@@ -153,7 +156,8 @@ def _peak(device: torch.device) -> dict:
 
 
 def measure_rollout(model, tok, args, device: torch.device) -> dict:
-    """One timed generation call of :class:`agent.backends.hf.TransformersLLM` (after a short warm-up call)."""
+    """One timed generation call of :class:`agent.backends.hf.TransformersLLM` (after a short warm-up
+    call)."""
     llm = TransformersLLM(model, tok)
     model.eval()
     g = torch.Generator().manual_seed(1)

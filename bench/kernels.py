@@ -5,8 +5,8 @@ The grid: Qwen2.5 vocabulary V = 151,936; hidden H in {896, 2048, 3584}; N in {1
 
 Methods (each: loss = masked mean of -log p(target), then backward to hidden and LM-head weight):
 * ``naive``: LM head over all N -> float32 log_softmax -> gather -> masked mean (Search-R1 / verl style);
-* ``sleuth``: training.model.kernels.masked_logprobs (policy rows only, row blocks x vocabulary chunks, online LSE,
-  recompute in the backward);
+* ``sleuth``: training.model.kernels.masked_logprobs (policy rows only, row blocks x vocabulary chunks, online
+  LSE, recompute in the backward);
 * ``liger``: Liger-Kernel's LigerFusedLinearCrossEntropyLoss with ignore_index at tool tokens (if importable).
 
 Reported per method: median fwd+bwd time (CUDA events, after warm-up), peak memory above the inputs

@@ -188,7 +188,8 @@ class _Pool:
         self.stats["paragraphs"] += 1
         return self.add(title, text, (pid, where))
 
-    def qa_record(self, paras: list[tuple[str, str, bool]], qa: dict | None, source: str) -> Iterator[Passage]:
+    def qa_record(self, paras: list[tuple[str, str, bool]], qa: dict | None,
+                  source: str) -> Iterator[Passage]:
         """The passages of a QA record's paragraphs; then its question is kept (with the ids of its
         supporting paragraphs) unless it has no answer, is unanswerable or came in an earlier source."""
         supporting: list[str] = []

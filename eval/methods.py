@@ -11,14 +11,16 @@
 * ``search_o1``: Search-o1 (Li et al. 2025): the model reasons and issues ``<search>`` queries itself; a
   separate "Reason-in-Documents" call of the same backend condenses each query's retrieved documents into
   the helpful information, and only that is inserted into the reasoning chain.
-* ``agent``: the Sleuth agent (:func:`agent.loop.batch.run_episodes`): the policy decides when and what to search.
+* ``agent``: the Sleuth agent (:func:`agent.loop.batch.run_episodes`): the policy decides when and what to
+  search.
 
-All methods speak the agent's Search-R1 tag protocol and use its prompt (:func:`agent.protocols.build.prompt_ids`), so
-the same checkpoint is compared fairly: ``direct`` forces ``<answer>`` right after the prompt; ``rag`` writes
-the agent's first turn for it (``<search> question </search>`` and the ``<information>`` block) and forces
-``<answer>``; ``ircot`` puts all retrieved passages in one ``<information>`` block and lets the model reason
-inside ``<think>``, one sentence per step (a ``<search>`` query it writes counts as its reasoning step);
-``search_o1`` continues the agent's own turns and shows the refined information in ``<information>``.
+All methods speak the agent's Search-R1 tag protocol and use its prompt
+(:func:`agent.protocols.build.prompt_ids`), so the same checkpoint is compared fairly: ``direct`` forces
+``<answer>`` right after the prompt; ``rag`` writes the agent's first turn for it
+(``<search> question </search>`` and the ``<information>`` block) and forces ``<answer>``; ``ircot`` puts all
+retrieved passages in one ``<information>`` block and lets the model reason inside ``<think>``, one sentence
+per step (a ``<search>`` query it writes counts as its reasoning step); ``search_o1`` continues the agent's
+own turns and shows the refined information in ``<information>``.
 
 Each method maps a batch of :class:`corpora.formats.QAExample` to one prediction record per question, in
 order: ``{"id", "prediction" (str or None), "golden_answers", "retrieved_ids" (in retrieval order),
@@ -349,8 +351,8 @@ def agent(
     **_: Any,
 ) -> list[dict[str, Any]]:
     """The Sleuth agent: one episode per question through ``run_episodes`` (default
-    :func:`agent.loop.batch.run_episodes`; any callable with its signature works, e.g. a remote agent), judged by
-    ``judge`` (default: the agent config's own; rule metrics score the records either way).
+    :func:`agent.loop.batch.run_episodes`; any callable with its signature works, e.g. a remote agent), judged
+    by ``judge`` (default: the agent config's own; rule metrics score the records either way).
     ``on_trajectories`` gets each batch's trajectories (e.g. to save them beside the predictions).
 
     Records come from the trajectories: ``prediction = traj.answer``, ``retrieved_ids``,

@@ -1,9 +1,9 @@
 """Rebuild the example report in ``eval/example/``: the five methods on the shipped HotpotQA sample.
 
 Steps (CPU, a few minutes on 2 cores): BM25 index of ``corpora/sample/corpus.jsonl``; the tiny policy
-(BPE tokenizer + tiny Qwen2 from seed 0, :mod:`training.model.tiny`) warm-started by SFT on oracle trajectories
-of the *train* questions (:mod:`training.sft`); then ``direct``, ``rag``, ``ircot``, ``search_o1`` and
-``agent`` on the 100 *test* questions through :func:`eval.run.run_benchmarks`, and
+(BPE tokenizer + tiny Qwen2 from seed 0, :mod:`training.model.tiny`) warm-started by SFT on oracle
+trajectories of the *train* questions (:mod:`training.sft`); then ``direct``, ``rag``, ``ircot``,
+``search_o1`` and ``agent`` on the 100 *test* questions through :func:`eval.run.run_benchmarks`, and
 :func:`eval.report.write_report` into ``eval/example/``. Work files go to ``runs/eval_example`` (re-running reuses
 the index, the model and every cached prediction). Agent, policy and SFT settings come from ``--config``
 (default ``configs/quickstart.yaml``: a checkpoint is only fair to evaluate in the prompt format it was

@@ -209,8 +209,8 @@ def build_index(
         built = True
     if build_dense:
         enc = Encoder(dense_model, device=device, query_prefix=query_prefix, passage_prefix=passage_prefix)
-        built |= _dense_part(out, store, manifest, same.get("dense") or {}, enc, _model_ref(dense_model), dense_spec,
-                             batch_size, show_progress)
+        built |= _dense_part(out, store, manifest, same.get("dense") or {}, enc, _model_ref(dense_model),
+                             dense_spec, batch_size, show_progress)
     if build_lucene:
         if not manifest["lucene"]:
             _mark_rebuilding(out, manifest, "lucene")
@@ -240,7 +240,8 @@ def _dense_part(out: Path, store: DocStore, manifest: dict, kept: dict, enc: Enc
     ddir = out / "dense"
     ddir.mkdir(parents=True, exist_ok=True)
     _mark_rebuilding(out, manifest, "dense")
-    vectors = f"{manifest['fingerprint']}:{enc.fingerprint}:{enc.passage_prefix}"  # what the embeddings depend on
+    # what the embeddings depend on
+    vectors = f"{manifest['fingerprint']}:{enc.fingerprint}:{enc.passage_prefix}"
     emb = encode_to_memmap(
         lambda texts: enc.encode_passages(texts, batch_size),
         store.iter_contents,
@@ -462,8 +463,8 @@ def load_retriever(index_dir: str | Path, method: str = "bm25", **kw):
     else:
         from retrieval.hybrid import HybridRetriever
 
-        r = HybridRetriever(_open_bm25(index_dir, man, store, cmd, kw), _open_dense(index_dir, man, store, cmd, kw),
-                            rrf_k=kw.get("rrf_k", 60), depth=kw.get("depth", 100))
+        bm25, dense = _open_bm25(index_dir, man, store, cmd, kw), _open_dense(index_dir, man, store, cmd, kw)
+        r = HybridRetriever(bm25, dense, rrf_k=kw.get("rrf_k", 60), depth=kw.get("depth", 100))
     if cache_size:
         from retrieval.cache import CachedRetriever
 

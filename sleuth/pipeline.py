@@ -365,8 +365,9 @@ def run_rl_stage(cfg: Config, init_path: str | Path, retriever, resume: bool = F
     on a file system all ranks see): each loads the same weights, :func:`training.trainer.rl_train` shards
     them, and only rank 0 shows progress and logs. Raises ``ValueError`` if the run directory already has
     checkpoints and ``resume`` is False (so a new run never overwrites an old one), and
-    :class:`training.infra.checkpoint.CorruptCheckpointError` (a ``ValueError`` naming the previous checkpoint) if its
-    latest checkpoint is damaged; ``resume`` on a run with no checkpoint yet starts at step 0 and logs so.
+    :class:`training.infra.checkpoint.CorruptCheckpointError` (a ``ValueError`` naming the previous
+    checkpoint) if its latest checkpoint is damaged; ``resume`` on a run with no checkpoint yet starts at step
+    0 and logs so.
     """
     from tqdm import tqdm
 

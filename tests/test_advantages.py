@@ -67,7 +67,8 @@ def outcome(name: str, rewards: torch.Tensor, groups: torch.Tensor, search_calls
     (:func:`training.algos.estimators.compute_advantages`), each trajectory one policy token long."""
     n = len(rewards)
     inp = E.AdvantageInputs(rewards=rewards.float(), groups=groups, mask=torch.ones(n, 1),
-                            token_turns=torch.ones(n, 1, dtype=torch.long), turn_valid=torch.ones(n, 1, dtype=torch.bool),
+                            token_turns=torch.ones(n, 1, dtype=torch.long),
+                            turn_valid=torch.ones(n, 1, dtype=torch.bool),
                             is_search=torch.zeros(n, 1, dtype=torch.bool), search_calls=search_calls,
                             trajs=[SimpleNamespace(group=int(g), metadata={}) for g in groups])
     return E.compute_advantages(tc.model_copy(update={"algorithm": name}), inp)["advantages"][:, 0]
@@ -194,8 +195,8 @@ def test_outcome_advantages_under_torchrun_equal_one_process_on_the_whole_batch(
 
 def test_an_episode_split_into_several_sequences_counts_once_in_its_group():
     """An external agent's episode whose chat template rewrote history becomes several training sequences
-    (agent.external.stitch), each with the episode's reward. GRPO compared every sequence as an episode, so a split
-    episode weighed as many times as it had sequences: here rows (1, 1, 0) gave (0.58, 0.58, -1.15)."""
+    (agent.external.stitch), each with the episode's reward. GRPO compared every sequence as an episode, so a
+    split episode weighed as many times as it had sequences: here rows (1, 1, 0) gave (0.58, 0.58, -1.15)."""
     from agent.trajectory import Trajectory
 
     def traj(ep, segments):

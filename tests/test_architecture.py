@@ -233,7 +233,8 @@ def test_the_circle_check_finds_circles_through_nested_and_relative_imports(tmp_
     assert graph["pkg.a"] == {"pkg.sub.b": 1} and graph["pkg.sub.b"] == {"pkg.sub.c": 2}
     assert graph["pkg.sub.c"] == {"pkg.a": 5} and graph["pkg.d"] == {"pkg.a": 1}
     assert _circles(graph) == [["pkg.a", "pkg.sub.b", "pkg.sub.c", "pkg.a"]]
-    assert _describe(_circles(graph)[0], graph) == "pkg.a -(line 1)-> pkg.sub.b -(line 2)-> pkg.sub.c -(line 5)-> pkg.a"
+    described = _describe(_circles(graph)[0], graph)
+    assert described == "pkg.a -(line 1)-> pkg.sub.b -(line 2)-> pkg.sub.c -(line 5)-> pkg.a"
     (pkg / "sub" / "c.py").write_text("import os\n")
     assert _circles(_import_graph(tmp_path, ["pkg"])) == []
 

@@ -70,7 +70,8 @@ def _learning_with_a_checkpoint_at_step_10(tmp_path, monkeypatch):
     ckpt.mkdir()
     (ckpt / "trainer_state.json").write_text('{"step": 10}')
     have_ckpt = {"v": False}
-    monkeypatch.setattr(training.infra.checkpoint, "latest_checkpoint", lambda d: ckpt if have_ckpt["v"] else None)
+    monkeypatch.setattr(training.infra.checkpoint, "latest_checkpoint",
+                        lambda d: ckpt if have_ckpt["v"] else None)
     return lb, have_ckpt
 
 

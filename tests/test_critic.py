@@ -1,4 +1,5 @@
-"""The value model (training.model.critic) on an FSDP2-sharded policy: refused at construction with a clear error.
+"""The value model (training.model.critic) on an FSDP2-sharded policy: refused at construction with a clear
+error.
 
 Under torchrun the policy is sharded before the critic is built; ``copy.deepcopy`` of a sharded backbone
 fails with FSDP's AssertionError, and the shared layout ran the sharded backbone outside its root FSDP unit

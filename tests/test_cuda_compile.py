@@ -1,9 +1,9 @@
 """CI compile check of the CUDA sources and the torch binding (no GPU needed).
 
 Every ``cuda/*.cu`` is compiled with ``nvcc -c`` for sm_80 and sm_90 with the defines torch's JIT build adds,
-so a syntax or type error fails CI. The binding ``training/model/csrc/*.cpp`` is syntax-checked with g++ against the
-installed (CPU) torch headers; it includes only ``torch/extension.h``, so this is the same code the GPU build
-compiles. Skipped (with the reason) only when ``nvcc`` / ``g++`` is absent.
+so a syntax or type error fails CI. The binding ``training/model/csrc/*.cpp`` is syntax-checked with g++
+against the installed (CPU) torch headers; it includes only ``torch/extension.h``, so this is the same code
+the GPU build compiles. Skipped (with the reason) only when ``nvcc`` / ``g++`` is absent.
 """
 
 from __future__ import annotations

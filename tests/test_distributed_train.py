@@ -295,7 +295,8 @@ def ppo_worker(policy_dir: str, index_dir: str, out: Path) -> None:
                        tok, retriever, QUESTIONS, out / name, resume=resume, judge=varying_judge, llm_factory=factory,
                        on_step=on_step)
     finally:
-        RS.ValueModel, RS.load_critic_optimizer, E.batch_masked_whiten = real_value_model, real_load, real_whiten
+        RS.ValueModel, RS.load_critic_optimizer = real_value_model, real_load
+        E.batch_masked_whiten = real_whiten
     D.shutdown()
     (out / f"done.ppo.rank{rank}").touch()
 

@@ -105,8 +105,9 @@ def test_entry_points_and_answers():
 
 
 def test_a_tokenizer_without_a_chat_template_renders_with_sleuths_chatml(tiny_llm, react, cfg):
-    """The tiny policy Sleuth builds has no chat template: the proxy renders with agent.external.chat_template's ChatML
-    (tools and tool calls included), so the ReAct example trains on it as on an instruct model."""
+    """The tiny policy Sleuth builds has no chat template: the proxy renders with
+    agent.external.chat_template's ChatML (tools and tool calls included), so the ReAct example trains on it
+    as on an instruct model."""
     from agent.external.chat_template import CHATML_TOOLS
     from agent.llm import decode
 

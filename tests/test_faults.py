@@ -60,7 +60,8 @@ def test_a_request_fault_is_run_again_once_at_once_then_dropped_and_counted(tiny
     import training.rollout.faults
     from training.rollout.faults import drop_failed, run_episodes_retrying
 
-    monkeypatch.setattr(training.rollout.faults, "RETRY_WAITS_S", (600.0,))  # would hang the test if waited for
+    # would hang the test if waited for
+    monkeypatch.setattr(training.rollout.faults, "RETRY_WAITS_S", (600.0,))
     flaky = FlakyRetriever(retriever, error=ValueError("the encoder rejected the query"))
     flaky.down = True
     trajs = run_episodes_retrying(QUESTIONS[:1], ScriptLLM(tiny_llm.tokenizer, SCRIPTS), flaky, agent_cfg,

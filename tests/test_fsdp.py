@@ -1,7 +1,8 @@
 """FSDP2 on CPU: two gloo processes (torchrun) each updating on half the batch produce the same parameters
 after a step as one process on the whole batch, for the policy and for PPO's separate value model (sharded
-on its own, :func:`training.model.fsdp.shard_value_model`). The ranks split their halves by a token budget into
-different numbers of micro-batches (2 and 3), which :func:`training.infra.distributed.pad_micro_batches` evens out.
+on its own, :func:`training.model.fsdp.shard_value_model`). The ranks split their halves by a token budget
+into different numbers of micro-batches (2 and 3), which :func:`training.infra.distributed.pad_micro_batches`
+evens out.
 
 Run as a script by torchrun (the worker); as a test it computes the one-process reference in-process and
 compares. The worker ends with a barrier before ``destroy_process_group`` (a gloo teardown abort was seen
@@ -46,8 +47,10 @@ def build():
         roles[i, :n] = torch.tensor(([0] * 3 + [1] * 4 + [2] * 3 + [1] * 10)[:n])
     attn = (roles >= 0).long()
     batch = Batch(input_ids=ids * attn, attention_mask=attn, roles=roles, loss_mask=loss_mask_from_roles(roles[:, 1:]),
-                  turn_ids=torch.zeros(N, T, dtype=torch.long), rewards=torch.zeros(N), groups=torch.zeros(N, dtype=torch.long))
-    batch.token_advantages = to_token_advantages(torch.tensor([1.0, -0.5, 0.3, -1.2, 0.8, -0.4]), batch.loss_mask)
+                  turn_ids=torch.zeros(N, T, dtype=torch.long), rewards=torch.zeros(N),
+                  groups=torch.zeros(N, dtype=torch.long))
+    batch.token_advantages = to_token_advantages(torch.tensor([1.0, -0.5, 0.3, -1.2, 0.8, -0.4]),
+                                                 batch.loss_mask)
     batch.returns = torch.randn(N, T - 1, generator=g) * batch.loss_mask  # PPO's critic targets
     batch.old_values = torch.zeros(N, T - 1)
     return model, batch

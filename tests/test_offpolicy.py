@@ -1,6 +1,6 @@
-"""Rollout correction (training.algos.offpolicy): the backend's sampled log-probs reach the batch, their drift from
-the trainer's is logged, and truncated / masked importance sampling bound the update when the rollout model
-is not the trainer's."""
+"""Rollout correction (training.algos.offpolicy): the backend's sampled log-probs reach the batch, their drift
+from the trainer's is logged, and truncated / masked importance sampling bound the update when the rollout
+model is not the trainer's."""
 
 from __future__ import annotations
 

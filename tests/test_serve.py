@@ -630,7 +630,8 @@ def test_serve_command_sets_max_inflight(monkeypatch, capsys):
     monkeypatch.setattr(sleuth.pipeline, "check_context_length", lambda cfg, model: None)
     monkeypatch.setattr(sleuth.pipeline, "answer_judge", lambda cfg: None)
     monkeypatch.setattr(agent.backends.build, "make_llm", lambda *a, **kw: object())
-    monkeypatch.setattr(agent.serve.app, "create_app", lambda *a, limits, **kw: got.setdefault("limits", limits))
+    monkeypatch.setattr(agent.serve.app, "create_app",
+                        lambda *a, limits, **kw: got.setdefault("limits", limits))
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: got.setdefault("uvicorn", kw))
     assert main(["serve", "--model", "m", "--max-inflight", "3000"]) == 0
     assert got["limits"].max_inflight == 3000 and got["uvicorn"]["limit_concurrency"] > 3000

@@ -180,7 +180,8 @@ def test_overrides_may_follow_options_anywhere(monkeypatch):
 def test_serve_reports_a_missing_index_before_loading_the_model(tmp_path, capsys, monkeypatch):
     import agent.backends.build
 
-    monkeypatch.setattr(agent.backends.build, "make_llm", lambda *a, **kw: pytest.fail("model loaded before the index"))
+    monkeypatch.setattr(agent.backends.build, "make_llm",
+                        lambda *a, **kw: pytest.fail("model loaded before the index"))
     code = main(["serve", f"retrieval.index_dir={tmp_path / 'nope'}", f"out_dir={tmp_path}",
                  "policy.model=" + str(tmp_path / "no-model")])
     assert code == 2 and "sleuth index --corpus" in capsys.readouterr().err
@@ -590,7 +591,8 @@ def test_sft_trains_in_process_under_any_rollout_backend(tiny_data, bm25_index, 
     import agent.backends.build
     from sleuth import pipeline
 
-    monkeypatch.setattr(agent.backends.build, "make_llm", lambda *a, **k: pytest.fail("SFT built the rollout backend"))
+    monkeypatch.setattr(agent.backends.build, "make_llm",
+                        lambda *a, **k: pytest.fail("SFT built the rollout backend"))
     cfg = _run_cfg(tiny_data, bm25_index, tmp_path, f"policy.model={tiny_policy_dir}", "sft.epochs=1",
                    "agent.backend.kind=openai", "agent.max_new_tokens=8", "agent.max_total_tokens=256")
     out = pipeline.run_sft_stage(cfg, pipeline.open_retriever(cfg), log=lambda *a, **k: None)
@@ -833,7 +835,8 @@ def test_a_retrieval_server_that_is_down_stops_eval_before_it_runs(tmp_path, mon
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # free once closed: nothing listens there
-    monkeypatch.setattr(agent.backends.build, "make_llm", lambda *a, **k: pytest.fail("model loaded before the server check"))
+    monkeypatch.setattr(agent.backends.build, "make_llm",
+                        lambda *a, **k: pytest.fail("model loaded before the server check"))
     qa = tmp_path / "qa.jsonl"
     qa.write_text('{"id": "q1", "question": "Who?", "golden_answers": ["x"]}\n')
     code = main(["eval", "--qa", str(qa), "--out", str(tmp_path / "ev"), f"retrieval.url=http://127.0.0.1:{port}",
@@ -853,7 +856,8 @@ def test_a_retrieval_server_that_accepts_but_never_answers_fails_the_start_quick
     import sleuth.pipeline as P
 
     monkeypatch.setattr(P, "HEALTH_PROBE_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(agent.backends.build, "make_llm", lambda *a, **k: pytest.fail("model loaded before the server check"))
+    monkeypatch.setattr(agent.backends.build, "make_llm",
+                        lambda *a, **k: pytest.fail("model loaded before the server check"))
     qa = tmp_path / "qa.jsonl"
     qa.write_text('{"id": "q1", "question": "Who?", "golden_answers": ["x"]}\n')
     with socket.socket() as hung:  # listens (connections complete in the backlog) and never reads or answers

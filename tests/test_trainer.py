@@ -912,8 +912,8 @@ def test_a_resumed_run_replaces_the_redone_steps_in_tensorboard_too(tmp_path):
 def test_packing_without_packed_sequence_masks_is_refused_before_the_first_rollout(retriever, tmp_path,
                                                                                      monkeypatch):
     """``train.packing`` on a transformers without packed-sequence detection (4.51-4.52) is an error
-    (training.model.forward.check_packed_masks); it came at the first packed micro-batch, after a whole rollout. It
-    now comes when ``rl_train`` starts, before any model is touched or rollout made."""
+    (training.model.forward.check_packed_masks); it came at the first packed micro-batch, after a whole
+    rollout. It now comes when ``rl_train`` starts, before any model is touched or rollout made."""
     import sys
 
     from tests.conftest import run_rl

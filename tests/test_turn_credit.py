@@ -1,4 +1,5 @@
-"""Turn-level estimators (training.algos.turn_credit) against hand-computed values of their papers' equations."""
+"""Turn-level estimators (training.algos.turn_credit) against hand-computed values of their papers'
+equations."""
 
 import pytest
 import torch
@@ -90,7 +91,8 @@ def _inputs(trajs: list[Trajectory]) -> E.AdvantageInputs:
     K = valid.shape[1]
     token_turns = torch.arange(1, K + 1).repeat_interleave(2).expand(len(trajs), 2 * K)
     mask = valid.repeat_interleave(2, dim=1).float()
-    return E.AdvantageInputs(rewards=torch.tensor([t.reward for t in trajs]), groups=torch.tensor([t.group for t in trajs]),
+    return E.AdvantageInputs(rewards=torch.tensor([t.reward for t in trajs]),
+                             groups=torch.tensor([t.group for t in trajs]),
                              mask=mask, token_turns=token_turns, turn_valid=valid, is_search=is_search,
                              search_calls=torch.tensor([t.num_search_calls for t in trajs]), trajs=trajs)
 
@@ -103,7 +105,8 @@ def test_registered_gigpo_writes_turn_advantages_on_tokens():
     # a search cost makes the return sum(turn rewards): d (1 search) now beats b (2 searches) by 0.1
     # F_norm = 1 (verl-agent's mean_norm): rewards [1, 0, 0, 0] -> episode [.75, -.25, -.25, -.25]; a's turn 2
     # step group [1, 0, 0] -> 2/3
-    out = E.compute_advantages(TrainConfig(algorithm="gigpo", gigpo_std_norm=False), _inputs(GROUP))["advantages"]
+    tc = TrainConfig(algorithm="gigpo", gigpo_std_norm=False)
+    out = E.compute_advantages(tc, _inputs(GROUP))["advantages"]
     close(out[0], [1.5, 1.5, 0.75 + 2 / 3, 0.75 + 2 / 3, 0.75, 0.75])
     tc = TrainConfig(algorithm="gigpo", search_cost=0.1)
     out = E.compute_advantages(tc, _inputs(GROUP))["advantages"]
@@ -142,4 +145,5 @@ def test_evidence_igpo_hand_computed():
     close(out[1, ::2], [0.267261, -0.801784, 0.0])
     close(out[2, ::2], [-1.603568, -0.801784, 0.0])
     # the probability-free gain needs no gold-answer forward pass
-    assert not E.ADV_ESTIMATORS.get("evidence_igpo").gold_probs and E.ADV_ESTIMATORS.get("evidence_igpo").groups
+    entry = E.ADV_ESTIMATORS.get("evidence_igpo")
+    assert not entry.gold_probs and entry.groups

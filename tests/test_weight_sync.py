@@ -1,7 +1,7 @@
-"""Verified weight sync (training.rollout.weight_sync): a push that leaves the rollout side on other weights than the
-trainer's fails loudly, naming the parameter (in-process copy) or the probe (an engine), on the in-process,
-engine and LoRA paths; an intact push passes even at a tolerance far below bf16 noise. The real vLLM engine's
-side is in tests/test_backends_vllm.py."""
+"""Verified weight sync (training.rollout.weight_sync): a push that leaves the rollout side on other weights
+than the trainer's fails loudly, naming the parameter (in-process copy) or the probe (an engine), on the
+in-process, engine and LoRA paths; an intact push passes even at a tolerance far below bf16 noise. The real
+vLLM engine's side is in tests/test_backends_vllm.py."""
 
 from __future__ import annotations
 

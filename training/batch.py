@@ -2,8 +2,8 @@
 
 :func:`collate` turns trajectories into right-padded tensors; the trainer's phases then fill in what each
 computes (old and reference log-probs, critic values, advantages, returns) on the same :class:`Batch`, and
-:meth:`Batch.select` cuts micro-batches of all of it at once. :func:`training.model.forward.policy_logprobs` runs
-the policy on a batch.
+:meth:`Batch.select` cuts micro-batches of all of it at once. :func:`training.model.forward.policy_logprobs`
+runs the policy on a batch.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ class Batch:
       the policy-gradient term (:func:`training.algos.offpolicy.rollout_correction`);
     * ``token_advantages``, ``returns``, ``old_values``: optional ``[N, T-1]`` float32, aligned with
       ``loss_mask`` (set by the trainer: per-token advantages, PPO value targets and values);
-    * ``packed``: compute strategy for :func:`training.model.forward.policy_logprobs` (set by :meth:`select`): run the
-      backbone on the rows' real tokens packed into one row instead of the padded ``[N, T]``. It changes no
-      shape: every output stays ``[N, T-1]``; the value model (:mod:`training.model.critic`) packs alike;
+    * ``packed``: compute strategy for :func:`training.model.forward.policy_logprobs` (set by :meth:`select`):
+      run the backbone on the rows' real tokens packed into one row instead of the padded ``[N, T]``. It
+      changes no shape: every output stays ``[N, T-1]``; the value model (:mod:`training.model.critic`) packs
+      alike;
     * ``temperature``: the rollout's sampling temperature (set by the trainer): the actor forward
       scores ``softmax(logits / temperature)``, the distribution the tokens were drawn from, so ratios, KL
       and entropy refer to it (as verl divides the logits by the rollout temperature).

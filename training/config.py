@@ -37,8 +37,9 @@ class TrainConfig(Section):
 
     ``algorithm``, ``policy_loss``, ``loss_agg`` and ``kl_type`` take the names registered in
     :data:`training.algos.estimators.ADV_ESTIMATORS`, :data:`training.algos.losses.POLICY_LOSSES`,
-    :data:`training.algos.losses.LOSS_AGGS` and :data:`training.algos.losses.KL_ESTIMATORS` (a plugin module named in
-    the config's ``plugins`` can register more); ``options`` carries a registered part's own settings."""
+    :data:`training.algos.losses.LOSS_AGGS` and :data:`training.algos.losses.KL_ESTIMATORS` (a plugin module
+    named in the config's ``plugins`` can register more); ``options`` carries a registered part's own
+    settings."""
 
     algorithm: str = Field("grpo", description="advantage estimator (a registered name; ppo needs train.critic)")
     policy_loss: str = Field("ppo_clip", description="policy-gradient term (a registered name)")
@@ -97,7 +98,8 @@ class TrainConfig(Section):
         default_factory=_default_retry_waits,
         description="seconds waited before each rerun of the episodes that failed because the retrieval server "
                     "or rollout backend was down ([]: no rerun, they are left out of the update)")
-    # rollout correction (training.algos.offpolicy), verified weight sync (training.rollout.weight_sync), async rollouts
+    # rollout correction (training.algos.offpolicy), verified weight sync (training.rollout.weight_sync),
+    # async rollouts
     tis_cap: float | None = Field(
         2.0, gt=0, description="truncated importance sampling (Yao et al. 2025): each token's policy-gradient term "
                                "weighted by min(pi_old / pi_rollout, tis_cap), from the log-probs the rollout "
@@ -114,8 +116,9 @@ class TrainConfig(Section):
         0.05, gt=0, description="largest mean |log-prob difference| (nats) over the probe's tokens between the "
                                 "rollout engine and the trainer that still counts as the same weights")
     async_rollouts: bool = Field(
-        False, description="generate the next step's rollouts while this step updates (training.rollout.producer): "
-                           "one process only; rollouts are off-policy by up to max_staleness updates")
+        False, description="generate the next step's rollouts while this step updates "
+                           "(training.rollout.producer): one process only; rollouts are off-policy by up to "
+                           "max_staleness updates")
     max_staleness: int = Field(
         1, ge=1, description="async: the most updates a rollout's weights may lag the trainer's when it is "
                              "trained on; older groups are generated again with the latest weights")

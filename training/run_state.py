@@ -57,13 +57,13 @@ from training.rollout.worker import DataStream
 @dataclass
 class RunState:
     """Everything a run holds between steps. ``policy`` is the model being trained (peft-wrapped with LoRA),
-    ``fwd`` its :class:`training.model.forward.LogprobModule` (FSDP2-sharded under torchrun), ``rollout_model`` the
-    full copy the rollout side runs under torchrun (``None`` on one process: the policy itself),
-    ``base_state`` LoRA's frozen base weights (written into every checkpoint); ``start`` is the first step to
-    run, ``best``/``best_step`` the best held-out EM so far, ``nonfinite`` the steps skipped for a non-finite
-    loss; ``resumed`` the trainer state of the checkpoint resumed (``None``: a fresh start); ``frontier`` the
-    stream position a checkpoint saves when the asynchronous rollouts read ahead of the training
-    (:meth:`training.rollout.producer.AsyncRollouts.frontier`; ``None``: ``data.position``)."""
+    ``fwd`` its :class:`training.model.forward.LogprobModule` (FSDP2-sharded under torchrun),
+    ``rollout_model`` the full copy the rollout side runs under torchrun (``None`` on one process: the policy
+    itself), ``base_state`` LoRA's frozen base weights (written into every checkpoint); ``start`` is the first
+    step to run, ``best``/``best_step`` the best held-out EM so far, ``nonfinite`` the steps skipped for a
+    non-finite loss; ``resumed`` the trainer state of the checkpoint resumed (``None``: a fresh start);
+    ``frontier`` the stream position a checkpoint saves when the asynchronous rollouts read ahead of the
+    training (:meth:`training.rollout.producer.AsyncRollouts.frontier`; ``None``: ``data.position``)."""
 
     run_dir: Path
     rank: int

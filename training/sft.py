@@ -22,7 +22,8 @@ from training.rollout.oracle import OracleLLM
 
 def oracle_trajectories(examples: list[QAExample], tokenizer: Any, retriever: Retriever, agent_cfg: Any,
                         titles_by_id: dict[str, str], top_k: int) -> list[Trajectory]:
-    """Roll out the scripted oracle through the real agent loop (see :class:`training.rollout.oracle.OracleLLM`).
+    """Roll out the scripted oracle through the real agent loop (see
+    :class:`training.rollout.oracle.OracleLLM`).
 
     Raises ``ValueError`` under ``agent.protocol=function_call``: the oracle writes Search-R1 tags and reads
     the question after ``Question:``, so it would answer 'unknown' to every question without searching."""

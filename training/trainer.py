@@ -3,12 +3,12 @@
 The roles are separate, as in verl, and joined by one :class:`training.batch.Batch`; each phase of a step
 is a function below, and :func:`rl_train`'s loop reads as the algorithm of the GRPO / PPO papers:
 
-1. **rollout** (:mod:`training.rollout`): the LangGraph agent loop samples ``group_size`` episodes per
+1. **rollout** (:mod:`training.rollout.worker`): the LangGraph agent loop samples ``group_size`` episodes per
    question with the current policy; its judge sets the rewards; DAPO's dynamic sampling optionally drops
    flat groups and refills the batch;
-2. **score** (:func:`score`): the old policy's and the reference's log-probs (:mod:`training.model.actor`), the
-   critic's values, IGPO's gold-answer probabilities, the KL penalty when it is a reward;
-3. **advantages** (:mod:`training.algos.advantages`, the estimator registered as ``train.algorithm``);
+2. **score** (:func:`score`): the old policy's and the reference's log-probs (:mod:`training.model.actor`),
+   the critic's values, IGPO's gold-answer probabilities, the KL penalty when it is a reward;
+3. **advantages** (:mod:`training.algos.estimators`: the estimator registered as ``train.algorithm``);
 4. **update** (:func:`training.model.actor.update_policy`): the registered policy loss over policy tokens only
    (:func:`training.model.kernels.policy_loss`), micro-batched, with PPO's critic stepping beside it;
 5. **sync** the new weights to the rollout side (the rollout copy under FSDP2, a vLLM engine);
@@ -138,8 +138,8 @@ def sync_phase(state: RunState, worker: RolloutWorker, tc: Any, moved: bool,
     """Push the updated weights to the rollout side: under torchrun the gathered full weights into every
     rank's rollout copy (what checkpoints and evaluation see); to a backend holding its own weights (vLLM)
     under the base model's names, LoRA merged (:func:`training.model.lora.merged_lora_state`). With
-    ``tc.verify_sync`` each push is checked (:mod:`training.rollout.weight_sync`: the copy tensor by tensor, the
-    engine on the ``probe`` sequence) and a rollout side that does not run the new weights raises
+    ``tc.verify_sync`` each push is checked (:mod:`training.rollout.weight_sync`: the copy tensor by tensor,
+    the engine on the ``probe`` sequence) and a rollout side that does not run the new weights raises
     :class:`training.rollout.weight_sync.WeightSyncError`; returns the checks' ``sync/...`` statistics."""
     full, stats = None, {}
     if moved and state.world_size > 1:
@@ -232,8 +232,8 @@ def checkpoint_phase(state: RunState, step: int, record: dict[str, Any], tokeniz
 def check_setup(tc: Any, agent_cfg: Any) -> None:
     """Raise ``ValueError`` before anything is built for settings that cannot train: greedy rollouts (log-probs
     are scored at the rollout temperature), a critic estimator without a critic, packing on a transformers
-    without packed-sequence masks (:func:`training.model.forward.check_packed_masks`), asynchronous rollouts with
-    DAPO's dynamic sampling or an external agent (neither runs in the background producer)."""
+    without packed-sequence masks (:func:`training.model.forward.check_packed_masks`), asynchronous rollouts
+    with DAPO's dynamic sampling or an external agent (neither runs in the background producer)."""
     if tc.async_rollouts and (tc.dynamic_sampling or getattr(agent_cfg, "kind", "builtin") == "external"):
         raise ValueError("train.async_rollouts runs the built-in agent loop without dynamic sampling: set "
                          "train.dynamic_sampling=false and agent.kind=builtin, or train.async_rollouts=false")
@@ -264,10 +264,11 @@ def check_world(tc: Any, W: int) -> None:
 def rollout_side(state: RunState, tc: Any, agent_cfg: Any, tokenizer: Any, retriever: Retriever, top_k: int,
                  judge: Any, llm_factory: Callable[[Any, Any], Any] | None, seed: int,
                  stack: contextlib.ExitStack) -> RolloutWorker:
-    """The rollout backend and its :class:`training.rollout.worker.RolloutWorker`: ``llm_factory(model, tokenizer)``,
-    by default :class:`agent.backends.hf.TransformersLLM` on the trainer's own model, or with ``tc.async_rollouts`` a
-    worker process on a copy (:class:`agent.backends.process.ProcessLLM`, closed by ``stack``; the backend must
-    hold its own weights: ``ValueError`` for one that generates on the parameters being updated)."""
+    """The rollout backend and its :class:`training.rollout.worker.RolloutWorker`:
+    ``llm_factory(model, tokenizer)``, by default :class:`agent.backends.hf.TransformersLLM` on the trainer's
+    own model, or with ``tc.async_rollouts`` a worker process on a copy
+    (:class:`agent.backends.process.ProcessLLM`, closed by ``stack``; the backend must hold its own weights:
+    ``ValueError`` for one that generates on the parameters being updated)."""
     from agent.backends.hf import TransformersLLM
     from agent.external.runner import runner_for
 
@@ -333,25 +334,25 @@ def rl_train(
     loaded from it by the caller; LoRA adapters, critic, optimizer, scheduler, RNG and data position are
     restored here, :mod:`training.run_state`).
 
-    ``llm_factory(model, tokenizer)`` builds the rollout backend (default: :class:`agent.backends.hf.TransformersLLM`
-    on the same model object, so no weight sync is needed); after each update a backend holding its own
-    weights (vLLM) gets them through ``sync_weights(llm, state)`` or ``llm.update_weights``.
-    ``evaluate(model) -> {"em": ...}`` runs every ``tc.eval_every`` steps (logged as ``eval_*``; the best
-    ``eval_em`` checkpoint is kept in ``checkpoints/best``). ``judge`` overrides the agent config's judge.
-    With ``agent.kind: external`` the episodes are the ``agent.entry`` function's, run over a training proxy
-    in front of the rollout backend (:func:`agent.external.runner.runner_for`; ``proxy_calls`` / ``proxy_splits``
-    logged per step).
+    ``llm_factory(model, tokenizer)`` builds the rollout backend (default:
+    :class:`agent.backends.hf.TransformersLLM` on the same model object, so no weight sync is needed); after
+    each update a backend holding its own weights (vLLM) gets them through ``sync_weights(llm, state)`` or
+    ``llm.update_weights``. ``evaluate(model) -> {"em": ...}`` runs every ``tc.eval_every`` steps (logged as
+    ``eval_*``; the best ``eval_em`` checkpoint is kept in ``checkpoints/best``). ``judge`` overrides the
+    agent config's judge. With ``agent.kind: external`` the episodes are the ``agent.entry`` function's, run
+    over a training proxy in front of the rollout backend (:func:`agent.external.runner.runner_for`;
+    ``proxy_calls`` / ``proxy_splits`` logged per step).
     A non-finite loss skips the step; after ``tc.max_nonfinite_steps`` such steps the run stops
     (``RuntimeError``). Health alarms (``train.alarm_*``) warn or stop the run. Returns a summary dict.
 
     Under ``torchrun`` (``WORLD_SIZE > 1``; the process group is created here with ``tc.dist_timeout_s``
-    unless the caller made it, and left for the caller to end with :func:`training.infra.distributed.shutdown`)
-    every rank updates an FSDP2 shard of the policy and rolls out on a full copy refreshed after each update;
-    rank 0 alone writes metrics, trajectories and checkpoints, and evaluates (the others wait for it
-    without the collective timeout). One training at a time per ``run_dir``: rank 0 holds
-    :func:`training.infra.checkpoint.run_dir_lock` for the whole run (``RuntimeError`` for a second one). Raises
-    ``ValueError`` for settings that cannot train (:func:`check_setup`, :func:`check_world`) and for a
-    checkpoint of another algorithm or LoRA setting.
+    unless the caller made it, and left for the caller to end with
+    :func:`training.infra.distributed.shutdown`) every rank updates an FSDP2 shard of the policy and rolls out
+    on a full copy refreshed after each update; rank 0 alone writes metrics, trajectories and checkpoints, and
+    evaluates (the others wait for it without the collective timeout). One training at a time per ``run_dir``:
+    rank 0 holds :func:`training.infra.checkpoint.run_dir_lock` for the whole run (``RuntimeError`` for a
+    second one). Raises ``ValueError`` for settings that cannot train (:func:`check_setup`,
+    :func:`check_world`) and for a checkpoint of another algorithm or LoRA setting.
     """
     check_setup(tc, agent_cfg)
     rank, W = init_from_env(timeout_s=tc.dist_timeout_s)  # torchrun: the process group; else a no-op

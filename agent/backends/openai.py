@@ -105,10 +105,10 @@ class OpenAICompatibleLLM:
 
     def generate_each(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
         """:meth:`generate` with each prompt's own sampling settings, as one batch of concurrent requests
-        (each prompt is its own HTTP request anyway). :class:`agent.loop.scheduler.Scheduler` uses it so that each
-        request keeps its own ``max_new_tokens``: a server checks prompt + ``max_tokens`` against the model's
-        context (`vllm serve` answers 400 past it), so the batch's largest budget on a prompt near the end
-        of its context would be refused. Raises as :meth:`generate`."""
+        (each prompt is its own HTTP request anyway). :class:`agent.loop.scheduler.Scheduler` uses it so that
+        each request keeps its own ``max_new_tokens``: a server checks prompt + ``max_tokens`` against the
+        model's context (`vllm serve` answers 400 past it), so the batch's largest budget on a prompt near the
+        end of its context would be refused. Raises as :meth:`generate`."""
         return run_sync(self._agenerate(requests))
 
     async def agenerate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:

@@ -3,10 +3,10 @@
 Asynchronous training generates the next step's rollouts while the trainer updates the policy. In one
 Python process the two compete for the interpreter lock (a tiny policy's generation and update are mostly
 Python; on a 2-core CPU, overlapping them in threads took as long as running them one after the other), so
-:class:`ProcessLLM` runs :class:`agent.backends.hf.TransformersLLM` in a spawned process of its own, on a copy of the
-model whose tensors live in shared memory (``torch.multiprocessing``; on a GPU, CUDA IPC): the worker reads
-them, the trainer writes them (:meth:`ProcessLLM.update_weights`, between generate calls), so a push costs
-one in-place copy and no serialisation. It implements :class:`agent.llm.LLM` plus ``update_weights`` and
+:class:`ProcessLLM` runs :class:`agent.backends.hf.TransformersLLM` in a spawned process of its own, on a copy
+of the model whose tensors live in shared memory (``torch.multiprocessing``; on a GPU, CUDA IPC): the worker
+reads them, the trainer writes them (:meth:`ProcessLLM.update_weights`, between generate calls), so a push
+costs one in-place copy and no serialisation. It implements :class:`agent.llm.LLM` plus ``update_weights`` and
 ``probe_logprobs``, the interface vLLM's backend offers the trainer (:mod:`agent.backends.vllm`).
 
 Scripts that construct one need the ``if __name__ == "__main__":`` guard (the worker is spawned).
@@ -106,8 +106,8 @@ class ProcessLLM:
             return self._recv(), self.weight_version
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """One continuation per prompt, sampled by the worker (see :meth:`agent.backends.hf.TransformersLLM.generate`;
-        its log-probs are the behaviour policy's)."""
+        """One continuation per prompt, sampled by the worker (see
+        :meth:`agent.backends.hf.TransformersLLM.generate`; its log-probs are the behaviour policy's)."""
         if not prompts:
             return []
         gens, version = self._call("generate", (prompts, params))

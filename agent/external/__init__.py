@@ -1,1 +1,1 @@
-"""Agents of the user's own: the recording training proxy, the stitching of its calls into trajectories, the runner."""
+"""Agents of the user's own: the recording proxy, its calls stitched into trajectories, the runner."""

@@ -2,8 +2,9 @@
 Sleuth builds, a base model): ChatML in Qwen2.5's shape with tools. Tools are listed in the system turn,
 turns are ``<|im_start|>role\n...`` closed by the tokenizer's EOS token, an assistant's ``tool_calls`` are
 written as ``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`` after its content (the format
-:func:`agent.external.stitch.parse_tool_calls` reads, so a call the policy wrote renders back as it was sampled), and
-consecutive tool results share one user turn inside ``<tool_response>``. Follows Qwen2.5's template.
+:func:`agent.external.stitch.parse_tool_calls` reads, so a call the policy wrote renders back as it was
+sampled), and consecutive tool results share one user turn inside ``<tool_response>``. Follows Qwen2.5's
+template.
 """
 
 from __future__ import annotations

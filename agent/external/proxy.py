@@ -4,9 +4,9 @@ External agents (LangGraph's ``create_react_agent`` with ``ChatOpenAI``, any cod
 API) run unchanged against it, pointed at its base URL; the proxy renders each conversation with the policy's
 own chat template (Sleuth's ChatML one, :mod:`agent.chat_template`, for a tokenizer without one), samples
 through the project's backend interface (:class:`agent.llm.LLM`: transformers, vLLM or an OpenAI-compatible
-server, batched across concurrent calls by :class:`agent.loop.scheduler.Scheduler`) and keeps, per call, the exact
-prompt ids and the sampled ids with their log-probabilities (:mod:`agent.external.stitch`), grouped by episode. As in
-AReaL's, Agent Lightning's and ART's proxies, the episode of a call is named by the URL
+server, batched across concurrent calls by :class:`agent.loop.scheduler.Scheduler`) and keeps, per call, the
+exact prompt ids and the sampled ids with their log-probabilities (:mod:`agent.external.stitch`), grouped by
+episode. As in AReaL's, Agent Lightning's and ART's proxies, the episode of a call is named by the URL
 (``/ep/<episode>/v1/...``: a base URL is all an unchanged agent lets one set), an ``X-Sleuth-Episode`` header
 or the request's ``user`` field, in that order; calls with none are served and counted but not recorded. The
 trainer takes an episode's record with :meth:`Proxy.take`.
@@ -16,9 +16,10 @@ Routes (also under ``/ep/<episode>``):
 * ``POST /v1/chat/completions``: ``messages``, ``tools``, ``tool_choice`` (``"none"`` turns tool-call
   parsing off), ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``,
   ``logprobs``, ``stream`` (+ ``stream_options.include_usage``). The reply's ``tool_calls`` are parsed from
-  the sampled text (:func:`agent.external.stitch.parse_tool_calls`), ``finish_reason`` is ``tool_calls``, ``stop``
-  or ``length``. A streamed reply sends the finished turn as OpenAI's chunks (role, content, one chunk per
-  tool call, the finish, usage when asked, ``[DONE]``): the turn is sampled whole before the first chunk.
+  the sampled text (:func:`agent.external.stitch.parse_tool_calls`), ``finish_reason`` is ``tool_calls``,
+  ``stop`` or ``length``. A streamed reply sends the finished turn as OpenAI's chunks (role, content, one
+  chunk per tool call, the finish, usage when asked, ``[DONE]``): the turn is sampled whole before the first
+  chunk.
 * ``POST /v1/completions``: ``prompt`` as token ids or text, with vLLM's ``return_tokens_as_token_ids`` and
   ``include_stop_str_in_output``: the endpoint :class:`agent.backends.openai.OpenAICompatibleLLM` speaks, so
   the built-in loop itself can run through the proxy.
@@ -64,7 +65,8 @@ class ProxySettings:
     sequence (prompt + output); ``temperature`` / ``top_p``, when set, replace the request's (``None``: the
     request's, else 1.0); ``stop`` strings are added to the request's; ``search_tool`` names the tool whose
     calls are recorded as searches (``Turn.action == "search"``); ``chat_template`` renders the conversations
-    (``None``: the tokenizer's own, else :data:`agent.external.chat_template.CHATML_TOOLS` for a tokenizer without one)."""
+    (``None``: the tokenizer's own, else :data:`agent.external.chat_template.CHATML_TOOLS` for a tokenizer
+    without one)."""
 
     max_new_tokens: int = 1024
     max_total_tokens: int = 32_768

@@ -3,14 +3,15 @@
 An external agent is an async function ``agent(question: str, base_url: str) -> str`` (named
 ``module:function``, :func:`load_entry`): it talks to "the model" at ``base_url`` with any OpenAI-compatible
 client (LangChain's ``ChatOpenAI``, the ``openai`` package) and returns its answer. :class:`ExternalRunner`
-serves the policy backend through a :class:`agent.external.proxy.Proxy` on 127.0.0.1, hands each episode its own base
-URL (``.../ep/<episode>/v1``), and turns what the proxy recorded into the same
-:class:`~agent.trajectory.Trajectory` records the built-in loop writes (:mod:`agent.external.stitch`), judged by the
-same judge (:func:`agent.judges.rule_judge` by default, or the configured one) with the answer the agent
-returned, grouped as :func:`agent.loop.batch.run_episodes` groups them. An episode the template split gives
-several sequences of one episode (``metadata["episode"]``/``["segment"]``), each with the episode's reward.
-An agent that raises, or runs past ``timeout_s``, gives an episode with ``stop_reason == "error"`` and the
-reason in ``metadata["error"]`` (what the trainer's fault handling reruns and leaves out), never an exception.
+serves the policy backend through a :class:`agent.external.proxy.Proxy` on 127.0.0.1, hands each episode its
+own base URL (``.../ep/<episode>/v1``), and turns what the proxy recorded into the same
+:class:`~agent.trajectory.Trajectory` records the built-in loop writes (:mod:`agent.external.stitch`), judged
+by the same judge (:func:`agent.judges.rule_judge` by default, or the configured one) with the answer the
+agent returned, grouped as :func:`agent.loop.batch.run_episodes` groups them. An episode the template split
+gives several sequences of one episode (``metadata["episode"]``/``["segment"]``), each with the episode's
+reward. An agent that raises, or runs past ``timeout_s``, gives an episode with ``stop_reason == "error"`` and
+the reason in ``metadata["error"]`` (what the trainer's fault handling reruns and leaves out), never an
+exception.
 """
 
 from __future__ import annotations
@@ -175,9 +176,10 @@ class ExternalRunner:
     def loop_episodes(self, examples: list[QAExample], llm: Any = None, retriever: Any = None, cfg: Any = None, *,
                       n_samples: int = 1, temperature: float | None = None, top_k: int | None = None,
                       seed: int | None = None, judge: Judge | None = None, merge: bool = True) -> list[Trajectory]:
-        """:func:`agent.loop.batch.run_episodes`'s signature over the external agent (``llm``, ``retriever``, ``cfg``,
-        ``top_k`` and ``seed`` are the runner's own and ignored), e.g. for ``eval.run.run_benchmarks``'s
-        ``run_episodes``: one record per episode by default. ``temperature`` applies to this call only."""
+        """:func:`agent.loop.batch.run_episodes`'s signature over the external agent (``llm``, ``retriever``,
+        ``cfg``, ``top_k`` and ``seed`` are the runner's own and ignored), e.g. for
+        ``eval.run.run_benchmarks``'s ``run_episodes``: one record per episode by default. ``temperature``
+        applies to this call only."""
         settings = self.proxy.settings
         saved = (settings.temperature, settings.top_p)
         if temperature is not None:

@@ -1,4 +1,5 @@
-"""Token records of agents that talk to the policy through an OpenAI-compatible API (:mod:`agent.external.proxy`).
+"""Token records of agents that talk to the policy through an OpenAI-compatible API
+(:mod:`agent.external.proxy`).
 
 An external agent (a LangGraph graph, a ``ChatOpenAI`` model with tools) sends whole conversations; the
 policy sees token ids. For each call the proxy keeps the exact prompt ids it sent the backend and the ids

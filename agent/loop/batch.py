@@ -12,8 +12,8 @@ Each episode takes the path the per-episode graph's edges give it (:func:`agent.
 :func:`agent.loop.nodes.after_tool`) through the same node functions, so its trajectory is the one
 :func:`agent.loop.episode.run_episode` gives it. A backend or tool failure ends that episode alone
 (:func:`agent.loop.nodes.fail_episode`). An episode counts as live for the scheduler
-(:meth:`agent.loop.scheduler.Scheduler.episode`) only while its node runs, so the ones done with a step never hold
-back the batches of the others.
+(:meth:`agent.loop.scheduler.Scheduler.episode`) only while its node runs, so the ones done with a step never
+hold back the batches of the others.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ NEXT = "next"  # an episode's key: the node it waits for ("policy", "tool", "jud
 
 
 class BatchState(TypedDict):
-    """The graph's state: every episode's :class:`agent.loop.nodes.EpisodeState` (in order; updated in place)."""
+    """The graph's state: every episode's :class:`agent.loop.nodes.EpisodeState` (in order; updated in
+    place)."""
     episodes: list[EpisodeState]
 
 

@@ -1,6 +1,7 @@
 """The agent loop as a LangGraph ``StateGraph``, one graph run per episode: what a server streaming one
 request runs (:func:`run_episode`, with progress events). Its nodes and edges are those of
-:mod:`agent.loop.nodes`; rollouts of many episodes run them as one graph over the batch (:mod:`agent.loop.batch`).
+:mod:`agent.loop.nodes`; rollouts of many episodes run them as one graph over the batch
+(:mod:`agent.loop.batch`).
 
     START -> policy [generate -> parse] -> tool [search -> observe] -> policy -> ... -> judge -> END
 """
@@ -74,9 +75,9 @@ async def run_episode(ctx: AgentContext, example: QAExample, group: int = 0,
                       on_event: EventSink | None = None) -> Trajectory:
     """Run one episode to its end. A backend failure ends the episode with ``stop_reason="error"``, the
     reason in ``metadata["error"]`` and ``metadata["service_down"]`` true when the backend or retriever as a
-    whole was unavailable (:func:`agent.loop.scheduler.is_global`); it raises only when the prompt itself cannot be
-    built (the tokenizer or chat template fails on it: a setup error that would fail every episode, so it is
-    not hidden as one), and cancelling the task still cancels it.
+    whole was unavailable (:func:`agent.loop.scheduler.is_global`); it raises only when the prompt itself
+    cannot be built (the tokenizer or chat template fails on it: a setup error that would fail every episode,
+    so it is not hidden as one), and cancelling the task still cancels it.
 
     With ``on_event`` (an async callable taking one dict), the graph runs through LangGraph's
     ``astream(stream_mode="updates")`` instead of ``ainvoke`` and ``await on_event(event)`` is called

@@ -230,7 +230,8 @@ def new_episode(ctx: AgentContext, example: QAExample, group: int = 0) -> Episod
 
 def fail_episode(traj: Trajectory, e: BaseException) -> None:
     """End an episode on a backend or tool failure ``e``: ``stop_reason="error"``, the reason in
-    ``metadata["error"]``, ``metadata["service_down"]`` from :func:`agent.loop.scheduler.is_global`, reward 0."""
+    ``metadata["error"]``, ``metadata["service_down"]`` from :func:`agent.loop.scheduler.is_global`, reward
+    0."""
     traj.stop_reason = "error"
     traj.metadata["error"] = f"{type(e).__name__}: {e}"
     traj.metadata["service_down"] = is_global(e)  # a service unavailable, not this request's fault
@@ -239,12 +240,13 @@ def fail_episode(traj: Trajectory, e: BaseException) -> None:
 
 def make_context(llm: LLM, retriever: Retriever | None, cfg: Any, *, temperature: float | None = None,
                  top_k: int = 3, judge: Judge | None = None, scheduler: Scheduler | None = None) -> AgentContext:
-    """An :class:`AgentContext` for :func:`agent.loop.batch.arun_episodes` / :func:`agent.loop.episode.run_episode` (e.g. inside a server's
-    event loop, where one scheduler is shared by all requests): the tool protocol of ``cfg.protocol``
-    (:func:`agent.protocols.build.make_protocol`) and, unless ``judge`` is given, the judge of ``cfg``
-    (:func:`agent.judges.configured_judge`; with ``cfg.judge == "llm"`` the policy backend itself judges).
-    Raises ``ValueError`` when ``cfg.max_obs_tokens`` cannot hold an observation's framing and one token, or
-    for ``agent.chat_template=on`` without a chat template (:func:`check_chat_template`)."""
+    """An :class:`AgentContext` for :func:`agent.loop.batch.arun_episodes` /
+    :func:`agent.loop.episode.run_episode` (e.g. inside a server's event loop, where one scheduler is shared
+    by all requests): the tool protocol of ``cfg.protocol`` (:func:`agent.protocols.build.make_protocol`) and,
+    unless ``judge`` is given, the judge of ``cfg`` (:func:`agent.judges.configured_judge`; with
+    ``cfg.judge == "llm"`` the policy backend itself judges). Raises ``ValueError`` when
+    ``cfg.max_obs_tokens`` cannot hold an observation's framing and one token, or for
+    ``agent.chat_template=on`` without a chat template (:func:`check_chat_template`)."""
     check_chat_template(llm.tokenizer, cfg)  # now, not at every episode's first prompt
     proto = make_protocol(llm.tokenizer, cfg)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens,

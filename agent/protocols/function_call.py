@@ -86,7 +86,8 @@ def prompt_ids(tokenizer: Any, question: str, self_judge: bool = False) -> list[
 
 
 def parse_action(text: str, finish_reason: str = "stop", max_query_chars: int = 2000) -> Action:
-    """Parse one assistant turn into an :class:`agent.protocols.base.Action` (``search``/``answer``/``invalid``)."""
+    """Parse one assistant turn into an :class:`agent.protocols.base.Action`
+    (``search``/``answer``/``invalid``)."""
     calls = _CALL_RE.findall(text)
     opened = text.count("<tool_call>")
     if opened > len(calls):
@@ -182,9 +183,9 @@ INVALID_HINT = ("Error: invalid action ({reason}). Call the search tool with a J
 
 
 class FunctionCalling(ToolProtocol):
-    """Native function calling as a :class:`agent.protocols.base.ToolProtocol`: the prompt declares the search tool
-    through the chat template, a turn is parsed by :func:`parse_action`, and a tool result is framed by the
-    template's own tool message (:class:`ToolTemplate`, found on first use). Raises ``ValueError`` (naming
+    """Native function calling as a :class:`agent.protocols.base.ToolProtocol`: the prompt declares the search
+    tool through the chat template, a turn is parsed by :func:`parse_action`, and a tool result is framed by
+    the template's own tool message (:class:`ToolTemplate`, found on first use). Raises ``ValueError`` (naming
     ``agent.protocol=search_r1``) when the tokenizer has no chat template."""
 
     name = "function_call"

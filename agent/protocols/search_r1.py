@@ -79,9 +79,10 @@ def build_prompt(question: str, short: bool = False, self_judge: bool = False) -
 
 
 class SearchR1(ToolProtocol):
-    """The Search-R1 tag protocol as a :class:`agent.protocols.base.ToolProtocol`: the prompt through the model's
-    chat template when it has one (``agent.chat_template`` auto/on), else the plain Search-R1 instruction (or
-    the one-line prompt for the tiny policy); observations framed by ``<information>`` tags."""
+    """The Search-R1 tag protocol as a :class:`agent.protocols.base.ToolProtocol`: the prompt through the
+    model's chat template when it has one (``agent.chat_template`` auto/on), else the plain Search-R1
+    instruction (or the one-line prompt for the tiny policy); observations framed by ``<information>``
+    tags."""
 
     name = "search_r1"
     stop_strings = STOP_STRINGS

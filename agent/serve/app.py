@@ -21,9 +21,9 @@
   request over ``max_inflight`` gets the plain 503 before any stream starts (so clients retry it); a
   failure of the episode (504, 502) arrives as one ``data: {"error": {...}}`` event; a client that
   disconnects cancels its episode. The OpenAI fields are honoured or refused with an error naming them
-  (:mod:`agent.serve.chat_params`): ``model`` must be the served name (404 ``model_not_found``); ``n`` runs that
-  many episodes (at most ``max_n``; one choice each, with its own ``sleuth`` field; the top-level one is the
-  first choice's; streamed, each event carries its choice's index); ``max_tokens`` (or
+  (:mod:`agent.serve.chat_params`): ``model`` must be the served name (404 ``model_not_found``); ``n`` runs
+  that many episodes (at most ``max_n``; one choice each, with its own ``sleuth`` field; the top-level one is
+  the first choice's; streamed, each event carries its choice's index); ``max_tokens`` (or
   ``max_completion_tokens``) caps the tokens the episode adds after the prompt; ``temperature`` and
   ``top_p`` sample every turn; ``stream_options.include_usage`` adds OpenAI's usage chunk; ``stop``,
   ``seed``, ``logprobs``, penalties, ``tools`` and JSON ``response_format`` get 400.
@@ -32,11 +32,11 @@
   a client may choose within (``top_k``/``max_top_k``, ``max_turns``, ``max_question_chars``).
 * ``GET /``: a browser page over the streaming endpoint (:mod:`agent.serve.webui`; no key needed to load it).
 
-All requests share one :class:`agent.loop.scheduler.Scheduler` living in the server's event loop, so concurrent
-requests are episodes whose generation and search calls are batched together. Limits: request bodies over
-``max_body_bytes`` get 413, bodies that are not JSON (or nest too deeply to decode, or hold an integer of
-over 4,300 digits) 400, empty or over-long questions 422 (over ``max_question_chars``, or a prompt that
-leaves no token of the agent's ``max_total_tokens`` to generate: the message says by how many tokens),
+All requests share one :class:`agent.loop.scheduler.Scheduler` living in the server's event loop, so
+concurrent requests are episodes whose generation and search calls are batched together. Limits: request
+bodies over ``max_body_bytes`` get 413, bodies that are not JSON (or nest too deeply to decode, or hold an
+integer of over 4,300 digits) 400, empty or over-long questions 422 (over ``max_question_chars``, or a prompt
+that leaves no token of the agent's ``max_total_tokens`` to generate: the message says by how many tokens),
 text with a lone surrogate 422, more than ``max_inflight`` episodes 503 with ``Retry-After:``
 :data:`BUSY_RETRY_AFTER_S` (streamed or not; the slot is taken in one step with the check and freed however
 the episode ends; the ``openai`` client and httpx retry loops wait that long), an episode over
@@ -70,10 +70,10 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
                limits: ServeLimits | None = None, judge: Judge | None = None, external: Any = None) -> FastAPI:
     """Build the app around one policy backend and one retriever (see the module docstring). ``judge``
     scores answers sent with golden answers (default: :func:`agent.loop.nodes.make_context`'s, from
-    ``agent_cfg.judge``). ``external`` (an :class:`agent.external.runner.ExternalRunner`, ``agent.kind: external``)
-    answers with the external agent instead of the built-in loop: its own tools search, so a request's
-    ``top_k`` and ``max_turns`` other than the server's own are refused (422), its temperature does not apply,
-    a stream carries no turn or search events, and the evidence is empty."""
+    ``agent_cfg.judge``). ``external`` (an :class:`agent.external.runner.ExternalRunner`,
+    ``agent.kind: external``) answers with the external agent instead of the built-in loop: its own tools
+    search, so a request's ``top_k`` and ``max_turns`` other than the server's own are refused (422), its
+    temperature does not apply, a stream carries no turn or search events, and the evidence is empty."""
     app = FastAPI(title="Sleuth agent", version="0.1")
     app.state.service = AgentService(app.state, llm, retriever, agent_cfg, top_k=top_k, temperature=temperature,
                                      api_key=api_key, model_name=model_name, limits=limits or ServeLimits(),

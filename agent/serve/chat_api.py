@@ -1,6 +1,7 @@
 """``POST /v1/chat/completions`` of ``sleuth serve`` (:mod:`agent.serve.app`): the OpenAI-compatible route, a
 whole agent episode per choice, answered at once or streamed turn by turn as server-sent events (the
-module docstring of :mod:`agent.serve.app` gives the events; :mod:`agent.serve.chat_params` the request fields)."""
+module docstring of :mod:`agent.serve.app` gives the events; :mod:`agent.serve.chat_params` the request
+fields)."""
 
 from __future__ import annotations
 

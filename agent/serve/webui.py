@@ -1,6 +1,6 @@
 """The browser page of ``sleuth serve``: ``GET /`` and its script and style sheet, shipped in the package
-(``agent/serve/static``: plain HTML, CSS and JavaScript, no build step and no CDN, so a server with no internet
-serves it whole).
+(``agent/serve/static``: plain HTML, CSS and JavaScript, no build step and no CDN, so a server with no
+internet serves it whole).
 
 The page asks its question over the streaming ``/v1/chat/completions`` (see :mod:`agent.serve.app`) and shows
 each turn's reasoning, each search with its passages, the answer, its evidence and any verdict as they

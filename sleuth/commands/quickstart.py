@@ -4,7 +4,8 @@ Index the sample corpus, build the tiny policy, SFT warm start, evaluate (before
 (after RL); print the before/after table on the held-out test questions and write it under ``out_dir``.
 Re-running it reuses the index, the tiny policy, the SFT model and the GRPO checkpoints (resuming an
 interrupted GRPO run); the two evaluations run again. One at a time per ``out_dir``
-(:func:`training.infra.checkpoint.run_dir_lock`; another training there is refused before anything is written).
+(:func:`training.infra.checkpoint.run_dir_lock`; another training there is refused before anything is
+written).
 """
 
 from __future__ import annotations

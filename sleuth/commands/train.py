@@ -7,8 +7,8 @@ stops every rank); then all ranks train with FSDP2 (:func:`training.trainer.rl_t
 and checkpoints, and the process group ends with a barrier. Collectives time out after
 ``train.dist_timeout_s`` seconds, so a rank that died makes the others fail rather than hang.
 
-One training at a time per ``out_dir``: rank 0 holds it (:func:`training.infra.checkpoint.run_dir_lock`) from before
-it writes the run config to the end, and a second ``sleuth train`` there is refused at once
+One training at a time per ``out_dir``: rank 0 holds it (:func:`training.infra.checkpoint.run_dir_lock`) from
+before it writes the run config to the end, and a second ``sleuth train`` there is refused at once
 (:class:`training.infra.checkpoint.RunDirBusyError`, one line from the CLI).
 """
 

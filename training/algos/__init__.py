@@ -1,1 +1,1 @@
-"""The RL algorithms: rewards, advantage estimators and their registry, turn-level credit, policy losses, off-policy correction."""
+"""The RL algorithms: rewards, advantage estimators and their registry, turn credit, losses, off-policy."""

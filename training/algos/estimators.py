@@ -152,9 +152,10 @@ def register_outcome_adv_est(name: str, *, groups: bool = True, replace: bool = 
 
 def episode_rows(trajs: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """For a batch where some episodes were split into several training sequences (an external agent whose
-    chat template rewrote history: ``metadata["episode"]`` and ``["segments"] > 1``, :mod:`agent.external.stitch`):
-    ``(inverse [N], first [E])``, each row's episode among the ``E`` distinct episodes and each episode's
-    first row; ``None`` when every row is a whole episode. Episodes are told apart by (group, episode id)."""
+    chat template rewrote history: ``metadata["episode"]`` and ``["segments"] > 1``,
+    :mod:`agent.external.stitch`): ``(inverse [N], first [E])``, each row's episode among the ``E`` distinct
+    episodes and each episode's first row; ``None`` when every row is a whole episode. Episodes are told apart
+    by (group, episode id)."""
     keys: list[tuple] = []
     for i, t in enumerate(trajs):
         meta = getattr(t, "metadata", None) or {}
@@ -288,10 +289,10 @@ def _gigpo(inp: AdvantageInputs, tc: Any) -> dict[str, torch.Tensor]:
 
 @register_adv_est("evidence_igpo", groups=True)
 def _evidence_igpo(inp: AdvantageInputs, tc: Any) -> dict[str, torch.Tensor]:
-    """IGPO's turn rewards and advantages (:func:`training.algos.advantages.igpo_turn_advantages`: z-normalised
-    over the group's turns, accumulated with ``train.gamma``) with the evidence gain
-    (:func:`training.algos.turn_credit.evidence_gain`, weight ``train.ig_coef``) in place of the probability gain: the outcome (minus
-    the KL penalty) on the last turn, ``-train.search_cost`` on every search turn."""
+    """IGPO's turn rewards and advantages (:func:`training.algos.advantages.igpo_turn_advantages`:
+    z-normalised over the group's turns, accumulated with ``train.gamma``) with the evidence gain
+    (:func:`training.algos.turn_credit.evidence_gain`, weight ``train.ig_coef``) in place of the probability
+    gain: the outcome (minus the KL penalty) on the last turn, ``-train.search_cost`` on every search turn."""
     gain = evidence_gain(inp.trajs, inp.turn_valid.shape[1]) * inp.turn_valid.float()
     turn_r = tc.ig_coef * gain + outcome_turn_rewards(inp, tc)
     adv = igpo_turn_advantages(turn_r, inp.turn_valid, inp.groups, tc.gamma)

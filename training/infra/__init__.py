@@ -1,1 +1,1 @@
-"""Training infrastructure: torch.distributed and FSDP2 plumbing, checkpoints, GPU memory checks, metrics and alarms."""
+"""Training infrastructure: torch.distributed, checkpoints, GPU memory checks, metrics and alarms."""

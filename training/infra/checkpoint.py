@@ -147,14 +147,14 @@ def save_checkpoint(run_dir: str | Path, step: int, model: Any, tokenizer: Any, 
                     write_files: Callable[[Path], None] | None = None) -> Path:
     """Atomically save everything needed to resume after ``step`` optimizer steps; keep the newest ``keep``.
 
-    ``optimizer_state`` is a full, name-keyed optimizer state (:func:`training.infra.distributed.full_optimizer_state`),
-    written to ``optimizer.pt`` and read back with :func:`load_optimizer_state`; ``optimizer`` (a plain
-    optimizer whose ``state_dict()`` goes into ``trainer.pt``, restored by :func:`load_trainer_state`) is for
-    callers without a module. ``rng_states`` are every rank's RNG states (:func:`rng_state` gathered over
-    ranks; default: this process's). ``extra`` holds further state dicts (e.g. the PPO critic and its
-    optimizer), restored by :func:`load_trainer_state` into ``state["extra"]``. ``write_files(dir)`` adds
-    further files (e.g. LoRA's frozen base weights) to the directory before it is committed, so they are
-    part of the atomic checkpoint. A checkpoint named ``best``
+    ``optimizer_state`` is a full, name-keyed optimizer state
+    (:func:`training.infra.distributed.full_optimizer_state`), written to ``optimizer.pt`` and read back with
+    :func:`load_optimizer_state`; ``optimizer`` (a plain optimizer whose ``state_dict()`` goes into
+    ``trainer.pt``, restored by :func:`load_trainer_state`) is for callers without a module. ``rng_states``
+    are every rank's RNG states (:func:`rng_state` gathered over ranks; default: this process's). ``extra``
+    holds further state dicts (e.g. the PPO critic and its optimizer), restored by :func:`load_trainer_state`
+    into ``state["extra"]``. ``write_files(dir)`` adds further files (e.g. LoRA's frozen base weights) to the
+    directory before it is committed, so they are part of the atomic checkpoint. A checkpoint named ``best``
     (see :func:`save_best`) is never rotated away, nor is the one just written (rotation is by step number;
     checkpoints of steps after ``step``, left by a run that resumed from an earlier one, are deleted). Call it
     on one rank only.
@@ -359,7 +359,8 @@ def restore_rng(rngs: list[dict[str, Any]], rank: int = 0, world_size: int = 1) 
 
 def load_optimizer_state(ckpt: str | Path) -> dict[str, Any] | None:
     """The full, name-keyed optimizer state saved in ``ckpt/optimizer.pt`` (load it with
-    :func:`training.infra.distributed.load_full_optimizer_state`), or ``None`` when the checkpoint has none."""
+    :func:`training.infra.distributed.load_full_optimizer_state`), or ``None`` when the checkpoint has
+    none."""
     path = Path(ckpt) / "optimizer.pt"
     return torch.load(path, weights_only=False) if path.exists() else None
 

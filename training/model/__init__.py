@@ -1,1 +1,1 @@
-"""The models being trained: the policy's forward and update, the critic, the fused kernels' bindings, LoRA, FSDP2 sharding, the tiny policy."""
+"""The models trained: the policy's forward and update, the critic, kernels, LoRA, FSDP2, the tiny policy."""

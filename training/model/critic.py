@@ -62,8 +62,9 @@ class ValueModel(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Values ``[N, T-1]`` float32 of ``batch``; a packed batch (``batch.packed``, ``train.packing``) runs
-        its rows' real tokens as one row, as the policy's log-probs do (:func:`training.model.forward.packed_hidden`),
-        with the same values; raises ``ValueError`` for a batch that cannot be packed (left padding)."""
+        its rows' real tokens as one row, as the policy's log-probs do
+        (:func:`training.model.forward.packed_hidden`), with the same values; raises ``ValueError`` for a
+        batch that cannot be packed (left padding)."""
         body = self._body()
         device = self.head.weight.device
         ctx = torch.no_grad() if self.shared else torch.enable_grad()

@@ -170,11 +170,12 @@ def autocast(device: torch.device, enabled: bool):
 def gold_answer_probs(model: Any, tokenizer: Any, trajs: list[Trajectory], batch_rows: int = 32,
                       max_len: int | None = None) -> list[list[float]]:
     """For each trajectory, ``[p_0, ..., p_K]``: the policy's probability of the gold answer given the
-    episode up to each turn boundary (:func:`training.algos.rewards.turn_boundaries`), as IGPO's information gain uses it.
+    episode up to each turn boundary (:func:`training.algos.rewards.turn_boundaries`), as IGPO's information
+    gain uses it.
 
     The answer ``<answer> gold </answer>`` is teacher-forced after the prefix (tokenised as the policy would
-    write it, :func:`training.algos.rewards.answer_ids`) and ``p`` is the geometric mean of the gold tokens' probabilities
-    (length-normalised, so answers of different lengths compare).
+    write it, :func:`training.algos.rewards.answer_ids`) and ``p`` is the geometric mean of the gold tokens'
+    probabilities (length-normalised, so answers of different lengths compare).
     The first gold answer is used. ``max_len`` keeps the last ``max_len`` tokens of a long prefix. The LM
     head runs on the gold positions only (:func:`training.model.kernels.masked_logprobs`).
     """

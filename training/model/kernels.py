@@ -3,8 +3,8 @@
 Public entry points, each with the signature of its reference plus ``impl``:
 
 * :func:`span_mask` -- :func:`training.masking.span_mask_reference`;
-* :func:`masked_logprobs` -- :func:`training.algos.losses.masked_lm_head_logprobs` (differentiable w.r.t. hidden
-  states and the LM-head weight);
+* :func:`masked_logprobs` -- :func:`training.algos.losses.masked_lm_head_logprobs` (differentiable w.r.t.
+  hidden states and the LM-head weight);
 * :func:`policy_loss` -- :func:`training.algos.losses.policy_loss` (differentiable w.r.t. log-probs and
   entropy).
 
@@ -19,8 +19,8 @@ The extension is built on first use with :func:`torch.utils.cpp_extension.load` 
 (plus compute_90 PTX for newer GPUs), cached in ``$SLEUTH_KERNELS_BUILD_DIR`` (default
 ``~/.cache/sleuth/torch_extensions/<torch version>``); ninja rebuilds only what changed. The ``.cu`` sources
 are read from the repository's ``cuda/``, so the kernels need a source checkout (``pip install -e .``). The ``.cu`` files
-include only CUDA headers and the binding (``training/model/csrc/sleuth_kernels.cpp``) only ``torch/extension.h``;
-the CUDA stream is passed as an integer (``torch.cuda.current_stream().cuda_stream``).
+include only CUDA headers and the binding (``training/model/csrc/sleuth_kernels.cpp``) only
+``torch/extension.h``; the CUDA stream is passed as an integer (``torch.cuda.current_stream().cuda_stream``).
 """
 
 from __future__ import annotations
@@ -415,7 +415,8 @@ def policy_loss(
     impl: str | None = None,
     is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The masked actor loss; same signature, semantics and stats as :func:`training.algos.losses.policy_loss`.
+    """The masked actor loss; same signature, semantics and stats as
+    :func:`training.algos.losses.policy_loss`.
 
     The fused kernel runs the combinations it implements: the ``ppo_clip`` term (dual-clip included) with
     an aggregation and a KL estimator that have kernel ids (token-mean, seq-mean-token-sum,

@@ -1,1 +1,1 @@
-"""Rollouts: the worker, the asynchronous producer, fault reruns, the weight sync to the engine, the SFT oracle."""
+"""Rollouts: the worker, asynchronous rollouts, fault reruns, weight sync to the engine, the SFT oracle."""

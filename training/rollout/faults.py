@@ -1,8 +1,8 @@
 """Rollouts through infrastructure faults: a retrieval server or policy backend that goes away and comes back.
 
 An episode whose search or generation call failed ends with ``stop_reason == "error"``
-(:func:`agent.loop.episode.run_episode`); its tokens stop where the call failed and its reward is 0. Trained on,
-such an episode would teach the policy that the action it took just before the outage (usually a search)
+(:func:`agent.loop.episode.run_episode`); its tokens stop where the call failed and its reward is 0. Trained
+on, such an episode would teach the policy that the action it took just before the outage (usually a search)
 earns nothing. So the trainer's rollout goes through :func:`run_episodes_retrying`, which runs the failed
 episodes again (after a growing wait when the service was down: ``train.rollout_retry_waits``, by default
 :data:`RETRY_WAITS_S`; at once, and once only, when the failure was the request's own), and
@@ -42,20 +42,21 @@ def failed(traj: Trajectory) -> bool:
 
 def service_down(traj: Trajectory) -> bool:
     """Whether ``traj`` failed because a service as a whole was unavailable (``metadata["service_down"]``,
-    set by :func:`agent.loop.episode.run_episode` from :func:`agent.loop.scheduler.is_global`), so that a rerun after a
-    wait may succeed, rather than on a fault of its own request."""
+    set by :func:`agent.loop.episode.run_episode` from :func:`agent.loop.scheduler.is_global`), so that a
+    rerun after a wait may succeed, rather than on a fault of its own request."""
     return failed(traj) and bool(traj.metadata.get("service_down"))
 
 
 def run_episodes_retrying(examples: list[QAExample], llm: Any, retriever: Any, cfg: Any, *, n_samples: int = 1,
                           waits: Sequence[float] | None = None, **kw: Any) -> list[Trajectory]:
-    """:func:`agent.loop.batch.run_episodes` (same arguments and result: ``len(examples) * n_samples`` trajectories,
-    grouped by example, group id = example index), with the episodes that ended on an error run again, each
-    in its own place and group. While some failed because a service was down (:func:`service_down`), the
-    failed ones are rerun after each wait of ``waits`` in turn (default :data:`RETRY_WAITS_S`); when none did,
-    they are rerun once at once.
+    """:func:`agent.loop.batch.run_episodes` (same arguments and result: ``len(examples) * n_samples``
+    trajectories, grouped by example, group id = example index), with the episodes that ended on an error run
+    again, each in its own place and group. While some failed because a service was down
+    (:func:`service_down`), the failed ones are rerun after each wait of ``waits`` in turn (default
+    :data:`RETRY_WAITS_S`); when none did, they are rerun once at once.
     Each trajectory's ``metadata["failed_attempts"]`` counts its failed runs (the last one included, if it
-    still failed). Raises what :func:`agent.loop.batch.run_episodes` raises (a prompt that cannot be built)."""
+    still failed). Raises what :func:`agent.loop.batch.run_episodes` raises (a prompt that cannot be
+    built)."""
     trajs = run_episodes(examples, llm, retriever, cfg, n_samples=n_samples, **kw)
     for t in trajs:
         t.metadata["failed_attempts"] = int(failed(t))

@@ -2,10 +2,11 @@
 
 In the synchronous loop the rollout of step ``t+1`` waits for the update of step ``t`` and the update waits for
 the rollout. :class:`AsyncRollouts` runs the agent loop in a background thread (the generation itself in the
-rollout backend: a worker process, :class:`agent.backends.process.ProcessLLM`, or a vLLM engine), on the weights
-last pushed to it, one group (``train.group_size`` episodes of a question) at a time, many groups batched
-together by the agent's scheduler. The trainer takes a step's groups from it (:meth:`AsyncRollouts.take`) and
-publishes each new weight version after its push (:meth:`AsyncRollouts.publish`).
+rollout backend: a worker process, :class:`agent.backends.process.ProcessLLM`, or a vLLM engine), on the
+weights last pushed to it, one group (``train.group_size`` episodes of a question) at a time, many groups
+batched together by the agent's scheduler. The trainer takes a step's groups from it
+(:meth:`AsyncRollouts.take`) and publishes each new weight version after its push
+(:meth:`AsyncRollouts.publish`).
 
 Staleness. A group is labelled with the weight version it started with (the oldest weights its tokens may
 come from: a push between two of its turns refreshes the rest of it, and the log-probs of every token are

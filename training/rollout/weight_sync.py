@@ -66,9 +66,10 @@ def check_tensors(model: Any, state: dict[str, torch.Tensor], what: str = "the r
 
 def check_engine(llm: Any, model: Any, ids: list[int], tol: float) -> dict[str, float]:
     """Score the probe ``ids`` on the engine (``llm.probe_logprobs(ids)``) and with the trainer's ``model``
-    (:func:`agent.backends.hf.sequence_logprobs`); returns ``{"sync/probe_lp_diff_mean": ..., "sync/probe_lp_diff_max": ...}``
-    (nats). Raises :class:`WeightSyncError` naming the probe when the mean difference exceeds ``tol`` or the
-    engine returns another number of log-probs."""
+    (:func:`agent.backends.hf.sequence_logprobs`); returns
+    ``{"sync/probe_lp_diff_mean": ..., "sync/probe_lp_diff_max": ...}`` (nats). Raises
+    :class:`WeightSyncError` naming the probe when the mean difference exceeds ``tol`` or the engine returns
+    another number of log-probs."""
     got = [float(x) for x in llm.probe_logprobs(ids)]
     want = sequence_logprobs(model, ids)
     if len(got) != len(want):

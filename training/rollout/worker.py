@@ -66,9 +66,10 @@ class RolloutWorker:
 
     def episodes(self, questions: list[QAExample], n: int) -> list[Trajectory]:
         """``n`` episodes per question, grouped by question (group id = its index); episodes that failed on
-        a retrieval server or backend that went away are run again (:func:`training.rollout.faults.run_episodes_retrying`).
-        An external agent's episodes run over its proxy (:class:`agent.external.runner.ExternalRunner`, failed ones
-        run again there); one that a chat template split is several sequences of its group."""
+        a retrieval server or backend that went away are run again
+        (:func:`training.rollout.faults.run_episodes_retrying`). An external agent's episodes run over its
+        proxy (:class:`agent.external.runner.ExternalRunner`, failed ones run again there); one that a chat
+        template split is several sequences of its group."""
         if self.external is not None:
             return self.external.run_episodes(questions, n, self.judge)
         kw: dict[str, Any] = {"n_samples": n, "top_k": self.top_k, "waits": self.retry_waits}
