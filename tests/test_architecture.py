@@ -199,6 +199,14 @@ def test_imports_flow_one_way_through_the_layers():
     assert not found, "upward imports:\n" + "\n".join(found)
 
 
+def test_every_folder_of_modules_is_a_package():
+    """A folder of modules inside a package without ``__init__.py`` would be a namespace package: importable
+    here, but left out of a built wheel and of the layering checks' sub-packages."""
+    missing = sorted({_rel(p.parent) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
+                      if not (p.parent / "__init__.py").exists()})
+    assert not missing, f"folders of modules without __init__.py: {missing}"
+
+
 def test_no_import_circles_between_modules():
     """No module imports itself round a circle, however deep inside a function the import sits: a circle
     held open by an import inside a function or at the end of a file is still a circle."""
