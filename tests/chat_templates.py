@@ -2,8 +2,8 @@
 
 The templates, written here for the tiny test tokenizer (no download), with tools:
 
-* ``CHATML_TOOLS`` (the one the proxy uses for a tokenizer without a template, :mod:`agent.chat_template`):
-  Qwen2.5's shape: tools listed in the system turn, ``<|im_start|>role\\n...`` turns closed
+* ``CHATML_TOOLS`` (the one the proxy uses for a tokenizer without a template,
+  :mod:`agent.external.chat_template`): Qwen2.5's shape: tools listed in the system turn, ``<|im_start|>role\\n...`` turns closed
   by the EOS token, an assistant's ``tool_calls`` written as ``<tool_call>{"name", "arguments"}</tool_call>``
   after its content, consecutive tool results in one user turn inside ``<tool_response>``;
 * ``QWEN3_TOOLS``: the same with Qwen3's reasoning rule: an assistant message's ``<think>`` block is kept only

@@ -2,8 +2,8 @@
 
 External agents (LangGraph's ``create_react_agent`` with ``ChatOpenAI``, any code that speaks the OpenAI
 API) run unchanged against it, pointed at its base URL; the proxy renders each conversation with the policy's
-own chat template (Sleuth's ChatML one, :mod:`agent.chat_template`, for a tokenizer without one), samples
-through the project's backend interface (:class:`agent.llm.LLM`: transformers, vLLM or an OpenAI-compatible
+own chat template (Sleuth's ChatML one, :mod:`agent.external.chat_template`, for a tokenizer without one),
+samples through the project's backend interface (:class:`agent.llm.LLM`: transformers, vLLM or an OpenAI-compatible
 server, batched across concurrent calls by :class:`agent.loop.scheduler.Scheduler`) and keeps, per call, the
 exact prompt ids and the sampled ids with their log-probabilities (:mod:`agent.external.stitch`), grouped by
 episode. As in AReaL's, Agent Lightning's and ART's proxies, the episode of a call is named by the URL
