@@ -103,6 +103,28 @@ def test_flashrag_jsonl_keeps_metadata(tmp_path):
     assert ex.golden_answers == ["a", "b"] and ex.metadata["s_pop"] == 3 and ex.metadata.get("hops") is None
 
 
+def test_flashrag_2wiki_and_hotpotqa_metadata_give_hops_and_supporting_titles(tmp_path):
+    """FlashRAG's exports keep the source's question type and supporting facts in ``metadata``."""
+    recs = [{"id": f"d{i}", "question": "q?", "golden_answers": ["a"],
+             "metadata": {"type": t, "supporting_facts": {"title": ["X", "Y", "X"], "sent_id": [0, 2, 1]}}}
+            for i, t in enumerate(["bridge_comparison", "comparison", "other"])]
+    path = _jsonl(tmp_path / "dev.jsonl", recs)
+    ex = read_qa(path, dataset="2wikimultihopqa")
+    assert [e.metadata.get("hops") for e in ex] == [4, 2, None] and ex[0].metadata["supporting_titles"] == ["X", "Y"]
+    assert [e.metadata.get("hops") for e in read_qa(path, dataset="hotpotqa", hops=2)] == [2, 2, 2]
+
+
+def test_source_ids_make_merged_search_r1_ids_unique(tmp_path):
+    """Search-R1's merged files number every source from 0: with ``source_ids`` the id carries the source."""
+    recs = [{"id": "train_0", "question": f"{s}?", "golden_answers": ["a"], "data_source": s} for s in ("nq", "hotpotqa")]
+    path = _jsonl(tmp_path / "train.jsonl", recs)
+    with pytest.raises(DataFormatError, match="duplicate question id 'train_0'"):
+        read_qa(path)
+    ex = read_qa(path, source_ids=True)
+    assert [(e.id, e.metadata["dataset"], e.metadata["data_source"]) for e in ex] == [
+        ("nq_train_0", "nq", "nq"), ("hotpotqa_train_0", "hotpotqa", "hotpotqa")]
+
+
 def test_official_hotpotqa_json(tmp_path):
     p = tmp_path / "hotpot_dev_distractor_v1.json"
     p.write_text(json.dumps(HOTPOT_OFFICIAL))
