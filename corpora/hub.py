@@ -199,6 +199,9 @@ def _call(fn: Callable, where: str, url: str, partial: Path | None = None, size:
         raise HubOfflineError(f"{where}: HF_HUB_OFFLINE=1 forbids downloading it; unset it") from None
     except (HfHubHTTPError, httpx2.HTTPError) as e:
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, httpx2.TransportError):  # no answer at all: DNS, refused connection, timeout
+            raise HubError(f"{where}: cannot reach {urlparse(url).netloc} ({detail}); check the connection, "
+                           f"or HF_ENDPOINT{kept()}") from None
         raise HubError(f"{where}: download failed ({detail}){kept()}") from None
     except OSError as e:  # http_get's size check: the bytes received do not make up the file
         if partial is None:

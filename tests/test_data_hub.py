@@ -192,6 +192,19 @@ def test_a_missing_revision_says_how_to_pick_another(hub):
     assert get("bamboogle", revision="main", log=lambda s: None)["fetched"]
 
 
+def test_an_unreachable_hub_is_named(hub, tmp_path, monkeypatch):
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    with pytest.raises(HubError, match=rf"bamboogle: .*: cannot reach 127\.0\.0\.1:{port} \(.*\); check the "
+                       "connection, or HF_ENDPOINT"):
+        get("bamboogle", log=lambda s: None)
+    assert _files(tmp_path / "data") == []
+
+
 def test_offline_a_missing_set_is_a_clear_error_and_a_fetched_one_works(hub, tmp_path, monkeypatch):
     from huggingface_hub import constants
 
