@@ -71,6 +71,7 @@ class DataSet:
 
     @property
     def revision(self) -> str:
+        """The revision ``sleuth data get`` reads ``repo`` at (:data:`REVISIONS`)."""
         return REVISIONS[self.repo]
 
 

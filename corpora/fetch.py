@@ -51,7 +51,7 @@ def get(name: str, data_dir: str | Path | None = None, *, revision: str | None =
     got = []
     for f, raw in zip(ds.files, raws):
         log(f"{ds.name}: {f} from {ds.repo} at {rev}")
-        got.append(fetch(ds.repo, f, rev, raw, label=ds.name))
+        got.append(fetch(ds.repo, f, rev, raw, label=ds.name, force=force))
         if got[-1].resumed_from:
             log(f"  resumed after {got[-1].resumed_from:,} bytes")
     outs = [root / o for o in ds.outputs]
@@ -95,6 +95,7 @@ def convert_qa(raws: list[Path], outs: list[Path], log: Callable[[str], None],
 
 
 def convert_search_r1(raws: list[Path], outs: list[Path], log: Callable[[str], None]) -> dict:
+    """Search-R1's parquet files as QA JSONL, each id prefixed with its source (``nq_0``, ``hotpotqa_0``)."""
     return convert_qa(raws, outs, log, source_ids=True)
 
 

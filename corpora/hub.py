@@ -99,9 +99,9 @@ def partial_files(dest: Path) -> list[Path]:
 
 
 def fetch(repo: str, filename: str, revision: str, dest: str | Path, *, sha256: str | None = None,
-          repo_type: str = "dataset", label: str | None = None) -> Fetched:
+          repo_type: str = "dataset", label: str | None = None, force: bool = False) -> Fetched:
     """Download ``filename`` of the hub repository ``repo`` at ``revision`` (a commit, tag or branch) to
-    ``dest``, or reuse ``dest`` when an earlier call downloaded the same content there.
+    ``dest``, or reuse ``dest`` when an earlier call downloaded the same content there (unless ``force``).
 
     Resumes a partial file an interrupted run kept (an HTTP ``Range`` request). ``sha256`` pins the content
     (checked besides the hub's hash). ``label`` (a dataset name) starts every error message. Raises
@@ -124,7 +124,8 @@ def fetch(repo: str, filename: str, revision: str, dest: str | Path, *, sha256: 
                        "HF_ENDPOINT does not point at a Hugging Face Hub")
     etag = meta.etag.lower()
     known = _read_record(dest)
-    if dest.is_file() and known is not None and (known["etag"], known["size"]) == (etag, dest.stat().st_size):
+    if not force and dest.is_file() and known is not None and (known["etag"], known["size"]) == (
+            etag, dest.stat().st_size):
         return Fetched(**{**known, "downloaded": 0, "resumed_from": 0})
     partial = dest.with_name(f"{dest.name}.{etag[:16]}.incomplete")
     for stale in partial_files(dest):  # bytes of another version of the file are no start for this one

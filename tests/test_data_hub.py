@@ -110,6 +110,7 @@ def test_benchmarks_are_fetched_converted_and_recorded(hub, tmp_path):
     n = len(hub.requests)
     again = get("nq", log=lambda s: None)  # present: no request at all
     assert not again["fetched"] and len(hub.requests) == n and again["commit"] == COMMIT
+    assert get("nq", force=True, log=lambda s: None)["fetched"] and len(hub.byte_requests()) == 4  # anew
 
 
 def test_an_interrupted_download_resumes_where_it_stopped(hub, tmp_path, monkeypatch):
