@@ -4,15 +4,15 @@ deduplicated by (title, text), optionally chunked into passages of at most ``chu
 Readable inputs (auto-detected per line, streamed, never loaded whole):
 
 * IRCoT-processed files (HotpotQA, 2WikiMultihopQA, MuSiQue): ``contexts[] = {title, paragraph_text,
-  is_supporting}``, e.g. ``../shared/data/hotpotqa/dev_400_with_contexts.ircot.jsonl``;
+  is_supporting}``, e.g. IRCoT's HotpotQA dev file ``dev_400_with_contexts.ircot.jsonl``;
 * raw HotpotQA / 2WikiMultihopQA: ``context = [[title, [sentence, ...]], ...]`` (+ ``supporting_facts``), as
   JSONL or as their releases' one JSON array (``hotpot_dev_distractor_v1.json``, 2Wiki's ``dev.json``);
 * raw MuSiQue: ``paragraphs[] = {title, paragraph_text, is_supporting}``;
 * a corpus JSONL (``{id, contents}`` or ``{id, title, text}``), to deduplicate or chunk it.
 
-The Search-R1-format files in ``../shared/data`` (``*.searchr1.jsonl`` / ``.parquet``: 2WikiMultihopQA,
-MuSiQue, NQ, ...) carry questions and answers only, no paragraphs; there is nothing to pool in them and
-:func:`pool_corpus` says so. On these machines only HotpotQA has paragraphs.
+Search-R1-format files (``*.searchr1.jsonl`` / ``.parquet``: 2WikiMultihopQA, MuSiQue, NQ, ...) and the
+benchmarks ``sleuth data get`` fetches carry questions and answers only, no paragraphs; there is nothing to
+pool in them and :func:`pool_corpus` says so.
 
 Malformed input raises :class:`~corpora.formats.DataFormatError` naming the file and line.
 """

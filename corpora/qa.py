@@ -19,8 +19,9 @@ Formats (detected from the file suffix and the first record's fields, or forced 
 
 ``metadata["hops"]`` is set where derivable (HotpotQA 2; MuSiQue from the official id prefix ``2hop__`` /
 ``3hop1__`` or the number of decomposition steps; 2Wiki from its question type) and
-``metadata["supporting_titles"]`` where the source has them. Golden answers that are ``null`` or blank are
-left out (as an answer, ``"None"`` or ``""`` would reward answering that). A malformed record raises
+``metadata["supporting_titles"]`` where the source has them (FlashRAG's ``metadata.supporting_facts.title``
+included). Golden answers that are ``null`` or blank are left out (as an answer, ``"None"`` or ``""`` would
+reward answering that). A malformed record raises
 :class:`corpora.formats.DataFormatError` naming the file, line (or row) and field.
 """
 
@@ -143,9 +144,12 @@ def _from_flashrag(rec: dict[str, Any], ctx: _Ctx) -> QAExample:
     meta = rec.get("metadata") or {}
     if not isinstance(meta, dict):
         raise ctx.fail("field 'metadata' must be a JSON object")
-    return QAExample(
-        id=ctx.text(rec, "id"), question=ctx.text(rec, "question"), golden_answers=answers, metadata=dict(meta)
-    )
+    meta = dict(meta)
+    facts = meta.get("supporting_facts")  # FlashRAG's HotpotQA / 2Wiki: {"title": [...], "sent_id": [...]}
+    if isinstance(facts, dict) and isinstance(facts.get("title"), list) and "supporting_titles" not in meta:
+        meta["supporting_titles"] = list(dict.fromkeys(str(t) for t in facts["title"]))
+    return QAExample(id=ctx.text(rec, "id"), question=ctx.text(rec, "question"), golden_answers=answers,
+                     metadata=meta)
 
 
 def _supporting_titles(rec: dict[str, Any], ctx: _Ctx) -> list[str]:
@@ -224,12 +228,16 @@ def read_qa(
     dataset: str | None = None,
     split: str | None = None,
     hops: int | None = None,
+    source_ids: bool = False,
 ) -> list[QAExample]:
     """Read every question of a QA file in any supported format (see the module docstring).
 
     ``dataset`` names the source (stored as ``metadata["dataset"]``; ``"musique"`` also derives the hops of
     any record from a MuSiQue id prefix, ``2hop__...``); ``hops`` sets the hop count of questions that still
-    have none. The official HotpotQA, 2Wiki and MuSiQue formats derive hops whatever ``dataset`` is.
+    have none. The official HotpotQA, 2Wiki and MuSiQue formats derive hops whatever ``dataset`` is; with
+    ``dataset="2wikimultihopqa"`` a record whose ``metadata.type`` is a 2Wiki question type (FlashRAG's export)
+    gets that type's hops. ``source_ids`` prefixes each id with the record's ``data_source`` (``nq_0``) and
+    records the source as its dataset: Search-R1's merged files number every source from 0, so bare ids repeat.
     Unanswerable MuSiQue questions (``"answerable": false``) are skipped, and their number is logged as a
     warning naming the file. Raises ``FileNotFoundError``, ``ValueError`` for an unknown ``fmt``, and
     :class:`DataFormatError` naming the file, line and field of a malformed record, or a duplicated question id.
@@ -260,6 +268,11 @@ def read_qa(
         if ex is None:
             skipped += 1
             continue
+        if source_ids and nonblank_text(rec.get("data_source")):
+            source = nonblank_text(rec["data_source"])
+            ex.id = f"{source}_{ex.id}"
+            ex.metadata.setdefault("data_source", source)
+            ex.metadata.setdefault("dataset", source)
         if not ex.question.strip():  # e.g. a Search-R1 prompt whose "Question:" line is blank
             raise ctx.fail("empty question")
         if ex.id in seen:
@@ -269,6 +282,8 @@ def read_qa(
             ex.metadata.setdefault("dataset", dataset)
         if ex.metadata.get("hops") is None:
             derived = musique_hops(ex.id) if dataset == "musique" else None
+            if dataset == "2wikimultihopqa" and f == "flashrag":
+                derived = TWOWIKI_HOPS.get(str(ex.metadata.get("type")))
             if derived is not None or hops is not None:  # (no "hops": None key where nothing is known)
                 ex.metadata["hops"] = derived if derived is not None else hops
         out.append(ex)

@@ -69,7 +69,7 @@ def prepare_hotpotqa_sample(
     return {"passages": len(passages), "train": len(train), "test": len(test)}
 
 
-if __name__ == "__main__":  # python -m corpora.sample ../shared/data/hotpotqa/dev_400_with_contexts.ircot.jsonl
+if __name__ == "__main__":  # python -m corpora.sample path/to/dev_400_with_contexts.ircot.jsonl
     import sys
 
     print(prepare_hotpotqa_sample(sys.argv[1], SAMPLE_DIR))

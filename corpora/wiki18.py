@@ -3,8 +3,10 @@
 wiki-18 (the December 2018 Wikipedia dump split into 100-word passages by DPR, Karpukhin et al. 2020; shipped
 by Search-R1 as ``wiki-18.jsonl.gz`` in the ``PeterJinGo/wiki-18-corpus`` dataset) has 21,015,324 lines of
 ``{"id": "0", "contents": "\\"Title\\"\\ntext"}``: the title in quotes on the first line of ``contents``.
-:func:`convert_wiki18` streams it (plain or gzip) into ``{"id", "title", "contents"}`` lines, ``contents``
-unchanged (Search-R1's retrieval server and Sleuth's both show ``contents``), the title unquoted beside it,
+Despite its name, the published ``wiki-18.jsonl.gz`` is a gzipped tar archive whose one member is the JSONL
+(``.../wiki_dpr_100w/wiki_dump.jsonl``, 14,393,573,105 bytes), so ``gzip -d`` alone leaves a tar file.
+:func:`convert_wiki18` streams it (plain, gzip, or such an archive) into ``{"id", "title", "contents"}`` lines,
+``contents`` unchanged (Search-R1's retrieval server and Sleuth's both show ``contents``), the title unquoted beside it,
 ids kept: row ``i`` of the output is row ``i`` of the input, so a dense index built by Search-R1 over the same
 file (``e5_Flat.index``, searched by row number) lines up with it.
 """
@@ -13,8 +15,11 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Callable
+import tarfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 from corpora.formats import DataFormatError, Passage, iter_json_objects, passage_field
 
@@ -33,9 +38,28 @@ def wiki18_passage(obj: dict, path: str | Path, lineno: int) -> Passage:
     return Passage(id=pid, title=title, contents=contents)
 
 
+@contextmanager
+def _open_passages(src: Path) -> Iterator[IO[bytes]]:
+    """The JSONL bytes of ``src``: the file, its gzip content, or the first ``.jsonl`` member of a tar archive
+    (gzipped or not), streamed."""
+    if not tarfile.is_tarfile(src):
+        with (gzip.open(src, "rb") if src.suffix == ".gz" else open(src, "rb")) as f:
+            yield f
+        return
+    with tarfile.open(src, "r|*") as tar:
+        for member in tar:
+            if member.isfile() and member.name.endswith(".jsonl"):
+                f = tar.extractfile(member)
+                assert f is not None  # a regular member has a file object
+                yield f
+                return
+    raise DataFormatError(f"{src}: a tar archive without a .jsonl member")
+
+
 def convert_wiki18(src: str | Path, out: str | Path, limit: int | None = None,
                    progress: Callable[[int], None] | None = None) -> dict[str, int | bool]:
-    """Stream the wiki-18 JSONL ``src`` (``.gz`` read as gzip) into the corpus JSONL ``out``, written to a
+    """Stream the wiki-18 JSONL ``src`` (``.gz`` read as gzip; a tar archive, gzipped or not, as its ``.jsonl``
+    member) into the corpus JSONL ``out``, written to a
     temporary file and renamed when complete, so an interrupted run leaves no partial corpus.
 
     ``limit`` keeps the first ``limit`` passages (a trial corpus); ``progress(n)`` is called every 1M passages.
@@ -56,8 +80,7 @@ def convert_wiki18(src: str | Path, out: str | Path, limit: int | None = None,
     n = untitled = 0
     rows = True
     try:
-        with (gzip.open(src, "rb") if src.suffix == ".gz" else open(src, "rb")) as f, \
-                open(tmp, "w", encoding="utf-8") as w:
+        with _open_passages(src) as f, open(tmp, "w", encoding="utf-8") as w:
             for lineno, obj in iter_json_objects(f, src):
                 if "contents" not in obj and {"question", "golden_answers"} & obj.keys():
                     raise DataFormatError(f"{src}:{lineno}: a QA record, not a wiki-18 passage "

@@ -1,11 +1,12 @@
 """The seven QA benchmarks of search-agent papers: where their files are, and how many questions of each.
 
 Benchmarks (Search-R1, Jin et al. 2025, Table 2; FlashRAG, Jin et al. 2024): general QA NQ, TriviaQA,
-PopQA; multi-hop QA HotpotQA, 2WikiMultihopQA, MuSiQue, Bamboogle. :data:`REGISTRY` maps each name to a file
-and split under a data directory (default ``../shared/data`` relative to the project root, overridden by
-the ``SLEUTH_DATA_DIR`` environment variable or an explicit ``data_dir``); ``sample`` is the shipped
-HotpotQA test sample (``corpora/sample/test.jsonl``), whose questions carry corpus ids of their supporting
-paragraphs.
+PopQA; multi-hop QA HotpotQA, 2WikiMultihopQA, MuSiQue, Bamboogle. :data:`REGISTRY` maps each name to its
+split and to the file ``sleuth data get NAME`` writes under the data directory (:mod:`corpora.catalog`: an
+explicit ``data_dir``, else ``$SLEUTH_DATA_DIR``, else ``sleuth/data`` under the user's cache directory), or
+another export of it found there (Search-R1's ``*.searchr1.jsonl``, FlashRAG's subsamples); a missing one's
+error names the ``sleuth data get`` command that fetches it. ``sample`` is the shipped HotpotQA test sample
+(``corpora/sample/test.jsonl``), whose questions carry corpus ids of their supporting paragraphs.
 
 The files are read by :func:`corpora.qa.read_qa`, which reads every format they ship in.
 
@@ -26,12 +27,13 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from corpora import catalog
+from corpora.catalog import resolve_data_dir
 from corpora.formats import QAExample
 from corpora.qa import read_qa
 
 log = logging.getLogger(__name__)
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA_DIR = PROJECT_ROOT.parent / "shared" / "data"
 SAMPLE_TEST = PROJECT_ROOT / "corpora" / "sample" / "test.jsonl"
 
 
@@ -39,10 +41,25 @@ class UnknownBenchmarkError(ValueError):
     """A benchmark name is not in the registry; the message lists the known names."""
 
 
+class MissingBenchmarkError(FileNotFoundError):
+    """Benchmarks absent from the data dir; the message names the data dir and the ``sleuth data get`` command
+    that fetches them. ``names``: the missing benchmarks."""
+
+    def __init__(self, names: list[str], data_dir: Path):
+        self.names = names
+        files = ", ".join(catalog.DATASETS[n].outputs[0] for n in names)
+        s, them = ("s", "them") if len(names) > 1 else ("", "it")
+        super().__init__(
+            f"benchmark{s} {', '.join(names)} not found in the data dir {data_dir} (looked for {files}); fetch "
+            f"{them} with `{catalog.get_command(names)}`, or point SLEUTH_DATA_DIR (or --data-dir) at a folder "
+            f"holding {them}")
+
+
 @dataclass(frozen=True)
 class Benchmark:
-    """One registry entry: ``path`` is relative to the data dir (absolute for ``sample``); ``hops`` is the
-    fixed hop count of every question when the dataset has one (else derived per question or ``None``)."""
+    """One registry entry: ``path`` is relative to the data dir (the file ``sleuth data get`` writes; absolute
+    for ``sample``); ``hops`` is the fixed hop count of every question when the dataset has one (else derived
+    per question or ``None``)."""
 
     name: str
     path: str
@@ -52,16 +69,20 @@ class Benchmark:
     fmt: str = "auto"
 
 
+def _fetched(name: str) -> str:
+    return catalog.DATASETS[name].outputs[0]
+
+
 REGISTRY: dict[str, Benchmark] = {
     b.name: b
     for b in [
-        Benchmark("nq", "nq/test.searchr1.jsonl", "test", multihop=False),
-        Benchmark("triviaqa", "triviaqa/test_subsample.jsonl", "test", multihop=False),
-        Benchmark("popqa", "popqa/test_subsample.jsonl", "test", multihop=False),
-        Benchmark("hotpotqa", "hotpotqa/dev.searchr1.jsonl", "dev", multihop=True, hops=2),
-        Benchmark("2wikimultihopqa", "2wikimultihopqa/dev.searchr1.parquet", "dev", multihop=True),
-        Benchmark("musique", "musique/dev.searchr1.jsonl", "dev", multihop=True),
-        Benchmark("bamboogle", "bamboogle/test.searchr1.jsonl", "test", multihop=True, hops=2),
+        Benchmark("nq", _fetched("nq"), "test", multihop=False),
+        Benchmark("triviaqa", _fetched("triviaqa"), "test", multihop=False),
+        Benchmark("popqa", _fetched("popqa"), "test", multihop=False),
+        Benchmark("hotpotqa", _fetched("hotpotqa"), "dev", multihop=True, hops=2),
+        Benchmark("2wikimultihopqa", _fetched("2wikimultihopqa"), "dev", multihop=True),
+        Benchmark("musique", _fetched("musique"), "dev", multihop=True),
+        Benchmark("bamboogle", _fetched("bamboogle"), "test", multihop=True, hops=2),
         Benchmark("sample", str(SAMPLE_TEST), "test", multihop=True, hops=2, fmt="flashrag"),
     ]
 }
@@ -72,14 +93,6 @@ ALL = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bam
 def known_benchmarks() -> list[str]:
     """Registry names, then ``all`` (the seven benchmarks) and aliases."""
     return [*REGISTRY, "all", *ALIASES]
-
-
-def resolve_data_dir(data_dir: str | Path | None = None) -> Path:
-    """``data_dir`` if given, else ``$SLEUTH_DATA_DIR``, else ``<project root>/../shared/data``."""
-    if data_dir is not None:
-        return Path(data_dir)
-    env = os.environ.get("SLEUTH_DATA_DIR")
-    return Path(env) if env else DEFAULT_DATA_DIR
 
 
 def get_benchmark(name: str) -> Benchmark:
@@ -116,18 +129,22 @@ def _is_file_name(name: str) -> bool:
 
 
 def benchmark_path(name: str, data_dir: str | Path | None = None) -> Path:
-    """The file a registry name (or alias) reads."""
+    """The file a registry name (or alias) reads: the one found in the data dir (what ``sleuth data get``
+    wrote, else another export of the set), else the one ``sleuth data get`` would write."""
     b = get_benchmark(name)
     p = Path(b.path)
-    return p if p.is_absolute() else resolve_data_dir(data_dir) / p
+    if p.is_absolute():
+        return p
+    return catalog.readable_file(b.name, data_dir) or resolve_data_dir(data_dir) / p
 
 
 def locate_benchmark(name: str, data_dir: str | Path | None = None) -> tuple[Path, Benchmark | None]:
     """The existing QA file of a registry name (or alias), or of a path, and its registry entry (``None`` for
     a path); cheap, so callers can check every benchmark before loading anything.
 
-    Raises :class:`UnknownBenchmarkError` (lists the known names) and ``FileNotFoundError`` (says where the
-    data dir is and how to change it).
+    Raises :class:`UnknownBenchmarkError` (lists the known names), :class:`MissingBenchmarkError` (a
+    ``FileNotFoundError`` naming the data dir and the ``sleuth data get`` command) and ``FileNotFoundError``
+    for a missing QA file given by path.
     """
     if _is_file_name(name):
         path = Path(name)
@@ -137,11 +154,22 @@ def locate_benchmark(name: str, data_dir: str | Path | None = None) -> tuple[Pat
     b = get_benchmark(name)
     path = benchmark_path(name, data_dir)
     if not path.exists():
-        raise FileNotFoundError(
-            f"benchmark {b.name!r}: file not found: {path} (data dir {resolve_data_dir(data_dir)}; set "
-            "SLEUTH_DATA_DIR or --data-dir to the folder holding the benchmark files)"
-        )
+        raise MissingBenchmarkError([b.name], resolve_data_dir(data_dir))
     return path, b
+
+
+def locate_benchmarks(names: list[str], data_dir: str | Path | None = None) -> None:
+    """Check that every benchmark (or QA file) of ``names`` exists. Raises :class:`MissingBenchmarkError`
+    naming all the missing benchmarks and the one command that fetches them, else the first error of
+    :func:`locate_benchmark`."""
+    missing = []
+    for name in names:
+        try:
+            locate_benchmark(name, data_dir)
+        except MissingBenchmarkError as e:
+            missing += e.names
+    if missing:
+        raise MissingBenchmarkError(missing, resolve_data_dir(data_dir))
 
 
 def load_benchmark(
@@ -149,8 +177,9 @@ def load_benchmark(
 ) -> list[QAExample]:
     """Load a benchmark by registry name (or a QA file by path), optionally sub-sampled (:func:`subsample`).
 
-    Raises :class:`UnknownBenchmarkError` (lists the known names), ``FileNotFoundError`` (says where the
-    data dir is and how to change it) and :class:`DataFormatError` (file, line, field).
+    Raises :class:`UnknownBenchmarkError` (lists the known names), ``FileNotFoundError``
+    (:class:`MissingBenchmarkError` names the command that fetches a benchmark) and :class:`DataFormatError`
+    (file, line, field).
     """
     path, b = locate_benchmark(name, data_dir)
     examples = read_qa(

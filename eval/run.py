@@ -41,7 +41,7 @@ from eval.datasets import (
     benchmark_path,
     expand_benchmarks,
     load_benchmark,
-    locate_benchmark,
+    locate_benchmarks,
 )
 from eval.methods import Method, get_method, make_method
 from eval.metrics import aggregate, exact_match, f1_score, judge_score
@@ -266,7 +266,8 @@ def run_benchmarks(
         out_dir: the run directory; predictions go to ``out_dir/<method>-<fingerprint>/``.
         llm: an :class:`agent.llm.LLM` backend; retriever: a :class:`retrieval.base.Retriever` (may be
             ``None`` for ``direct``); agent_cfg: a :class:`agent.config.AgentConfig`.
-        data_dir: root of the benchmark files (default ``$SLEUTH_DATA_DIR`` or ``../shared/data``).
+        data_dir: root of the benchmark files (default ``$SLEUTH_DATA_DIR``, else the folder ``sleuth data get``
+            fills: :func:`corpora.catalog.resolve_data_dir`).
         top_k, temperature: passages per search and decoding temperature (0 = greedy).
         method_options: more method keywords (``max_steps``, ``max_docs`` for IRCoT).
         run_episodes: the agent loop to use for ``agent`` (default :func:`agent.loop.batch.run_episodes`).
@@ -402,13 +403,13 @@ def _shown_path(path: Path, data_dir: str | Path | None) -> str:
 def check_targets(targets: list[str], method: str, data_dir: str | Path | None, limit: int | None,
                   seed: int) -> None:
     """Raise the error :func:`run_benchmarks` would, before an index or a model is loaded: an unknown
-    benchmark or method (``ValueError`` listing the known ones), a missing file (``FileNotFoundError``) or a
+    benchmark or method (``ValueError`` listing the known ones), a missing file (``FileNotFoundError``; for
+    benchmarks, all the missing ones and the ``sleuth data get`` command that fetches them) or a
     malformed question (``DataFormatError`` naming file, line and field; every file is read, which takes
     well under a second for the seven benchmarks)."""
     get_method(method)
     names = expand_benchmarks(targets)
-    for name in names:  # every missing file is named before any is read
-        locate_benchmark(name, data_dir)
+    locate_benchmarks(names, data_dir)  # every missing benchmark is named (with its fetch command) first
     for name in names:
         load_benchmark(name, data_dir, limit, seed)
 

@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "simulator-data": "simulator_data",
     "serve": "serve",
     "dashboard": "dashboard",
+    "data": "data",
 }
 
 
@@ -41,10 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command != "data":  # models and data load from disk; `sleuth data get` is the one that downloads
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # argparse fills a positional list once: KEY=VALUE overrides given after an option come back as extras
     overrides = [x for x in extra if "=" in x and not x.startswith("-")]
     if extra and (len(overrides) < len(extra) or not hasattr(args, "overrides")):

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The development machines keep a mirror of the real benchmark files beside the checkout: the tests that read
+# real data (SLEUTH_DATA_DIR) use it when it is there and nothing else names a data dir; elsewhere they read
+# what `sleuth data get` fetched into the user's cache, and skip the checks that need the real files.
+_MIRROR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+if not os.environ.get("SLEUTH_DATA_DIR") and _MIRROR.is_dir():
+    os.environ["SLEUTH_DATA_DIR"] = str(_MIRROR)
 
 import pytest
 

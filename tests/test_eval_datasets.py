@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from corpora.catalog import readable_file
 from corpora.formats import DataFormatError, QAExample
 from corpora.qa import detect_format, musique_hops, read_qa
 from eval.datasets import (
@@ -101,6 +102,28 @@ def test_flashrag_jsonl_keeps_metadata(tmp_path):
     recs = [{"id": "test_1", "question": "q?", "golden_answers": ["a", "b"], "metadata": {"s_pop": 3}}]
     (ex,) = read_qa(_jsonl(tmp_path / "p.jsonl", recs), dataset="popqa")
     assert ex.golden_answers == ["a", "b"] and ex.metadata["s_pop"] == 3 and ex.metadata.get("hops") is None
+
+
+def test_flashrag_2wiki_and_hotpotqa_metadata_give_hops_and_supporting_titles(tmp_path):
+    """FlashRAG's exports keep the source's question type and supporting facts in ``metadata``."""
+    recs = [{"id": f"d{i}", "question": "q?", "golden_answers": ["a"],
+             "metadata": {"type": t, "supporting_facts": {"title": ["X", "Y", "X"], "sent_id": [0, 2, 1]}}}
+            for i, t in enumerate(["bridge_comparison", "comparison", "other"])]
+    path = _jsonl(tmp_path / "dev.jsonl", recs)
+    ex = read_qa(path, dataset="2wikimultihopqa")
+    assert [e.metadata.get("hops") for e in ex] == [4, 2, None] and ex[0].metadata["supporting_titles"] == ["X", "Y"]
+    assert [e.metadata.get("hops") for e in read_qa(path, dataset="hotpotqa", hops=2)] == [2, 2, 2]
+
+
+def test_source_ids_make_merged_search_r1_ids_unique(tmp_path):
+    """Search-R1's merged files number every source from 0: with ``source_ids`` the id carries the source."""
+    recs = [{"id": "train_0", "question": f"{s}?", "golden_answers": ["a"], "data_source": s} for s in ("nq", "hotpotqa")]
+    path = _jsonl(tmp_path / "train.jsonl", recs)
+    with pytest.raises(DataFormatError, match="duplicate question id 'train_0'"):
+        read_qa(path)
+    ex = read_qa(path, source_ids=True)
+    assert [(e.id, e.metadata["dataset"], e.metadata["data_source"]) for e in ex] == [
+        ("nq_train_0", "nq", "nq"), ("hotpotqa_train_0", "hotpotqa", "hotpotqa")]
 
 
 def test_official_hotpotqa_json(tmp_path):
@@ -251,7 +274,8 @@ def test_expand_benchmarks():
 
 def test_data_dir_resolution(tmp_path, monkeypatch):
     monkeypatch.delenv("SLEUTH_DATA_DIR", raising=False)
-    assert resolve_data_dir().name == "data" and resolve_data_dir().parent.name == "shared"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert resolve_data_dir() == tmp_path / "cache" / "sleuth" / "data"  # where `sleuth data get` writes
     monkeypatch.setenv("SLEUTH_DATA_DIR", str(tmp_path))
     assert resolve_data_dir() == tmp_path
     assert resolve_data_dir("/x") == Path("/x")
@@ -260,8 +284,11 @@ def test_data_dir_resolution(tmp_path, monkeypatch):
     _jsonl(tmp_path / "bamboogle" / "test.searchr1.jsonl", SEARCHR1)
     ex = load_benchmark("bamboogle")
     assert len(ex) == 2 and all(e.metadata["hops"] == 2 and e.metadata["dataset"] == "bamboogle" for e in ex)
-    with pytest.raises(FileNotFoundError, match="SLEUTH_DATA_DIR"):
+    with pytest.raises(FileNotFoundError, match="SLEUTH_DATA_DIR") as e:
         load_benchmark("nq")
+    assert "fetch it with `sleuth data get nq`" in str(e.value) and f"data dir {tmp_path} " in str(e.value)
+    _jsonl(tmp_path / "bamboogle" / "test.jsonl", [{"id": "b0", "question": "Who?", "golden_answers": ["Me"]}])
+    assert [e.id for e in load_benchmark("bamboogle")] == ["b0"]  # what `sleuth data get` wrote comes first
 
 
 def test_sample_benchmark_is_shipped():
@@ -282,7 +309,9 @@ def test_subsample_deterministic_nested_ordered():
         subsample(ex, 0)
 
 
-@pytest.mark.skipif(not (resolve_data_dir() / "hotpotqa").exists(), reason="shared benchmark data not present")
+@pytest.mark.skipif(not all(readable_file(n) for n in ALL),
+                    reason="the real benchmark files are absent: no mirror beside the checkout and none fetched "
+                    "(SLEUTH_DATA_DIR, `sleuth data get benchmarks`)")
 def test_real_benchmarks_load_with_limit():
     for name in ALL:
         ex = load_benchmark(name, limit=5, seed=0)

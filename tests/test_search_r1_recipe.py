@@ -52,11 +52,22 @@ def test_recipe_runs_two_steps_on_cpu_with_a_tiny_stand_in(config, group, tiny_p
     assert (run / "checkpoints" / "step_000002").is_dir()
 
 
-def _wiki18(path: Path, records: list[dict]) -> Path:
+def _wiki18(path: Path, records: list[dict], tar: bool = False) -> Path:
+    """wiki-18 as JSONL, gzipped (``.gz``), or with ``tar`` as published: a tar archive (gzipped for ``.gz``)
+    whose JSONL member follows another member."""
     import gzip
+    import io
+    import tarfile
 
     text = "".join(json.dumps(r) + "\n" for r in records)
-    if path.suffix == ".gz":
+    if tar:
+        with tarfile.open(path, "w:gz" if path.suffix == ".gz" else "w") as t:
+            for name, body in (("data00/README", b"no passages"), ("data00/wiki_dpr_100w/wiki_dump.jsonl",
+                                                                     text.encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(body)
+                t.addfile(info, io.BytesIO(body))
+    elif path.suffix == ".gz":
         with gzip.open(path, "wt", encoding="utf-8") as f:
             f.write(text)
     else:
@@ -69,12 +80,14 @@ WIKI = [{"id": "0", "contents": '"Aaron"\nAaron is a prophet in the Abrahamic re
         {"id": "2", "contents": "a passage without a title line"}]
 
 
-@pytest.mark.parametrize("name", ["wiki-18.jsonl", "wiki-18.jsonl.gz"])
-def test_wiki18_converts_as_it_is_with_the_title_beside(tmp_path, name, capsys):
+@pytest.mark.parametrize("name,tar", [("wiki-18.jsonl", False), ("wiki-18.jsonl.gz", False),
+                                      ("wiki-18.jsonl.gz", True), ("wiki-18.tar", True)])
+def test_wiki18_converts_as_it_is_with_the_title_beside(tmp_path, name, tar, capsys):
+    """Plain, gzipped, and as published (a gzipped tar holding the JSONL, named wiki-18.jsonl.gz)."""
     from corpora.formats import read_corpus
     from sleuth.cli import main
 
-    src = _wiki18(tmp_path / name, WIKI)
+    src = _wiki18(tmp_path / name, WIKI, tar)
     assert main(["corpus", "--wiki18", str(src), "--out", str(tmp_path / "c.jsonl")]) == 0
     got = read_corpus(tmp_path / "c.jsonl")
     assert [(p.id, p.title) for p in got] == [("0", "Aaron"), ("1", 'Ab "Cd"'), ("2", WIKI[2]["contents"])]
@@ -87,6 +100,8 @@ def test_wiki18_converts_as_it_is_with_the_title_beside(tmp_path, name, capsys):
 
 
 def test_wiki18_bad_record_names_its_line_and_leaves_the_output_alone(tmp_path):
+    import tarfile
+
     from corpora.formats import DataFormatError
     from corpora.wiki18 import convert_wiki18
 
@@ -98,6 +113,11 @@ def test_wiki18_bad_record_names_its_line_and_leaves_the_output_alone(tmp_path):
     qa = _wiki18(tmp_path / "qa.jsonl", [{"id": "q", "question": "who?", "golden_answers": ["x"]}])
     with pytest.raises(DataFormatError, match="--qa-from"):
         convert_wiki18(qa, out)
+    empty = tmp_path / "empty.tar"
+    with tarfile.open(empty, "w"):
+        pass
+    with pytest.raises(DataFormatError, match=r"empty\.tar: a tar archive without a \.jsonl member"):
+        convert_wiki18(empty, out)
     assert out.read_text() == "kept\n" and not list(tmp_path.glob("*.tmp"))
     stats = convert_wiki18(_wiki18(tmp_path / "w2.jsonl", [{"id": "7", "contents": '"T"\nx'}]), out)
     assert stats == {"passages": 1, "untitled": 0, "ids_are_rows": False}

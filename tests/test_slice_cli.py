@@ -146,7 +146,7 @@ def test_eval_checks_benchmarks_and_method_before_loading_anything(tmp_path, cap
     assert main(["eval", "--benchmarks", "sample", "--method", "reflexion", nope]) == 2
     assert "unknown method 'reflexion'" in capsys.readouterr().err
     assert main(["eval", "--benchmarks", "nq", "--data-dir", str(tmp_path), nope]) == 2
-    assert "file not found" in capsys.readouterr().err
+    assert f"benchmark nq not found in the data dir {tmp_path}" in capsys.readouterr().err
 
 
 def test_eval_checks_method_and_qa_file_before_loading_anything(tmp_path, capsys):
@@ -189,10 +189,17 @@ def test_serve_reports_a_missing_index_before_loading_the_model(tmp_path, capsys
 
 def test_eval_benchmarks_prints_every_benchmark(tmp_path, monkeypatch, capsys):
     """`sleuth eval --benchmarks all` shows the scores of all seven benchmarks (the summary JSON, question ids
-    included, was cut at 4000 characters: one benchmark of seven at --limit 200)."""
+    included, was cut at 4000 characters: one benchmark of seven at --limit 200). The benchmarks are small
+    files where `sleuth data get` writes them, in a data dir of the test's own."""
     import eval.run
-    from eval.datasets import ALL
+    from corpora.formats import QAExample, write_jsonl
+    from eval.datasets import ALL, REGISTRY
     from sleuth import pipeline
+
+    for n in ALL:
+        write_jsonl(tmp_path / "data" / REGISTRY[n].path,
+                    [QAExample(f"test_{i}", f"{n} question {i}?", ["a"]) for i in range(3)])
+    monkeypatch.setenv("SLEUTH_DATA_DIR", str(tmp_path / "data"))
 
     def fake_run(names, method, limit, *a, **kw):
         return {"method": method, "fingerprint": "f" * 12, "run_dir": str(tmp_path / f"{method}-fff"),
@@ -208,12 +215,12 @@ def test_eval_benchmarks_prints_every_benchmark(tmp_path, monkeypatch, capsys):
 
 
 def test_eval_help_names_the_data_dir_and_qa_defaults(capsys):
-    """The defaults --help states are the ones used: $SLEUTH_DATA_DIR before ../shared/data, and data.test
-    before the shipped sample."""
+    """The defaults --help states are the ones used: $SLEUTH_DATA_DIR before the folder `sleuth data get`
+    fills, and data.test before the shipped sample."""
     with pytest.raises(SystemExit):
         build_parser().parse_args(["eval", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "SLEUTH_DATA_DIR" in out and "data.test" in out
+    assert "SLEUTH_DATA_DIR" in out and "`sleuth data get` fills" in out and "data.test" in out
 
 
 def test_judge_model_none_means_no_judge(tmp_path, monkeypatch):

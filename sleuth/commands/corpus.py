@@ -11,19 +11,19 @@ HELP = ("Pool the context paragraphs of multi-hop QA files into a deduplicated (
         "wiki-18 (--wiki18) or a QA file (--qa-from)")
 
 EPILOG = """inputs (streamed, auto-detected per line):
-  IRCoT-processed QA (contexts[].paragraph_text), e.g. ../shared/data/hotpotqa/dev_400_with_contexts.ircot.jsonl
+  IRCoT-processed QA (contexts[].paragraph_text), e.g. IRCoT's dev_400_with_contexts.ircot.jsonl (HotpotQA)
   raw HotpotQA / 2WikiMultihopQA (context = [[title, sentences]]; JSONL, or their releases' one JSON array),
   raw MuSiQue (paragraphs[])
   a corpus JSONL ({id, contents} or {id, title, text}), to deduplicate or --chunk-words it
-note: the 2WikiMultihopQA and MuSiQue files in ../shared/data are Search-R1 exports (questions and
-answers only, no paragraphs), so only HotpotQA can be pooled from there; bring the raw 2Wiki/MuSiQue files
-(which carry paragraphs) to pool them.
+note: Search-R1 exports and the benchmarks `sleuth data get` fetches hold questions and answers only, no
+paragraphs; bring the raw or IRCoT-processed files (which carry paragraphs) to pool them.
 example:
-  sleuth corpus --from ../shared/data/hotpotqa/dev_400_with_contexts.ircot.jsonl \\
+  sleuth corpus --from dev_400_with_contexts.ircot.jsonl \\
       --out runs/corpora/hotpotqa.jsonl --qa-out runs/corpora/hotpotqa_qa.jsonl
   sleuth index --corpus runs/corpora/hotpotqa.jsonl --out runs/index_hotpotqa
   sleuth corpus --wiki18 wiki-18.jsonl.gz --out runs/wiki18/corpus.jsonl   # Search-R1's 21M passages, ids kept
-  sleuth corpus --qa-from nq_hotpotqa_train/train.parquet --qa-out runs/search_r1/train.jsonl"""
+  sleuth corpus --qa-from questions.parquet --qa-out runs/qa/questions.jsonl   # a QA file of any format
+(`sleuth data get wiki18 nq_hotpotqa_train` downloads and converts Search-R1's corpus and questions)"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -22,8 +22,8 @@ def add_arguments(p) -> None:
     p.add_argument("--limit", type=positive_int,
                    help="evaluate at most this many questions (seeded sub-sample; default: eval.limit, else all)")
     p.add_argument("--seed", type=int, help="seed of the --limit sub-sample (default: the config's seed)")
-    p.add_argument("--data-dir", help="root of the benchmark files (default: $SLEUTH_DATA_DIR, else ../shared/data "
-                   "beside the project)")
+    p.add_argument("--data-dir", help="root of the benchmark files (default: $SLEUTH_DATA_DIR, else the folder "
+                   "`sleuth data get` fills: sleuth/data under the user's cache directory)")
     p.add_argument("--out", help="output directory (default: <out_dir>/eval)")
 
 
