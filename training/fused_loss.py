@@ -121,7 +121,7 @@ class _FusedTokenLoss(torch.autograd.Function):
         rb = min(row_block, n) if n else 1
         ext = K.load_extension() if use_kernel else None
         buf = hidden.new_empty(rb * V) if use_kernel and n else None
-        stream = K._stream(hidden) if use_kernel else 0
+        stream = K.stream_handle(hidden) if use_kernel else 0
         for r0 in range(0, n, rb):
             rows = idx[r0 : r0 + rb]
             tgt = tgt_all[r0 : r0 + rb]
@@ -217,8 +217,8 @@ def fused_token_loss(
             raise ValueError(f"targets at policy positions must lie in [0, {V}), got [{lo}, {hi}]")
     low = hidden.dtype if hidden.element_size() <= weight.element_size() else weight.dtype
     h2, w = h2.to(low), weight.to(low)
-    use_kernel = low in K.KERNEL_DTYPES and K._use_cuda(impl, h2, w, tgt, keep)
-    if low not in K.KERNEL_DTYPES and K._impl(impl) == "cuda":
+    use_kernel = low in K.KERNEL_DTYPES and K.wants_kernel(impl, h2, w, tgt, keep)
+    if low not in K.KERNEL_DTYPES and K.resolve_impl(impl) == "cuda":
         raise ValueError(f"the kernel takes {K.KERNEL_DTYPES}, got {hidden.dtype} and {weight.dtype}")
     loss, lp, ent = _FusedTokenLoss.apply(h2.contiguous(), w.contiguous(), tgt, keep, token_loss, int(rb),
                                           int(chunk_size), use_kernel)
