@@ -10,7 +10,7 @@ part      budget s  timeout s  what it runs
 tests     85        110        ``pytest -m gpu`` on the kernels' GPU tests (the extension's JIT build, ~40 s, first)
 kernels   60        90         ``bench/kernels.py``: the grid and the target point (10 runs there), naive, sleuth,
                                fused and Liger (where importable), and the fused path's (chunk, row block) sweep
-drift     35        60         ``bench/gpu_drift.py``: bf16 rollouts of the 0.5B-shaped policy vs the trainer's scoring
+drift     40        60         ``bench/gpu_drift.py``: bf16 rollouts of the 0.5B-shaped policy vs the trainer's scoring
 faiss     10        30         ``bench/gpu_faiss.py``: the dense index's GPU path vs the CPU (flat, 100k vectors)
 train     170       190        ``bench/gpu_train.py``: ``sleuth train``, 3 steps of the Search-R1 recipe at 0.5B
 ========  ========  =========  ====================================================================================
@@ -77,7 +77,7 @@ PARTS = (
          ("--methods", "naive", "sleuth", "fused", "liger", "--repeat", "3", "--target-repeat", "10", "--fused-sweep"),
          ("--device", "cpu", "--tiny", "--methods", "naive", "sleuth", "fused", "liger", "--repeat", "1",
           "--fused-sweep")),
-    Part("drift", 4, 35, 60, "gpu_drift.py", (),
+    Part("drift", 4, 40, 60, "gpu_drift.py", (),
          ("--device", "cpu", "--tiny", "--episodes", "2", "--samples", "2", "--control-episodes", "2",
           "--new-tokens", "8", "--turns", "2")),
     Part("faiss", 8, 10, 30, "gpu_faiss.py", (), ("--tiny",)),

@@ -18,7 +18,7 @@ past the TIS cap (``train.tis_cap``, 2). Scoring modes:
 A random policy's next-token distributions are nearly uniform over the vocabulary; a trained model's are
 peaked, so these figures say how the numerics differ, not how a trained model's would.
 
-Usage: ``python bench/gpu_drift.py [--episodes 64 --samples 2 --new-tokens 128] [--out bench/results/gpu_drift.json]``;
+Usage: ``python bench/gpu_drift.py [--episodes 64 --samples 2 --new-tokens 96] [--out bench/results/gpu_drift.json]``;
 ``--device cpu --tiny`` runs a tiny shape on the CPU (bf16 and fp32) to check the script.
 """
 
@@ -157,9 +157,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="bench/gpu_scale.py's tiny shape (for --device cpu)")
     p.add_argument("--episodes", type=positive_int, default=64, help="sample questions rolled out in bf16")
     p.add_argument("--samples", type=positive_int, default=2, help="episodes per question")
-    p.add_argument("--control-episodes", type=positive_int, default=16, help="questions of the fp32 control")
+    p.add_argument("--control-episodes", type=positive_int, default=8, help="questions of the fp32 control")
     p.add_argument("--turns", type=positive_int, default=2, help="agent turns per episode at most")
-    p.add_argument("--new-tokens", type=positive_int, default=128, help="tokens per turn at most")
+    p.add_argument("--new-tokens", type=positive_int, default=96, help="tokens per turn at most")
     p.add_argument("--micro-batch", type=positive_int, default=64, help="episodes per scoring micro-batch")
     p.add_argument("--micro-tokens", type=positive_int, default=16384, help="tokens per scoring micro-batch")
     p.add_argument("--seed", type=int, default=0)

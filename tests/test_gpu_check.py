@@ -33,7 +33,7 @@ def gc():
 def dry_run(tmp_path_factory):
     """One dry run of the whole check (about a minute on two cores)."""
     d = tmp_path_factory.mktemp("gpu_check")
-    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "SLEUTH_GPU_WHEELS": str(d / "none")}
     env.pop("SLEUTH_KERNELS", None)
     r = subprocess.run([str(ROOT / "bench" / "gpu_check.sh"), "--dry-run", "--out", str(d / "check.json"),
                         "--markdown", str(d / "check.md")], cwd=d, env=env, capture_output=True, text=True,
