@@ -134,7 +134,8 @@ def start_server(index: Path, port: int, log: Path) -> subprocess.Popen:
     from retrieval.client import RemoteRetriever
 
     cmd = [sys.executable, "-m", "sleuth.cli", "serve-retrieval", "--index", str(index), "--port", str(port)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # and wheels carried there
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.time() + 120
     while time.time() < deadline:
