@@ -117,7 +117,8 @@ def upcast(model):
     return copy.deepcopy(model).float().eval()
 
 
-def run(args) -> dict:
+def run(args, save=lambda out: None) -> dict:
+    """The drift measurement; ``save(out)`` after every scoring mode (a stopped run keeps the rows it has)."""
     device = torch.device(args.device)
     shape = gpu_scale.SMOKE_SHAPE if args.tiny else gpu_scale.SHAPES["0.5b"]
     tok = gpu_scale.make_tokenizer(shape["vocab"])
@@ -141,6 +142,7 @@ def run(args) -> dict:
             out["rows"][mode] = {"rollout": "bf16", "weights": str(dtype).removeprefix("torch."),
                                  "autocast_bf16": autocast and device.type == "cuda", **drift(m, batch, autocast, args)}
             print(f"[drift] bf16 rollout vs {mode} scoring: {json.dumps(out['rows'][mode])}", flush=True)
+            save(out)
         del model
         control, _, _ = roll_out(fp32, tok, retriever, args, args.control_episodes, args.seed + 1)
         out["rows"]["control"] = {"rollout": "fp32", "weights": "float32", "autocast_bf16": False,
@@ -174,10 +176,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    out = run(args)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
+    def save(out: dict) -> None:
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
+    out = run(args, save)
+    save(out)
     print(gpu_tables.drift_table(out))
     return out
 
