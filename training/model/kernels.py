@@ -150,6 +150,10 @@ def _stream(t: torch.Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
+# the dispatch above, for the opt-in fused loss of training/model/fused_loss.py (which dispatches as these functions do)
+resolve_impl, wants_kernel, stream_handle = _impl, _use_cuda, _stream
+
+
 # ---- span mask -----------------------------------------------------------------------------------------
 
 

@@ -210,6 +210,81 @@ std::vector<at::Tensor> masked_logprobs_bwd(const at::Tensor& hidden, const at::
   return {dhid, dw};
 }
 
+// ---- fused masked log-prob + loss gradient, one row block at a time (opt-in: training/model/fused_loss.py) ----
+// The block's whole [r, V] logits stay in `buf` (row stride V): the forward fills it chunk by chunk and reads
+// each chunk's statistics right after its matmul (while it is in L2); Python then computes the loss's
+// per-token gradients from the block's log-probs, and the backward turns the buffer into dL/dz in place and
+// forms dH and dW from it: three LM-head matmuls per row instead of four (no recompute).
+
+// hidden: [N, H]; rows: [r] rows of hidden; w: [V, H]; tgt: [r]; buf: >= r * V elements of hidden's dtype.
+// Returns (logprob [r], entropy [r], lse [r]) fp32 and the gathered rows h [r, H] (for the backward).
+std::vector<at::Tensor> fused_block_fwd(const at::Tensor& hidden, const at::Tensor& rows, const at::Tensor& w,
+                                        const at::Tensor& tgt, at::Tensor& buf, int64_t chunk, int64_t stream) {
+  check_lm_inputs(hidden, rows, w, tgt, chunk, 1);
+  check_cuda_tensor(buf, "buffer");
+  const int64_t r = rows.numel(), V = w.size(0);
+  TORCH_CHECK(buf.scalar_type() == hidden.scalar_type() && buf.numel() >= r * V, "buffer must hold r * V of hidden's dtype");
+  auto f32 = hidden.options().dtype(at::kFloat);
+  auto lp = at::empty({r}, f32), ent = at::empty({r}, f32), lse = at::empty({r}, f32);
+  auto h = hidden.index_select(0, rows);
+  if (r == 0) return {lp, ent, lse, h};
+  auto m = at::full({r}, -std::numeric_limits<float>::infinity(), f32);
+  auto s = at::zeros({r}, f32), sz = at::zeros({r}, f32), tl = at::zeros({r}, f32);
+  auto z = buf.narrow(0, 0, r * V).view({r, V});
+  const int64_t cmax = std::min(chunk, V);
+  const int code = dtype_code(hidden.scalar_type());
+  const auto* tp = reinterpret_cast<const long long*>(tgt.data_ptr<int64_t>());
+  for (int64_t start = 0; start < V; start += cmax) {
+    const int64_t c = std::min(cmax, V - start);
+    auto zc = z.narrow(1, start, c);  // [r, c] with row stride V: cuBLAS writes it in place (ldc = V)
+    at::mm_out(zc, h, w.narrow(0, start, c).t());
+    check_cuda(sleuth_lse_chunk(zc.data_ptr(), V, r, (int)c, start, code, tp, m.data_ptr<float>(), s.data_ptr<float>(),
+                                sz.data_ptr<float>(), tl.data_ptr<float>(), start + c >= V, lp.data_ptr<float>(),
+                                ent.data_ptr<float>(), lse.data_ptr<float>(), as_stream(stream)),
+               "lse_chunk");
+  }
+  return {lp, ent, lse, h};
+}
+
+// In place: buf's [r, V] logits -> dL/dz (g_lp / g_ent: [r] fp32, either may be undefined: zero). Then
+// dhid[rows] = dz W (one matmul over the whole vocabulary, fp32 accumulation, rounded once) and dw = dz^T h
+// (first block: beta = 0, so dw needs no zero fill) or dw += dz^T h. Either output may be undefined.
+void fused_block_bwd(at::Tensor& buf, const at::Tensor& h, const at::Tensor& rows, const at::Tensor& w,
+                     const at::Tensor& tgt, const at::Tensor& lse, const at::Tensor& ent,
+                     const std::optional<at::Tensor>& g_lp, const std::optional<at::Tensor>& g_ent,
+                     std::optional<at::Tensor> dhid, std::optional<at::Tensor> dw, bool first, int64_t stream) {
+  check_cuda_tensor(buf, "buffer");
+  check_cuda_tensor(h, "rows of hidden");
+  check_cuda_tensor(rows, "index");
+  check_cuda_tensor(w, "weight");
+  check_cuda_tensor(tgt, "targets");
+  check_cuda_tensor(lse, "lse");
+  check_cuda_tensor(ent, "entropy");
+  const int64_t r = rows.numel(), V = w.size(0);
+  TORCH_CHECK(h.dim() == 2 && h.size(0) == r && h.size(1) == w.size(1), "h must be [r, H]");
+  TORCH_CHECK(tgt.scalar_type() == at::kLong && tgt.numel() == r && lse.numel() == r && ent.numel() == r,
+              "targets, lse and entropy must have r entries");
+  TORCH_CHECK(buf.scalar_type() == h.scalar_type() && w.scalar_type() == h.scalar_type() && buf.numel() >= r * V,
+              "buffer, rows and weight must share a dtype; the buffer must hold r * V");
+  if (r == 0) return;
+  const float* glp = opt_ptr(g_lp, "grad_logprobs");
+  const float* gent = opt_ptr(g_ent, "grad_entropy");
+  auto z = buf.narrow(0, 0, r * V).view({r, V});
+  check_cuda(sleuth_logit_grad(z.data_ptr(), V, r, (int)V, 0, dtype_code(h.scalar_type()),
+                               reinterpret_cast<const long long*>(tgt.data_ptr<int64_t>()), lse.data_ptr<float>(),
+                               ent.data_ptr<float>(), glp, gent, as_stream(stream)),
+             "logit_grad");
+  if (dhid.has_value() && dhid->defined()) {
+    check_cuda_tensor(*dhid, "dhidden");
+    dhid->index_copy_(0, rows, at::mm(z, w));
+  }
+  if (dw.has_value() && dw->defined()) {
+    check_cuda_tensor(*dw, "dweight");
+    if (first) at::mm_out(*dw, z.t(), h);
+    else dw->addmm_(z.t(), h);
+  }
+}
+
 // ---- masked PPO-clip loss ------------------------------------------------------------------------------
 void check_loss_inputs(const at::Tensor& lp, const at::Tensor& old, const at::Tensor& adv, const at::Tensor& mask) {
   for (auto [t, name] : {std::pair{&lp, "logprobs"}, {&old, "old_logprobs"}, {&adv, "advantages"}, {&mask, "mask"}}) {
@@ -277,6 +352,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("span_mask", &span_mask, "loss mask and turn index from tool-span markers");
   m.def("masked_logprobs_fwd", &masked_logprobs_fwd, "chunked online log-sum-exp over the vocabulary");
   m.def("masked_logprobs_bwd", &masked_logprobs_bwd, "grads of hidden and LM-head weight, chunk by chunk");
+  m.def("fused_block_fwd", &fused_block_fwd, "one row block's logits and statistics, kept for its gradient");
+  m.def("fused_block_bwd", &fused_block_bwd, "one row block's dL/dz in place, then its dH rows and dW");
   m.def("ppo_loss_fwd", &ppo_loss_fwd, "masked PPO-clip loss and stats");
   m.def("ppo_loss_bwd", &ppo_loss_bwd, "per-token gradients of the masked PPO-clip loss");
 }
