@@ -2,10 +2,10 @@
 
 A randomly initialised ``Qwen2ForCausalLM`` of Qwen2.5-0.5B's shape (bench/gpu_scale.py's shapes and
 tokenizer; nothing is downloaded) runs multi-turn agent episodes on the shipped HotpotQA sample's questions
-through the transformers backend (:class:`agent.hf.TransformersLLM`, the trainer's default; BM25 over the
+through the transformers backend (:class:`agent.backends.hf.TransformersLLM`, the trainer's default; BM25 over the
 sample), in bf16. Each sampled token's log-prob as the backend reported it is then compared with the
-trainer's scoring of the same batch (:func:`training.actor.score_logprobs`, the fused masked kernel on a GPU)
-by :func:`training.offpolicy.rollout_correction`, which logs the ``offpolicy/`` metrics each training step:
+trainer's scoring of the same batch (:func:`training.model.actor.score_logprobs`, the fused masked kernel on a GPU)
+by :func:`training.algos.offpolicy.rollout_correction`, which logs the ``offpolicy/`` metrics each training step:
 mean and max ``|log pi_old - log pi_rollout|``, quantiles of the ratio, the k3 KL and the share of tokens
 past the TIS cap (``train.tis_cap``, 2). Scoring modes:
 
@@ -68,8 +68,8 @@ def sample_retriever(work: Path):
 def roll_out(model, tok, retriever, args, n_questions: int, seed: int):
     """Agent episodes of ``n_questions`` sample questions x ``args.samples``, collated as the trainer collates
     them; returns ``(batch, seconds, generated tokens)``."""
-    from agent.hf import TransformersLLM
-    from agent.loop import run_episodes
+    from agent.backends.hf import TransformersLLM
+    from agent.loop.batch import run_episodes
     from corpora import read_qa, sample_paths
     from training.batch import collate
 
@@ -95,9 +95,9 @@ def _sync(model) -> None:
 def drift(model, batch, bf16: bool, args) -> dict:
     """The trainer's scoring of ``batch`` by ``model`` (autocast ``bf16``), then the rollout correction's
     metrics against the log-probs the backend reported."""
-    from training.actor import score_logprobs
+    from training.model.actor import score_logprobs
     from training.config import TrainConfig
-    from training.offpolicy import rollout_correction
+    from training.algos.offpolicy import rollout_correction
 
     tc = TrainConfig(bf16=bf16, micro_batch=args.micro_batch, micro_batch_tokens=args.micro_tokens)
     batch.old_logprobs = batch.is_weights = None

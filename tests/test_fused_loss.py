@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from training.model import fused_loss as FL
-from training.losses import LOSS_AGGS, masked_lm_head_logprobs, policy_loss
+from training.algos.losses import LOSS_AGGS, masked_lm_head_logprobs, policy_loss
 
 ALL_AGGS = tuple(LOSS_AGGS)
 
@@ -138,7 +138,7 @@ def test_aggregation_weights_reproduce_every_aggregation(agg):
     mask[1] = 0
     v = torch.randn(5, 8, generator=g, dtype=torch.float64)
     c = FL.aggregation_weights(mask, agg, 7.0)
-    from training.losses import aggregate
+    from training.algos.losses import aggregate
 
     torch.testing.assert_close((c * v).sum(), aggregate(v, mask, agg, 7.0), rtol=1e-12, atol=1e-12)
     assert (c[mask == 0] == 0).all()

@@ -14,7 +14,7 @@ import torch
 
 from training.model import fused_loss as FL
 from training.model import kernels as K
-from training.losses import LOSS_AGGS, masked_lm_head_logprobs, policy_loss
+from training.algos.losses import LOSS_AGGS, masked_lm_head_logprobs, policy_loss
 
 pytestmark = [
     pytest.mark.gpu,

@@ -11,8 +11,8 @@ gradient (a scalar).
 
 :func:`fused_token_loss` is that path for any loss that is a sum of per-token terms
 ``token_loss(logprob, entropy, rows)``; :func:`fused_policy_loss` builds the term from the registered policy
-loss, aggregation and KL estimator, so its loss and gradient are :func:`training.losses.policy_loss`'s on
-:func:`training.losses.masked_lm_head_logprobs`' log-probs. Nothing calls these by default: the trainer uses
+loss, aggregation and KL estimator, so its loss and gradient are :func:`training.algos.losses.policy_loss`'s on
+:func:`training.algos.losses.masked_lm_head_logprobs`' log-probs. Nothing calls these by default: the trainer uses
 the per-token kernel; ``bench/kernels.py`` times this path as ``fused`` and ``tests/test_fused_loss*.py``
 check it. The CUDA path reuses the chunk kernels of ``cuda/masked_logprobs.cu`` through two row-block
 drivers of ``training/model/csrc/sleuth_kernels.cpp``; ``impl="reference"`` (and CPU tensors) run the same
@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from training.model import kernels as K
-from training import losses as L
+from training.algos import losses as L
 
 #: policy losses whose per-token term depends on that token's log-prob alone (GSPO's sequence ratio does not)
 TOKEN_LOCAL_LOSSES = ("ppo_clip", "cispo")
@@ -245,7 +245,7 @@ def policy_token_loss(old_logprobs: torch.Tensor, advantages: torch.Tensor, mask
                       ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0, kl_type: str = "k3",
                       entropy_coef: float = 0.0, loss_scale: float | None = None, options: dict | None = None,
                       is_weights: torch.Tensor | None = None) -> TokenLoss:
-    """The per-token term of :func:`training.losses.policy_loss` (same arguments; ``[B, T]`` tensors):
+    """The per-token term of :func:`training.algos.losses.policy_loss` (same arguments; ``[B, T]`` tensors):
     ``c_t (w_t pg_t + kl_coef kl_t - entropy_coef H_t)`` with ``c`` the aggregation's weights
     (:func:`aggregation_weights`), ``pg`` the registered policy term, ``kl`` the registered estimator and
     ``w`` the rollout correction's weights. Its sum over the policy tokens is the reference loss. The policy
@@ -279,7 +279,7 @@ def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
                       old_logprobs: torch.Tensor, advantages: torch.Tensor, *, row_block: int | None = None,
                       chunk_size: int = 8192, impl: str | None = None,
                       **loss_kw) -> tuple[torch.Tensor, dict[str, float], torch.Tensor, torch.Tensor]:
-    """:func:`training.losses.policy_loss` on the masked LM head's log-probs and entropies, in one fused pass
+    """:func:`training.algos.losses.policy_loss` on the masked LM head's log-probs and entropies, in one fused pass
     (:func:`fused_token_loss` with :func:`policy_token_loss`). ``hidden`` ``[B, T, H]``; ``targets``,
     ``mask``, ``old_logprobs``, ``advantages`` (and ``ref_logprobs`` / ``is_weights`` in ``loss_kw``)
     ``[B, T]``; ``loss_kw`` are :func:`policy_token_loss`'s keywords. Returns ``(loss, stats, logprobs,
