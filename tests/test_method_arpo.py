@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from agent.trajectory import Role, Trajectory
 from training.algos import arpo as A
 
 
@@ -69,6 +70,21 @@ def test_window_entropy_sums_the_first_k_tokens_over_log_v():
         A.window_entropy([1.0], 0, 100)
     with pytest.raises(ValueError, match="vocab_size=1"):
         A.window_entropy([1.0], 1, 1)
+
+
+def test_entropy_changes_after_each_tool_result():
+    t = Trajectory("q", "q")
+    t.append([1, 2], Role.PROMPT, 0)
+    t.append([3, 4, 5], Role.POLICY, 1)  # first window: entropies 1 + 1 (k = 2)
+    t.append([6], Role.TOOL, 1)
+    t.append([7, 8], Role.POLICY, 2)  # after a tool result: 3 + 2
+    t.append([9], Role.POLICY, 3)  # no tool result before turn 3: not a branching step
+    ent = [9.0, 9.0, 1.0, 1.0, 7.0, 9.0, 3.0, 2.0, 4.0]
+    V = 100
+    assert A.entropy_changes(t, ent, 2, V) == pytest.approx({2: (5.0 - 2.0) / math.log(V)})
+    with pytest.raises(ValueError, match="8 entropies for 9 tokens"):
+        A.entropy_changes(t, ent[:-1], 2, V)
+    assert A.entropy_changes(Trajectory("q", "q"), [], 2, V) == {}
 
 
 def test_branch_probability_is_clipped_alpha_plus_beta_delta():

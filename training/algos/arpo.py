@@ -7,7 +7,8 @@ spends one budget of ``M`` trajectories per question (``train.group_size``) in t
 1. *global samples*: ``N <= M`` trajectories sampled from the question, as GRPO does;
 2. *step-level branches*: after each tool call, the first ``k`` tokens the policy writes are scored by their
    entropy ``H_t`` (summed over the window, divided by ``log V``: :func:`window_entropy`), compared with the
-   entropy of the trajectory's first window ``H_initial``; ``dH_t = H_t - H_initial``. With probability
+   entropy of the trajectory's first window ``H_initial``; ``dH_t = H_t - H_initial`` (:func:`entropy_changes`
+   reads them off an episode). With probability
    ``P_t = alpha + beta * dH_t`` (clipped to [0, 1], :func:`branch_probability`) the partial trajectory is
    copied ``Z`` times (each copy continues independently from the same prefix), while ``M - N`` slots remain
    (:func:`branch_plan`). A question whose trajectories all ended before the budget was spent gets new global
@@ -38,6 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
+from agent.trajectory import Role, Trajectory
 from training.algos.options import check_range, parse_options
 
 ATTRIBUTIONS = ("soft", "hard")
@@ -115,6 +117,27 @@ def window_entropy(token_entropies: torch.Tensor | Sequence[float], k: int, voca
         raise ValueError(f"the vocabulary needs at least two tokens, got vocab_size={vocab_size}")
     h = torch.as_tensor(token_entropies, dtype=torch.float32).reshape(-1)[:k]
     return float(h.sum()) / math.log(vocab_size)
+
+
+def entropy_changes(traj: Trajectory, token_entropies: Sequence[float], k: int, vocab_size: int) -> dict[int, float]:
+    """``{turn: dH}`` of an episode: for each turn that follows a tool result, the window entropy of its first
+    ``k`` policy tokens minus that of the episode's first turn (``H_initial``; :func:`window_entropy`).
+    ``token_entropies``: one entropy (nats) per token of ``traj.token_ids`` (read at policy tokens only).
+    Raises ``ValueError`` when the lengths differ."""
+    if len(token_entropies) != len(traj.token_ids):
+        raise ValueError(f"{len(token_entropies)} entropies for {len(traj.token_ids)} tokens")
+    by_turn: dict[int, list[float]] = {}
+    after_tool: set[int] = set()
+    for h, role, turn in zip(token_entropies, traj.roles, traj.turn_ids, strict=True):
+        if role == Role.POLICY:
+            by_turn.setdefault(turn, []).append(float(h))
+        elif role == Role.TOOL:
+            after_tool.add(turn + 1)
+    if not by_turn:
+        return {}
+    first = min(by_turn)
+    h0 = window_entropy(by_turn[first], k, vocab_size)
+    return {t: window_entropy(v, k, vocab_size) - h0 for t, v in sorted(by_turn.items()) if t in after_tool}
 
 
 def branch_probability(delta_h: torch.Tensor | float, branch_prob: float, entropy_weight: float) -> torch.Tensor:
