@@ -65,6 +65,16 @@ def test_probe_plan_one_probe_per_dead_end_with_a_uniform_hint():
     assert plans == [R.ProbePlan(0, 7, k0, opts.hints[k0]), R.ProbePlan(2, 7, k2, opts.hints[k2])]
 
 
+def test_probe_masks():
+    prefix, hint = R.probe_masks(6, 2, 3)
+    assert prefix.tolist() == [True, True, False, False, False, False]
+    assert hint.tolist() == [False, False, True, True, True, False]
+    with pytest.raises(ValueError, match="does not fit"):
+        R.probe_masks(4, 2, 3)
+    with pytest.raises(ValueError, match="does not fit"):
+        R.probe_masks(4, 2, 0)
+
+
 def test_hint_logprobs_follow_the_pools_prefix_tree():
     pool = [[1, 2, 3], [1, 2, 4], [1, 5], [6]]
     lp = R.hint_logprobs([1, 2, 3], pool)

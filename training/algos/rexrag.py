@@ -127,6 +127,17 @@ def probe_plan(trajs: Sequence[Trajectory], dead: torch.Tensor, opts: RexRagOpti
     return out
 
 
+def probe_masks(n_tokens: int, keep_tokens: int, hint_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prefix [T], hint [T])`` bool over a probe rollout's ``n_tokens`` token positions: the kept prefix
+    ``[0, keep_tokens)`` and the hint ``[keep_tokens, keep_tokens + hint_len)`` (the policy's continuation
+    follows). Shift both by one (``[1:]``) to align them with the loss's target positions. Raises
+    ``ValueError`` when the hint does not fit."""
+    if keep_tokens < 0 or hint_len < 1 or keep_tokens + hint_len > n_tokens:
+        raise ValueError(f"a hint of {hint_len} tokens after a prefix of {keep_tokens} does not fit in {n_tokens}")
+    pos = torch.arange(n_tokens)
+    return pos < keep_tokens, (pos >= keep_tokens) & (pos < keep_tokens + hint_len)
+
+
 def hint_logprobs(hint_ids: Sequence[int], pool_ids: Sequence[Sequence[int]]) -> list[float]:
     """``log pi_probe`` of each token of a hint (natural logs): the share of pool hints that continue the hint's
     prefix with this token, among those that share the prefix (a prefix tree over the tokenised pool; the sum
