@@ -72,6 +72,11 @@ def test_adaptive_search_is_not_shown_when_the_broad_search_succeeds():
     assert "adaptive_search" not in B.exhibited_behaviours(QUESTION, turns, TARGETS, "Sofade")
 
 
+def test_a_broad_query_of_the_callers_choice():
+    text = B.primed_action(QUESTION, CHAIN, [], ["adaptive_search"], broad_query="country born")
+    assert text == "<search> country born </search>"
+
+
 def test_an_invalid_action_followed_by_a_valid_one_is_error_recovery():
     turns = [Turn(1, "<serch> x", "invalid", error="no action", observation="My previous action is invalid."),
              Turn(2, "<search> Kalomi </search>", "search", query="Kalomi", observation="")]
@@ -144,3 +149,21 @@ def test_baselines_have_the_same_size():
 def test_behaviour_counts():
     assert B.behaviour_counts(LABELS) == {"verification": 5, "authority": 4, "adaptive_search": 4,
                                           "error_recovery": 4, "all": 4, "n": 6}
+
+
+def test_oracle_and_labeller_on_a_real_bm25_index(retriever):
+    """Against the fixture corpus's BM25 index, with the agent's own document format."""
+    from agent.protocol import format_docs
+
+    q, chain = "Where was the designer of the Eiffel Tower born?", ["Eiffel Tower", "Gustave Eiffel", "Dijon"]
+    turns = []
+    for k in range(1, 8):
+        text = B.primed_action(q, chain, turns, B.BEHAVIOURS, distractor="Rhine")
+        kind, content = ACTION.search(text).groups()
+        if kind == "answer":
+            turns.append(Turn(k, text, "answer", answer=content))
+            break
+        turns.append(Turn(k, text, "search", query=content, observation=format_docs(retriever.search([content], 1)[0])))
+    # the broad question search already finds the designer's name, so no narrowing follows
+    assert [t.query or t.answer for t in turns] == ["Rhine", q, "Gustave Eiffel", "Gustave Eiffel Dijon", "Dijon"]
+    assert B.exhibited_behaviours(q, turns, chain[1:], "Dijon") == {"error_recovery", "verification"}

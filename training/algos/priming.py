@@ -70,15 +70,15 @@ def _think(text: str, on: bool) -> str:
 
 
 def primed_action(question: str, chain: Sequence[str], turns: Sequence[Turn], behaviours: Sequence[str],
-                  distractor: str | None = None, think: bool = False) -> str:
+                  distractor: str | None = None, think: bool = False, broad_query: str | None = None) -> str:
     """The oracle's next action (``<search> q </search>`` or ``<answer> a </answer>``) for a question whose entity
     chain is ``chain = [e_0, ..., e_h]`` (``e_0`` named in the question, ``e_h`` the answer; hop ``k`` reads
     ``e_{k+1}`` in ``e_k``'s passage), given the episode's ``turns`` so far and the ``behaviours`` to act out:
 
     * ``error_recovery`` (with a ``distractor``, an entity off the question's track): the first search is the
       distractor; the next one returns to the chain;
-    * ``adaptive_search``: the first on-track search is the whole question; when it does not bring ``e_1``, the
-      next narrows it to ``e_0``;
+    * ``adaptive_search``: the first on-track search is broad (``broad_query``, by default the whole
+      question); when it does not bring ``e_1``, the next narrows it to ``e_0``;
     * ``verification``: once the answer is in the context, one more search for ``"e_{h-1} e_h"`` before
       answering;
     * ``authority`` needs no action of its own (the oracle always follows the passage about the searched
@@ -97,10 +97,10 @@ def primed_action(question: str, chain: Sequence[str], turns: Sequence[Turn], be
     h = len(chain) - 1
     if "error_recovery" in want and distractor and not turns:
         return f"<search> {distractor} </search>"
-    on_track = [q for q in queries if q != distractor]
+    on_track = [q for q in queries if q != distractor]  # the broad query counts as on track
     off = f"That search was off track; back to {chain[0]}."
     if "adaptive_search" in want and not on_track:
-        return _think(off, think and bool(queries)) + f"<search> {question} </search>"
+        return _think(off, think and bool(queries)) + f"<search> {broad_query or question} </search>"
     missing = [k for k in range(h) if not _mentions(seen, chain[k + 1])]
     if missing and not any(normalize_answer(q) == normalize_answer(chain[missing[0]]) for q in queries):
         k = missing[0]
