@@ -84,3 +84,19 @@ def test_information_spans_and_token_mask():
 def test_split_at_search_for_sim_to_real():
     assert S.split_at_search(T + SEARCH + ANS) == (T + "<search> who wrote it </search>", "who wrote it")
     assert S.split_at_search(T + ANS) is None
+
+
+def test_information_token_mask_with_a_real_tokenizer(tiny_policy_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_policy_dir))
+    text = "<search> Paris </search><information> Paris is the capital of France. </information><answer> Paris </answer>"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    pieces = [tok.decode(ids[: i + 1]) for i in range(len(ids))]
+    token_texts = [p[len(pieces[i - 1]):] if i else p for i, p in enumerate(pieces)]
+    assert "".join(token_texts) == tok.decode(ids)
+    mask = S.information_token_mask(token_texts)
+    inside = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    outside = tok.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+    assert "capital of France" in inside and "capital" not in outside
+    assert "<search> Paris </search>" in outside and "<answer> Paris </answer>" in outside
