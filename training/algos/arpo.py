@@ -123,7 +123,8 @@ def entropy_changes(traj: Trajectory, token_entropies: Sequence[float], k: int, 
     """``{turn: dH}`` of an episode: for each turn that follows a tool result, the window entropy of its first
     ``k`` policy tokens minus that of the episode's first turn (``H_initial``; :func:`window_entropy`).
     ``token_entropies``: one entropy (nats) per token of ``traj.token_ids`` (read at policy tokens only).
-    Raises ``ValueError`` when the lengths differ."""
+    The branching decision taken after turn ``k``'s tool result uses ``dH_k`` (the reference rollout measures
+    the round just generated), and 0 for the first turn. Raises ``ValueError`` when the lengths differ."""
     if len(token_entropies) != len(traj.token_ids):
         raise ValueError(f"{len(token_entropies)} entropies for {len(traj.token_ids)} tokens")
     by_turn: dict[int, list[float]] = {}
