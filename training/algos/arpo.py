@@ -149,6 +149,8 @@ def branch_probability(delta_h: torch.Tensor | float, branch_prob: float, entrop
 
 
 class Uniform(Protocol):
+    """What :func:`branch_plan` draws from: ``random()`` in [0, 1) (a ``random.Random``)."""
+
     def random(self) -> float: ...
 
 
