@@ -95,9 +95,9 @@ def _sync(model) -> None:
 def drift(model, batch, bf16: bool, args) -> dict:
     """The trainer's scoring of ``batch`` by ``model`` (autocast ``bf16``), then the rollout correction's
     metrics against the log-probs the backend reported."""
-    from training.model.actor import score_logprobs
-    from training.config import TrainConfig
     from training.algos.offpolicy import rollout_correction
+    from training.config import TrainConfig
+    from training.model.actor import score_logprobs
 
     tc = TrainConfig(bf16=bf16, micro_batch=args.micro_batch, micro_batch_tokens=args.micro_tokens)
     batch.old_logprobs = batch.is_weights = None

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.model import fused_loss as FL
 from training.algos.losses import LOSS_AGGS, masked_lm_head_logprobs, policy_loss
+from training.model import fused_loss as FL
 
 ALL_AGGS = tuple(LOSS_AGGS)
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from training.algos.losses import LOSS_AGGS, masked_lm_head_logprobs, policy_loss
 from training.model import fused_loss as FL
 from training.model import kernels as K
-from training.algos.losses import LOSS_AGGS, masked_lm_head_logprobs, policy_loss
 
 pytestmark = [
     pytest.mark.gpu,

@@ -30,8 +30,8 @@ from collections.abc import Callable
 
 import torch
 
-from training.model import kernels as K
 from training.algos import losses as L
+from training.model import kernels as K
 
 #: policy losses whose per-token term depends on that token's log-prob alone (GSPO's sequence ratio does not)
 TOKEN_LOCAL_LOSSES = ("ppo_clip", "cispo")
