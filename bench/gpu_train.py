@@ -158,8 +158,8 @@ def overrides(args, work: Path, port: int) -> list[str]:
             "retrieval.build_dense=false", f"policy.model={work / 'policy'}",
             f"policy.dtype={'float32' if tiny else 'bfloat16'}", "agent.backend.kind=transformers",
             f"agent.max_new_tokens={args.new_tokens}", f"agent.max_batch={args.questions * args.group}",
-            f"train.steps={args.steps}", f"train.questions_per_step={args.questions}",
-            f"train.group_size={args.group}", "train.eval_every=0",
+            f"train.steps={args.steps}", f"train.rollout.questions_per_step={args.questions}",
+            f"train.rollout.group_size={args.group}", "train.monitoring.eval_every=0",
             *(["agent.short_prompt=true", "agent.max_turns=2", "agent.max_obs_tokens=64", "agent.max_total_tokens=512"]
               if tiny else [])]
 

@@ -1,13 +1,17 @@
 """Configuration as data: YAML files under ``configs/`` validated by a pydantic schema.
 
-Every section forbids unknown keys, so a typo is an error that names the key (``train.lrr``). Dotted
-``key=value`` overrides on the command line are parsed as YAML scalars (``train.lr=1e-4``,
-``agent.max_turns=3``, ``policy.model=Qwen/Qwen2.5-3B-Instruct``).
+Every section forbids unknown keys, so a typo is an error that names the key (``train.optim.lrr``). Dotted
+``key=value`` overrides on the command line are parsed as YAML scalars (``train.optim.lr=1e-4``,
+``agent.max_turns=3``, ``policy.model=Qwen/Qwen2.5-3B-Instruct``). The ``train`` section's flat keys of the
+earlier release (``train.lr``) are moved to their sections in the file and in the overrides before the two
+are merged, with a warning naming the new key (:func:`training.config.upgrade_train_keys`).
 """
 
 from __future__ import annotations
 
 import re
+import sys
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,7 +20,7 @@ from pydantic import Field, ValidationError, model_validator
 
 # each layer's sections live beside it (agent/config.py, training/config.py); they are part of this schema
 from agent.config import AgentConfig, BackendConfig, LLMJudgeConfig, Section, SimulatorConfig
-from training.config import SFTConfig, TrainConfig
+from training.config import FLAT_KEYS, DeprecatedConfigKey, SFTConfig, TrainConfig, upgrade_train_keys
 
 __all__ = ["AgentConfig", "BackendConfig", "Config", "ConfigError", "LLMJudgeConfig", "SFTConfig", "Section",
            "SimulatorConfig", "TrainConfig"]
@@ -211,7 +215,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: not valid YAML ({_yaml_problem(e)})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a config must be a mapping, got {type(raw).__name__}")
-    _merge(raw, parse_overrides(overrides or []))
+    updates = parse_overrides(overrides or [])
+    # the earlier flat train keys, in the file and in the overrides, before an override replaces a section; their
+    # warnings are shown unless the interpreter's -W options say otherwise
+    with warnings.catch_warnings():
+        if not sys.warnoptions:
+            warnings.simplefilter("default", DeprecatedConfigKey)
+        try:
+            for part in (raw, updates):
+                if isinstance(part.get("train"), dict):
+                    part["train"] = upgrade_train_keys(part["train"], str(path) if part is raw else "override")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    _merge(raw, updates)
     import_plugins(raw.get("plugins"))
     try:
         return Config.model_validate(raw)
@@ -262,7 +278,7 @@ def import_plugins(plugins: Any) -> None:
 
 
 def _suggest(loc: tuple[Any, ...]) -> str:
-    """``"; did you mean 'train.lr'?"`` for an unknown key at ``loc``: close matches among the keys of its
+    """``"; did you mean 'train.optim.lr'?"`` for an unknown key at ``loc``: close matches among the keys of its
     section (empty when there are none)."""
     import difflib
 
@@ -272,11 +288,14 @@ def _suggest(loc: tuple[Any, ...]) -> str:
         model = getattr(field, "annotation", None)
         if not isinstance(model, type) or not issubclass(model, Section):
             return ""
-    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=3, cutoff=0.6)
+    prefix = "".join(f"{p}." for p in loc[:-1])
+    names = {c: prefix + c for c in model.model_fields}
+    if model is TrainConfig:  # a typo of an earlier flat key: its new place
+        names.update({old: f"train.{new}" for old, new in FLAT_KEYS.items() if old not in names})
+    close = difflib.get_close_matches(str(loc[-1]), list(names), n=3, cutoff=0.6)
     if not close:
         return ""
-    prefix = "".join(f"{p}." for p in loc[:-1])
-    return "; did you mean " + " or ".join(repr(prefix + c) for c in close) + "?"
+    return "; did you mean " + " or ".join(dict.fromkeys(repr(names[c]) for c in close)) + "?"
 
 
 def dump_config(cfg: Config, path: str | Path) -> None:

@@ -295,19 +295,19 @@ def run_sft_stage(cfg: Config, retriever, log=print) -> Path:
 
 def held_out_questions(cfg: Config) -> list[QAExample]:
     """The held-out questions runs are scored on: ``data.test``, sub-sampled to ``eval.limit`` with
-    ``seed`` as ``sleuth eval`` draws them under the same config (so the quickstart, ``train.eval_every``
-    and ``sleuth eval`` score the same questions)."""
+    ``seed`` as ``sleuth eval`` draws them under the same config (so the quickstart,
+    ``train.monitoring.eval_every`` and ``sleuth eval`` score the same questions)."""
     from eval.datasets import subsample
 
     return subsample(read_qa(data_paths(cfg)["test"]), cfg.eval.limit, cfg.seed)
 
 
 def held_out_evaluator(cfg: Config, tokenizer, retriever):
-    """The trainer's ``evaluate(model) -> {"em": ..., ...}`` for ``train.eval_every`` (``None`` when it is 0):
+    """The trainer's ``evaluate(model) -> {"em": ..., ...}`` for ``train.monitoring.eval_every`` (``None`` when 0):
     :func:`eval.run.evaluate_agent` on the held-out questions (``data.test``, the seeded ``eval.limit`` sub-sample that
     ``sleuth eval`` and the quickstart score), numeric fields only. The torch random state is restored after
     it, so evaluating does not change the training's sampling stream."""
-    if not cfg.train.eval_every:
+    if not cfg.train.monitoring.eval_every:
         return None
     import torch
 
@@ -349,14 +349,14 @@ def check_rollout_backend(cfg: Config) -> None:
 
 
 def rl_run_dir(cfg: Config) -> Path:
-    """The RL run directory, ``<out_dir>/<train.algorithm>`` (``runs/quickstart/grpo``, ``runs/x/ppo``): one run
-    per algorithm, so that changing ``train.algorithm`` under one ``out_dir`` starts a new run rather than
-    resuming another algorithm's checkpoints."""
-    return Path(cfg.out_dir) / cfg.train.algorithm
+    """The RL run directory, ``<out_dir>/<estimator>`` (``train.algorithm.adv_estimator``: ``runs/quickstart/grpo``,
+    ``runs/x/ppo``): one run per estimator, so that changing it under one ``out_dir`` starts a new run rather than
+    resuming another estimator's checkpoints."""
+    return Path(cfg.out_dir) / cfg.train.algorithm.adv_estimator
 
 
 def run_rl_stage(cfg: Config, init_path: str | Path, retriever, resume: bool = False, log=print) -> Path:
-    """``train.algorithm`` from ``init_path`` into :func:`rl_run_dir` (``<out_dir>/<algorithm>``), searching
+    """RL with ``train.algorithm.adv_estimator`` from ``init_path`` into :func:`rl_run_dir` (``<out_dir>/<estimator>``), searching
     ``retriever``; returns the final checkpoint directory. Rollouts run on
     ``agent.backend.kind`` (transformers, or vllm updated in place after each step; openai is a ``ValueError``,
     :func:`check_rollout_backend`).
@@ -395,10 +395,10 @@ def run_rl_stage(cfg: Config, init_path: str | Path, retriever, resume: bool = F
     done = 0
     if ckpt is not None:
         done = json.loads((ckpt / "trainer_state.json").read_text())["step"]
-        log(f"{cfg.train.algorithm}: resuming {run_dir} from {ckpt.name}")
+        log(f"{run_dir.name}: resuming {run_dir} from {ckpt.name}")
     elif resume:  # --resume (job scripts always pass it; the quickstart resumes by default): say it is no resume
-        log(f"{cfg.train.algorithm}: no checkpoint in {run_dir} yet: starting at step 0")
-    bar = tqdm(total=cfg.train.steps, initial=done, desc=cfg.train.algorithm, unit="step", disable=rank != 0)
+        log(f"{run_dir.name}: no checkpoint in {run_dir} yet: starting at step 0")
+    bar = tqdm(total=cfg.train.steps, initial=done, desc=run_dir.name, unit="step", disable=rank != 0)
 
     def on_step(step: int, rec: dict[str, Any]) -> None:
         bar.update(1)

@@ -198,8 +198,8 @@ def test_sleuth_train_resume_and_eval_an_external_agent_on_the_shipped_sample(tm
 
     common = ["--config", "configs/react_agent.yaml", f"out_dir={tmp_path}", f"retrieval.index_dir={tmp_path / 'index'}",
               "policy.tiny.hidden_size=32", "policy.tiny.num_layers=1", "policy.tiny.vocab_size=1024",
-              "policy.tiny.intermediate_size=64", "train.questions_per_step=2", "train.group_size=2",
-              "train.save_every=1", "train.eval_every=2", "eval.limit=4"]
+              "policy.tiny.intermediate_size=64", "train.rollout.questions_per_step=2", "train.rollout.group_size=2",
+              "train.checkpoints.save_every=1", "train.monitoring.eval_every=2", "eval.limit=4"]
     assert main(["train", *common, "train.steps=2"]) == 0
     records = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]

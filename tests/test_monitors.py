@@ -117,8 +117,8 @@ def test_stop_alarm_keeps_best_checkpoint(tiny_policy_dir, retriever, tmp_path):
 
     model, tok = load(tiny_policy_dir)
     scores = iter([0.5, 0.2, 0.1, 0.0])
-    cfg = make_cfg("train.steps=4", "train.eval_every=1", "train.alarm_min_entropy=100", "train.alarm_patience=2",
-                   "train.alarm_action=stop", "train.save_every=10")
+    cfg = make_cfg("train.steps=4", "train.monitoring.eval_every=1", "train.monitoring.alarms.min_entropy=100", "train.monitoring.alarms.patience=2",
+                   "train.monitoring.alarms.action=stop", "train.checkpoints.save_every=10")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = run_rl(cfg, model, tok, retriever, [__import__("tests.conftest").conftest.QUESTIONS[0]], tmp_path,
@@ -147,7 +147,7 @@ def test_alarm_patience_and_nonfinite_count_survive_a_resume(tiny_policy_dir, re
     from tests.test_trainer import load, make_cfg, varying_judge
     from training.infra.checkpoint import latest_checkpoint
 
-    over = ("train.alarm_min_entropy=100", "train.alarm_patience=2", "train.alarm_action=stop")
+    over = ("train.monitoring.alarms.min_entropy=100", "train.monitoring.alarms.patience=2", "train.monitoring.alarms.action=stop")
     model, tok = load(tiny_policy_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -265,9 +265,9 @@ def test_collapse_alarm_fires_on_a_provoked_collapse(tiny_policy_dir, retriever,
     from training.sft import sft_train
 
     model, tok = load(tiny_policy_dir)
-    cfg = make_cfg("train.steps=8", "train.eval_every=1", "train.lr=2e-3", "train.group_size=4",
-                   "train.questions_per_step=4", "train.alarm_collapse_drop=0.3",
-                   "train.alarm_collapse_metric=eval_format_ok", "train.alarm_action=stop", "train.save_every=10")
+    cfg = make_cfg("train.steps=8", "train.monitoring.eval_every=1", "train.optim.lr=2e-3", "train.rollout.group_size=4",
+                   "train.rollout.questions_per_step=4", "train.monitoring.alarms.collapse_drop=0.3",
+                   "train.monitoring.alarms.collapse_metric=eval_format_ok", "train.monitoring.alarms.action=stop", "train.checkpoints.save_every=10")
     oracle = OracleLLM(tok, QUESTIONS, {p.id: p.title for p in PASSAGES})
     trajs = [t for t in run_episodes(QUESTIONS, oracle, retriever, cfg.agent, top_k=1, temperature=0.0)
              if t.verdict["format_ok"]]  # the oracle's episodes that fit the two turns

@@ -62,15 +62,15 @@ def test_the_norm_mode_does_not_depend_on_the_padded_width():
 def test_config_values_come_from_the_registries():
     from sleuth.config import ConfigError, load_config
 
-    cfg = load_config(None, ["train.kl_type=k2", "train.loss_agg=seq-mean-token-sum-norm",
-                             "train.loss_scale_factor=512"])
-    assert cfg.train.kl_type == "k2" and cfg.train.loss_agg == "seq-mean-token-sum-norm"
+    cfg = load_config(None, ["train.algorithm.kl_type=k2", "train.algorithm.loss_agg_mode=seq-mean-token-sum-norm",
+                             "train.algorithm.loss_scale_factor=512"])
+    assert cfg.train.algorithm.kl_type == "k2" and cfg.train.algorithm.loss_agg_mode == "seq-mean-token-sum-norm"
     with pytest.raises(ConfigError, match="unknown advantage estimator 'gpro'.*did you mean .*'grpo'"):
-        load_config(None, ["train.algorithm=gpro"])
+        load_config(None, ["train.algorithm.adv_estimator=gpro"])
     with pytest.raises(ConfigError, match="unknown KL estimator 'k9'"):
-        load_config(None, ["train.kl_type=k9"])
+        load_config(None, ["train.algorithm.kl_type=k9"])
     with pytest.raises(ConfigError, match="unknown policy loss"):
-        load_config(None, ["train.policy_loss=nope"])
+        load_config(None, ["train.algorithm.policy_loss=nope"])
 
 
 def test_plugin_errors_name_the_plugin(tmp_path):
@@ -92,28 +92,35 @@ def test_the_reference_loss_runs_the_parts_the_kernel_lacks_and_cuda_refuses_the
     g = torch.Generator().manual_seed(0)
     lp, old, adv = -torch.rand(2, 4, generator=g), -torch.rand(2, 4, generator=g), torch.randn(2, 4, generator=g)
     ref, mask = -torch.rand(2, 4, generator=g), torch.ones(2, 4)
-    kw = {"loss_agg": "seq-mean-token-sum-norm", "loss_scale": 8.0, "ref_logprobs": ref, "kl_coef": 0.1,
-          "kl_type": "abs"}
-    got, stats = K.policy_loss(lp, old, adv, mask, **kw)
-    want, _ = L.policy_loss(lp, old, adv, mask, **kw)
+    cfg = L.LossConfig(loss_agg="seq-mean-token-sum-norm", loss_scale=8.0, kl_coef=0.1, kl_type="abs")
+    got, stats = K.policy_loss(lp, old, adv, mask, cfg, ref_logprobs=ref)
+    want, _ = L.policy_loss(lp, old, adv, mask, cfg, ref_logprobs=ref)
     assert float(got) == float(want) and "kl" in stats
     monkeypatch.setenv(K.ENV_VAR, "cuda")
-    with pytest.raises(ValueError, match="does not implement train.loss_agg=seq-mean-token-sum-norm"):
-        K.policy_loss(lp, old, adv, mask, **kw)
+    with pytest.raises(ValueError, match="does not implement train.algorithm.loss_agg_mode=seq-mean-token-sum-norm"):
+        K.policy_loss(lp, old, adv, mask, cfg, ref_logprobs=ref)
 
 
 TOY_PLUGIN = """
+from dataclasses import dataclass
+
 import torch
 
 from training.algos.estimators import register_outcome_adv_est
+from training.registry import Options
 
 CALLS = []
 
 
-@register_outcome_adv_est("toy_constant", groups=False)
-def toy_constant(rewards, groups, search_calls, tc):
+@dataclass(frozen=True)
+class ToyOptions(Options):
+    toy_value: float = 0.0
+
+
+@register_outcome_adv_est("toy_constant", groups=False, options=ToyOptions)
+def toy_constant(rewards, groups, search_calls, opts):
     CALLS.append(len(rewards))
-    return torch.full_like(rewards, float(tc.options["toy_value"]))
+    return torch.full_like(rewards, opts.toy_value)
 """
 
 
@@ -129,8 +136,8 @@ def test_an_estimator_registered_outside_the_package_trains_through_sleuth_train
     rc = main(["train", f"out_dir={out}", f"data.corpus={tiny_data / 'corpus.jsonl'}",
                f"data.train={tiny_data / 'train.jsonl'}", f"data.test={tiny_data / 'test.jsonl'}",
                f"retrieval.index_dir={bm25_index}", f"policy.model={tiny_policy_dir}", "sft.enabled=false",
-               f"plugins=[{plugin}]", "train.algorithm=toy_constant", "train.options.toy_value=0.25",
-               "train.steps=1", "train.questions_per_step=2", "train.group_size=2", "agent.max_new_tokens=8",
+               f"plugins=[{plugin}]", "train.algorithm.adv_estimator=toy_constant", "train.algorithm.options.toy_value=0.25",
+               "train.steps=1", "train.rollout.questions_per_step=2", "train.rollout.group_size=2", "agent.max_new_tokens=8",
                "agent.max_total_tokens=256"])
     assert rc == 0
     (record,) = [json.loads(x) for x in (out / "toy_constant" / "metrics.jsonl").read_text().splitlines()]

@@ -4,17 +4,30 @@ aggregation modes, each a name -> entry map filled by decorators where the part 
 The pattern users of this field know from verl (``core_algos.register_adv_est`` /
 ``register_policy_loss``): a new estimator is one function and one registration, in one file (Sleuth's
 own, or a plugin module named in the config's ``plugins``), and the config's allowed values are the
-registered names. Entries are frozen dataclasses that say what the part needs (a critic, group structure,
-per-turn gold-answer probabilities, ...), so the trainer asks the entry instead of testing names.
+registered names (:func:`training.config.choice`: the one validator of a registered name). Entries are frozen
+dataclasses that say what the part needs (a critic, group structure, its :class:`Options`, the inputs it
+prepares), so the trainer asks the entry instead of testing names. Nothing here needs pydantic: the losses and
+the kernels' benchmarks import it on machines without the config stack.
 """
 
 from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 E = TypeVar("E")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Base of a registered part's own settings (an estimator's ``train.algorithm.options``, a policy loss's
+    ``train.algorithm.loss_options``): a part with settings registers a frozen dataclass subclassing this, one
+    field per setting with its default, its ranges checked in ``__post_init__`` (``ValueError``, e.g. with
+    :func:`training.algos.options.check_range`). The config validates the mapping it is given against the
+    chosen part's class when it is loaded (unknown keys are errors naming the closest ones; values are
+    converted to the field types). This base has no settings."""
 
 
 class Registry(Generic[E]):
@@ -71,3 +84,4 @@ def decorator(registry: Registry[E], name: str, make: Callable[[Callable], E], r
         return fn
 
     return wrap
+
