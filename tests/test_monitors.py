@@ -11,10 +11,12 @@ import torch
 
 from agent.trajectory import Trajectory, Turn
 from training.infra.monitors import (
+    PHASES,
     Alarms,
     degeneracy_score,
     health_stats,
     malformed_tags,
+    marked_timer,
     plot_dashboard,
     read_metrics,
     repeated_ngram_fraction,
@@ -167,6 +169,34 @@ def test_truncated_judge_and_tool_call_tags_are_faults():
     assert malformed_tags("<judge>useful</judge>") == 0
     assert malformed_tags("<judge>useful</judge") == 2  # the cut closing tag, and <judge> left open
     assert malformed_tags("<tool_call") == 1 and malformed_tags("<judg") == 1
+
+
+def test_the_dashboard_draws_the_time_of_every_phase(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    recs = [{"step": s, "reward": 0.1, **{f"timing/{p}_s": 0.1 * s + i for i, p in enumerate(PHASES)}} for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)  # keep the figure to read it back
+    plot_dashboard(tmp_path)
+    (ax,) = [a for a in figs[0].axes if a.get_title() == "time per phase (s)"]
+    assert [line.get_label() for line in ax.get_lines()] == [f"timing/{p}_s" for p in PHASES]
+    assert list(ax.get_lines()[-1].get_ydata()) == [r[f"timing/{PHASES[-1]}_s"] for r in recs]
+
+
+def test_marked_timer_adds_up_a_phase_timed_in_several_blocks_and_times_a_block_that_raised(monkeypatch):
+    import training.infra.monitors as M
+
+    clock = iter([10.0, 10.5, 20.0, 20.25, 30.0, 31.0])
+    monkeypatch.setattr(M.time, "perf_counter", lambda: next(clock))
+    timing: dict[str, float] = {}
+    with marked_timer("log", timing):
+        pass
+    with marked_timer("log", timing):
+        pass
+    with pytest.raises(KeyError), marked_timer("update", timing):
+        raise KeyError("boom")
+    assert timing == {"timing/log_s": 0.75, "timing/update_s": 1.0}
 
 
 def test_dashboard_of_a_run_directory_points_to_its_grpo_folder(tmp_path, capsys):

@@ -145,3 +145,73 @@ def test_an_estimator_registered_outside_the_package_trains_through_sleuth_train
     # every policy token got the toy's constant advantage: its mean |advantage| is that constant
     assert record["adv_abs_mean"] == pytest.approx(0.25)
     assert (out / "toy_constant" / "checkpoints" / "latest").exists()
+
+
+PREPARING_PLUGIN = '''
+from dataclasses import dataclass
+
+from training.algos.estimators import kl_reward_penalty, register_adv_est
+from training.algos.options import check_range
+from training.registry import Options
+
+SEEN = []
+
+
+@dataclass(frozen=True)
+class SurpriseOptions(Options):
+    scale: float = 1.0
+
+    def __post_init__(self):
+        check_range("surprise's scale", self.scale, 0.0)
+
+
+def surprise(ctx):
+    """A new input: each row's mean surprisal -log pi over its policy tokens, scored with the context's
+    policy on the step's batch."""
+    mask = ctx.batch.loss_mask
+    lp = ctx.logprobs(ctx.batch).cpu()
+    ctx.batch.prepared["surprise"] = -(lp * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    SEEN.append({"step": ctx.step, "rows": len(ctx.trajs), "tokenizer": ctx.tokenizer is not None,
+                 "worker": ctx.worker is not None, "old": ctx.batch.old_logprobs.clone(), "mask": mask.clone(),
+                 "surprise": ctx.batch.prepared["surprise"].clone()})
+
+
+@register_adv_est("surprise_bonus", options=SurpriseOptions, prepare=(kl_reward_penalty, surprise))
+def surprise_bonus(inp, opts, alg):
+    return {"advantages": opts.scale * inp.prepared["surprise"][:, None] * inp.mask}
+'''
+
+
+def test_an_estimator_with_an_input_of_its_own_is_one_registration_in_one_file(tiny_policy_dir, retriever,
+                                                                               tmp_path):
+    """An estimator needing something no other one computes declares it as a prepare step in its own module
+    (no field in the batch type, no flag, no branch in the trainer), with its options validated by the config;
+    the trainer runs the step on the step's batch with the models, the tokenizer and the rollout worker."""
+    import sys
+
+    from sleuth.config import load_config
+    from tests.conftest import QUESTIONS, run_rl
+    from tests.test_trainer import load, varying_judge
+
+    plugin = tmp_path / "surprise_plugin.py"
+    plugin.write_text(PREPARING_PLUGIN)
+    cfg = load_config(None, [f"plugins=[{plugin}]", "train.algorithm.adv_estimator=surprise_bonus",
+                             "train.algorithm.options.scale=0.5", "train.steps=2", "train.rollout.questions_per_step=2",
+                             "train.rollout.group_size=2", "agent.max_turns=2", "agent.max_new_tokens=8",
+                             "agent.max_total_tokens=200", "train.checkpoints.save_every=1"])
+    assert cfg.train.algorithm.options.scale == 0.5
+    with pytest.raises(ValueError, match="surprise's scale must lie in"):
+        load_config(None, [f"plugins=[{plugin}]", "train.algorithm.adv_estimator=surprise_bonus",
+                           "train.algorithm.options.scale=-1"])
+    (module,) = [m for m in list(sys.modules.values()) if getattr(m, "__file__", None) == str(plugin.resolve())]
+    model, tok = load(tiny_policy_dir)
+    out = run_rl(cfg, model, tok, retriever, QUESTIONS, tmp_path / "run", judge=varying_judge)
+    seen = module.SEEN
+    assert [(s["step"], s["rows"], s["tokenizer"], s["worker"]) for s in seen] == [(0, 4, True, True), (1, 4, True, True)]
+    last = seen[-1]
+    # the context's policy scores as the old log-probs were scored (same weights, before the update)
+    want = -(last["old"] * last["mask"]).sum(-1) / last["mask"].sum(-1).clamp(min=1.0)
+    torch.testing.assert_close(last["surprise"], want, rtol=1e-5, atol=1e-6)
+    # the advantage of every policy token is 0.5 x its row's surprisal: mean |A| over the tokens
+    expect = float((0.5 * last["surprise"].abs()[:, None] * last["mask"]).sum() / last["mask"].sum())
+    assert out["last"]["adv_abs_mean"] == pytest.approx(expect, rel=1e-5)

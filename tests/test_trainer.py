@@ -922,3 +922,49 @@ def test_packing_without_packed_sequence_masks_is_refused_before_the_first_rollo
     with pytest.raises(ValueError, match="train.optim.packing needs a transformers"):
         run_rl(make_cfg("train.optim.packing=true"), None, None, retriever, QUESTIONS, tmp_path)
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_every_step_record_times_every_phase(tiny_policy_dir, retriever, tmp_path):
+    """``timing/<phase>_s`` for each phase of each step (eval on the steps that evaluate), in the records
+    logged and in the ones handed to ``on_step``; ``step_s`` spans the rollout through the sync."""
+    from training.infra.monitors import PHASES
+
+    model, tok = load(tiny_policy_dir)
+    seen = []
+    run_rl(make_cfg("train.steps=3", "train.monitoring.eval_every=2"), model, tok, retriever, QUESTIONS, tmp_path,
+           judge=varying_judge, on_step=lambda s, r: seen.append(r), evaluate=lambda m: {"em": 0.5})
+    recs = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3] and [r["timing/update_s"] for r in recs] == [
+        r["timing/update_s"] for r in seen]
+    for r in recs:
+        evaluated = r["step"] in (2, 3)  # every 2 steps and at the last
+        assert {k for k in r if k.startswith("timing/")} == {f"timing/{p}_s" for p in PHASES if p != "eval" or evaluated}
+        assert all(r[f"timing/{p}_s"] >= 0 for p in PHASES if p != "eval" or evaluated)
+        trained = sum(r[f"timing/{p}_s"] for p in ("rollout", "score", "advantages", "update", "sync"))
+        assert trained <= r["step_s"] + 0.01 and r["timing/checkpoint_s"] > 0  # save_every=1: a checkpoint each step
+    assert "rollout_s" not in recs[0]  # now timing/rollout_s
+
+
+def test_a_checkpoint_written_before_its_record_was_logged_gets_the_record_back(tiny_policy_dir, retriever, tmp_path):
+    """The checkpoint of a step is written before its record reaches metrics.jsonl; a run killed in between
+    resumes at that step with nothing to redo, so the record the checkpoint kept is logged then."""
+    from agent.backends.hf import load_model_and_tokenizer
+    from training.infra.checkpoint import latest_checkpoint
+
+    cfg = make_cfg("train.steps=2")
+    model, tok = load(tiny_policy_dir)
+    run_rl(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge, llm_factory=SeededLLM)
+    path = tmp_path / "metrics.jsonl"
+    first, second = path.read_text().splitlines()
+    path.write_text(first + "\n")  # killed after step 2's checkpoint, before its record
+    model, tok = load_model_and_tokenizer(str(latest_checkpoint(tmp_path)), device="cpu")
+    out = run_rl(cfg, model, tok, retriever, QUESTIONS, tmp_path, resume=True, judge=varying_judge,
+                 llm_factory=SeededLLM)
+    assert out["start_step"] == 2
+    lines = path.read_text().splitlines()
+    assert lines[0] == first and len(lines) == 2
+    # the record as it was when the checkpoint was written (the phases after it were not timed yet)
+    after = ("timing/log_s", "timing/checkpoint_s")
+    assert json.loads(lines[1]) == {k: v for k, v in json.loads(second).items() if k not in after}
+    run_rl(cfg, model, tok, retriever, QUESTIONS, tmp_path, resume=True, judge=varying_judge, llm_factory=SeededLLM)
+    assert path.read_text().splitlines() == lines  # logged once
