@@ -75,11 +75,12 @@ def test_a_flat_yaml_gives_the_nested_config_with_a_warning_per_key_naming_the_n
     old, warned = _load(tmp_path, OLD_YAML)
     new, none = _load(tmp_path, NEW_YAML)
     assert old.model_dump() == new.model_dump() and none == []
-    assert len(warned) == len(yaml.safe_load(OLD_YAML)["train"]) - 1  # every key but steps, which stays
-    assert any("train.lr is deprecated: use train.optim.lr" in m for m in warned)
-    assert any("train.algorithm is deprecated: use train.algorithm.adv_estimator" in m for m in warned)
-    assert any("train.alarm_action is deprecated: use train.monitoring.alarms.action" in m for m in warned)
-    assert all(str(tmp_path / "c.yaml") in m for m in warned)  # where the old key was read
+    (msg,) = warned  # one warning for the file, naming every old key's new one and where they were read
+    assert msg.startswith(f"{tmp_path / 'c.yaml'}: deprecated flat train keys, read for one more release: ")
+    assert msg.count(" -> ") == len(yaml.safe_load(OLD_YAML)["train"]) - 1  # every key but steps, which stays
+    for pair in ("train.lr -> train.optim.lr", "train.algorithm -> train.algorithm.adv_estimator",
+                 "train.alarm_action -> train.monitoring.alarms.action", "train.vf_clip -> train.algorithm.cliprange_value"):
+        assert pair in msg
     t = new.train
     assert (t.algorithm.adv_estimator, t.algorithm.critic, t.optim.critic_lr, t.rollout.group_size,
             t.checkpoints.keep, t.monitoring.alarms.action) == ("ppo", "separate", 1e-5, 3, 4, "stop")
@@ -94,8 +95,9 @@ def test_flat_overrides_on_the_command_line_land_in_their_sections_without_repla
     assert (a.adv_estimator, a.critic, a.cliprange_value, a.clip_ratio_high, cfg.train.optim.lr) == (
         "ppo", "separate", 0.5, 0.4, 2e-6)
     assert isinstance(a.loss_options, CISPOOptions) and a.loss_options.clip_low == 0.5
-    assert "override: train.options.cispo_clip_low is deprecated: use train.algorithm.loss_options.clip_low" in \
-        " ".join(warned)
+    (msg,) = warned
+    assert msg.startswith("override: deprecated flat train keys") and \
+        "train.options.cispo_clip_low -> train.algorithm.loss_options.clip_low" in msg
     new, none = _load(tmp_path, NEW_YAML, ["train.algorithm.adv_estimator=ppo", "train.optim.lr=2e-6",
                                            "train.algorithm.clip_ratio_high=0.4", "train.algorithm.policy_loss=cispo",
                                            "train.algorithm.loss_options.clip_low=0.5"])
@@ -121,12 +123,41 @@ def test_every_flat_key_has_a_place_in_the_schema():
             model = model.model_fields[part].annotation
         else:
             assert last in model.model_fields, f"train.{old} -> train.{new}"
-    with pytest.warns(DeprecatedConfigKey, match="train.stratified_alpha is deprecated: use train.algorithm.options.alpha"):
+    with pytest.warns(DeprecatedConfigKey, match="train.stratified_alpha -> train.algorithm.options.alpha"):
         cfg = TrainConfig(algorithm="stratified_grpo", stratified_alpha=0.3)  # flat keys in Python too
     assert cfg.algorithm.options.alpha == 0.3
     with pytest.warns(DeprecatedConfigKey):
         gigpo = TrainConfig(algorithm="gigpo", gigpo_omega=0.5, gigpo_std_norm=False)
     assert gigpo.algorithm.options.std_norm is False and gigpo.algorithm.options.omega == 0.5
+
+
+def test_a_config_saved_by_the_earlier_release_loads_to_the_same_config(tmp_path):
+    """Every run saved its whole config (config.yaml): the flat train section with every key, the settings of
+    every estimator among them. It loads to the same config as today's keys; the settings of estimators
+    other than the run's are dropped (that release ignored them), saying so."""
+    new = load_config(None, ["train.algorithm.adv_estimator=ppo", "train.algorithm.critic=separate",
+                             "train.optim.lr=3e-4", "train.monitoring.alarms.window=7"])
+    dumped = new.model_dump()
+    flat = {"steps": dumped["train"]["steps"], "dist_timeout_s": dumped["train"]["dist_timeout_s"], "options": {}}
+    for old, path in FLAT_KEYS.items():
+        if path.startswith("algorithm.options."):
+            continue
+        value = dumped["train"]
+        for part in path.split("."):
+            value = value[part]
+        flat[old] = value
+    flat.update(stratified_alpha=0.5, ig_coef=1.0, gigpo_omega=1.0, gigpo_std_norm=True)  # the old defaults
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({**dumped, "train": flat}, sort_keys=False))
+    with pytest.warns(DeprecatedConfigKey) as seen:
+        old = load_config(tmp_path / "config.yaml")
+    assert old.model_dump() == dumped
+    msg = str(seen[0].message)
+    assert "train.ig_coef (ignored: ppo has no such option)" in msg and "train.lr -> train.optim.lr" in msg
+    # the same keys with the estimator that has the option: it is kept
+    flat.update(algorithm="igpo", ig_coef=0.25, critic="none")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({**dumped, "train": flat}, sort_keys=False))
+    with pytest.warns(DeprecatedConfigKey, match=r"train.ig_coef -> train.algorithm.options.ig_coef"):
+        assert load_config(tmp_path / "config.yaml").train.algorithm.options.ig_coef == 0.25
 
 
 def test_estimator_options_are_its_own_model_validated_with_the_config():
@@ -205,3 +236,23 @@ def test_the_loss_settings_come_from_the_algorithm_section_once():
     assert type(LossConfig(loss="cispo").resolved().options) is CISPOOptions
     with pytest.raises(TypeError, match="takes CISPOOptions, got Options"):
         LossConfig(loss="cispo", options=Options()).resolved()
+
+
+def test_a_registration_takes_only_frozen_options_dataclasses():
+    from dataclasses import dataclass
+
+    from training.algos.losses import register_policy_loss
+
+    @dataclass(frozen=True)
+    class NotOptions:  # a frozen dataclass, but no Options (e.g. a method's options class not wired yet)
+        x: float = 1.0
+
+    class Plain:
+        x = 1.0
+
+    for bad in (NotOptions, Plain, dict):
+        with pytest.raises(TypeError, match="advantage estimator 'bad_options': options must be a frozen dataclass"):
+            E.register_adv_est("bad_options", options=bad)
+        with pytest.raises(TypeError, match="policy loss 'bad_options': options must be a frozen dataclass"):
+            register_policy_loss("bad_options", options=bad)
+    assert "bad_options" not in E.ADV_ESTIMATORS

@@ -397,27 +397,35 @@ FLAT_LOSS_OPTIONS = {"cispo_clip_low": "algorithm.loss_options.clip_low"}
 
 def upgrade_train_keys(train: dict[str, Any], source: str | None = None) -> dict[str, Any]:
     """A ``train`` mapping with the earlier release's flat keys (:data:`FLAT_KEYS`; ``algorithm`` and
-    ``critic`` given as a name; ``options`` as one flat mapping) moved to their sections, one
-    :class:`DeprecatedConfigKey` warning per key naming the new one (and ``source``, where the key was
-    read). A mapping without them is returned as it is (not copied). Raises ``ValueError`` when a key is
-    given in both spellings."""
+    ``critic`` given as a name; ``options`` as one flat mapping) moved to their sections, with one
+    :class:`DeprecatedConfigKey` warning naming each old key's new one (and ``source``, where they were
+    read). The settings of one estimator given to another one (``stratified_alpha`` with ``algorithm: grpo``,
+    as every run's saved ``config.yaml`` of that release holds) are dropped, as that release ignored them. A
+    mapping without flat keys is returned as it is (not copied). Raises ``ValueError`` when a key is given in
+    both spellings."""
     moves: list[tuple[str, str, Any]] = []
     for old, value in train.items():
         if old in ("algorithm", "critic") and isinstance(value, dict):
             continue  # the section itself (algorithm), or a mapping where a name belongs: the schema's error
         if old == "options" and isinstance(value, dict):
-            for k, v in value.items():
-                moves.append((f"options.{k}", FLAT_LOSS_OPTIONS.get(k, f"algorithm.options.{k}"), v))
+            moves.extend((f"options.{k}", FLAT_LOSS_OPTIONS.get(k, f"algorithm.options.{k}"), v) for k, v in value.items())
         elif old in FLAT_KEYS:
             moves.append((old, FLAT_KEYS[old], value))
-    if not moves:
+    if not moves and not isinstance(train.get("options"), dict):
         return train
-    moved = {m[0].split(".")[0] for m in moves}
-    out = {k: copy.deepcopy(v) for k, v in train.items() if k not in moved}
+    out = {k: copy.deepcopy(v) for k, v in train.items()
+           if k not in {m[0].split(".")[0] for m in moves} | {"options"}}
+    name = train.get("algorithm")
+    takes = None  # the named estimator's options (None: unknown here, e.g. a plugin's not imported yet)
+    if isinstance(name, str) and name in ADV_ESTIMATORS:
+        takes = {f.name for f in dataclasses.fields(ADV_ESTIMATORS.get(name).options)}
+    notes = []
     for old, new, value in moves:
-        where = f"{source}: " if source else ""
-        warnings.warn(f"{where}train.{old} is deprecated: use train.{new} (the flat train keys are read for one "
-                      "more release)", DeprecatedConfigKey, stacklevel=2)
+        if takes is not None and old in FLAT_KEYS and new.startswith("algorithm.options.") and \
+                new.rsplit(".", 1)[1] not in takes:
+            notes.append(f"train.{old} (ignored: {name} has no such option)")
+            continue
+        notes.append(f"train.{old} -> train.{new}")
         *path, last = new.split(".")
         d = out
         for p in path:
@@ -429,4 +437,8 @@ def upgrade_train_keys(train: dict[str, Any], source: str | None = None) -> dict
         if last in d:
             raise ValueError(f"train.{old} and train.{new} are the same setting: give it once (train.{new})")
         d[last] = value
+    if notes:
+        where = f"{source}: " if source else ""
+        warnings.warn(f"{where}deprecated flat train keys, read for one more release: {', '.join(notes)}",
+                      DeprecatedConfigKey, stacklevel=2)
     return out

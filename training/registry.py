@@ -12,6 +12,7 @@ the kernels' benchmarks import it on machines without the config stack.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +29,16 @@ class Options:
     :func:`training.algos.options.check_range`). The config validates the mapping it is given against the
     chosen part's class when it is loaded (unknown keys are errors naming the closest ones; values are
     converted to the field types). This base has no settings."""
+
+
+def options_class(options: type, part: str) -> type[Options]:
+    """``options`` when it is a frozen dataclass subclassing :class:`Options` (what a registration's
+    ``options=`` takes), else ``TypeError`` naming the registered ``part``."""
+    if not (isinstance(options, type) and issubclass(options, Options) and dataclasses.is_dataclass(options)
+            and options.__dataclass_params__.frozen):
+        raise TypeError(f"{part}: options must be a frozen dataclass subclassing training.registry.Options "
+                        f"(@dataclass(frozen=True) class MyOptions(Options): ...), got {options!r}")
+    return options
 
 
 class Registry(Generic[E]):

@@ -58,7 +58,7 @@ from training.algos.rewards import gold_answer_probs, information_gain_rewards, 
 from training.algos.turn_credit import anchor_states, evidence_gain, gigpo_advantages
 from training.batch import Batch
 from training.infra.distributed import gather_objects, world
-from training.registry import Options, Registry
+from training.registry import Options, Registry, options_class
 
 
 @dataclass
@@ -205,10 +205,12 @@ def register_adv_est(name: str, *, critic: bool = False, groups: bool = False, o
                      prepare: tuple[PrepareStep, ...] = (kl_reward_penalty,), replace: bool = False):
     """Decorator: register ``fn(inp: AdvantageInputs, opts, alg) -> {"advantages": [N, T-1], "returns"?:
     [N, T-1]}`` as ``train.algorithm.adv_estimator=<name>`` (advantages zero off the loss mask; ``returns``
-    are the critic's targets), with its options model and prepare steps (see :class:`AdvEstimator`)."""
+    are the critic's targets), with its options class and prepare steps (see :class:`AdvEstimator`). Raises
+    ``TypeError`` for options that are not a frozen dataclass of :class:`training.registry.Options`."""
+    opts_cls = options_class(options, f"advantage estimator {name!r}")
 
     def wrap(fn):
-        ADV_ESTIMATORS.add(name, AdvEstimator(name, fn, critic, groups, options, tuple(prepare)), replace=replace)
+        ADV_ESTIMATORS.add(name, AdvEstimator(name, fn, critic, groups, opts_cls, tuple(prepare)), replace=replace)
         return fn
 
     return wrap
@@ -223,6 +225,7 @@ def register_outcome_adv_est(name: str, *, groups: bool = True, options: type[Op
     broadcasts the result to every policy token of the trajectory and adds the per-turn search cost-to-go
     (``train.algorithm.search_cost``). ``groups``: the estimator compares trajectories of a group, so
     ``train.rollout.group_size`` must be >= 2; ``options`` and ``prepare`` as :func:`register_adv_est`."""
+    opts_cls = options_class(options, f"advantage estimator {name!r}")
 
     def wrap(fn):
         def estimate(inp: AdvantageInputs, opts: Options, alg: Any) -> dict[str, torch.Tensor]:
@@ -241,7 +244,7 @@ def register_outcome_adv_est(name: str, *, groups: bool = True, options: type[Op
                 tok = tok + turns_to_tokens(cost, inp.token_turns, inp.mask)
             return {"advantages": tok}
 
-        ADV_ESTIMATORS.add(name, AdvEstimator(name, estimate, groups=groups, options=options, prepare=tuple(prepare)),
+        ADV_ESTIMATORS.add(name, AdvEstimator(name, estimate, groups=groups, options=opts_cls, prepare=tuple(prepare)),
                            replace=replace)
         return fn
 

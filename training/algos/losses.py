@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from training.algos.options import check_range
-from training.registry import Options, Registry, decorator
+from training.registry import Options, Registry, decorator, options_class
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,7 +314,8 @@ POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "train.algorithm
 
 def register_policy_loss(name: str, kernel: bool = False, options: type[Options] = Options, replace: bool = False):
     """Register a policy-gradient term (see :class:`PolicyLossFn`) as ``name``, with its options class."""
-    return decorator(POLICY_LOSSES, name, lambda fn: PolicyLossFn(name, fn, kernel, options), replace)
+    opts = options_class(options, f"policy loss {name!r}")
+    return decorator(POLICY_LOSSES, name, lambda fn: PolicyLossFn(name, fn, kernel, opts), replace)
 
 
 @register_policy_loss("ppo_clip", kernel=True)
