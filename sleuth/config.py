@@ -279,7 +279,8 @@ def import_plugins(plugins: Any) -> None:
 
 def _suggest(loc: tuple[Any, ...]) -> str:
     """``"; did you mean 'train.optim.lr'?"`` for an unknown key at ``loc``: close matches among the keys of its
-    section (empty when there are none)."""
+    section (empty when there are none); directly below ``train``, also among its sections' keys and the
+    earlier flat keys, each named by its place (``train.adv_estimator``: ``train.algorithm.adv_estimator``)."""
     import difflib
 
     model: Any = Config
@@ -290,7 +291,11 @@ def _suggest(loc: tuple[Any, ...]) -> str:
             return ""
     prefix = "".join(f"{p}." for p in loc[:-1])
     names = {c: prefix + c for c in model.model_fields}
-    if model is TrainConfig:  # a typo of an earlier flat key: its new place
+    if model is TrainConfig:  # a key of one of its sections, or a typo of an earlier flat key: its place
+        for section, field in TrainConfig.model_fields.items():
+            sub = field.annotation
+            if isinstance(sub, type) and issubclass(sub, Section):
+                names.update({k: f"train.{section}.{k}" for k in sub.model_fields if k not in names})
         names.update({old: f"train.{new}" for old, new in FLAT_KEYS.items() if old not in names})
     close = difflib.get_close_matches(str(loc[-1]), list(names), n=3, cutoff=0.6)
     if not close:

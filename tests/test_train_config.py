@@ -104,6 +104,14 @@ def test_flat_overrides_on_the_command_line_land_in_their_sections_without_repla
     assert new.model_dump() == cfg.model_dump() and none == []
 
 
+def test_a_key_of_a_section_given_directly_below_train_is_pointed_to_its_place():
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.adv_estimator'; did you mean "
+                                          r"'train.algorithm.adv_estimator'\?"):
+        load_config(None, ["train.adv_estimator=grpo"])
+    with pytest.raises(ConfigError, match=r"'train.grad_clip'; did you mean 'train.optim.grad_clip'\?"):
+        load_config(None, ["train.grad_clip=0.5"])
+
+
 def test_one_setting_in_both_spellings_is_an_error_naming_both():
     with pytest.raises(ConfigError, match="train.lr and train.optim.lr are the same setting"):
         load_config(None, ["train.lr=1e-3", "train.optim.lr=1e-4"])
