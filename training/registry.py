@@ -6,68 +6,13 @@ The pattern users of this field know from verl (``core_algos.register_adv_est`` 
 own, or a plugin module named in the config's ``plugins``), and the config's allowed values are the
 registered names. Entries are frozen dataclasses that say what the part needs (a critic, group structure,
 per-turn gold-answer probabilities, ...), so the trainer asks the entry instead of testing names.
+
+The :class:`Registry` class itself is the one every pluggable choice of every layer uses
+(:mod:`corpora.registry`, the lowest layer: retrievers, backends and tool protocols sit below training).
 """
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from corpora.registry import Registry, decorator
 
-E = TypeVar("E")
-
-
-class Registry(Generic[E]):
-    """Name -> entry for one kind of part (``kind``: e.g. ``"advantage estimator"``, used in errors)."""
-
-    def __init__(self, kind: str, config_key: str):
-        self.kind, self.config_key = kind, config_key
-        self._entries: dict[str, E] = {}
-
-    def add(self, name: str, entry: E, *, replace: bool = False) -> E:
-        """Register ``entry`` under ``name``. Raises ``ValueError`` when ``name`` is empty or already
-        registered (unless ``replace``: a plugin deliberately overriding a built-in)."""
-        if not name or not isinstance(name, str):
-            raise ValueError(f"a {self.kind} needs a non-empty name, got {name!r}")
-        if name in self._entries and not replace:
-            raise ValueError(f"{self.kind} {name!r} is already registered (pass replace=True to override it)")
-        self._entries[name] = entry
-        return entry
-
-    def get(self, name: str) -> E:
-        """The entry of ``name``. Raises ``ValueError`` naming the config key, the registered names and the
-        closest matches."""
-        try:
-            return self._entries[name]
-        except (KeyError, TypeError):
-            raise ValueError(self.unknown_message(name)) from None
-
-    def check(self, name: str) -> str:
-        """``name`` if registered (for a config validator), else ``ValueError`` as :meth:`get`."""
-        self.get(name)
-        return name
-
-    def unknown_message(self, name: object) -> str:
-        close = difflib.get_close_matches(str(name), list(self._entries), n=3)
-        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-        return (f"unknown {self.kind} {name!r} ({self.config_key}); registered: {', '.join(self.names())}{hint} "
-                "(a plugin module named in the config's `plugins` can register more)")
-
-    def names(self) -> tuple[str, ...]:
-        return tuple(self._entries)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
-
-
-def decorator(registry: Registry[E], name: str, make: Callable[[Callable], E], replace: bool = False):
-    """A decorator registering ``make(fn)`` under ``name`` and returning ``fn`` unchanged."""
-
-    def wrap(fn: Callable) -> Callable:
-        registry.add(name, make(fn), replace=replace)
-        return fn
-
-    return wrap
+__all__ = ["Registry", "decorator"]
