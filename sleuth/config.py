@@ -39,7 +39,8 @@ class RetrievalConfig(Section):
     """Which index and retriever the agent searches, and how many passages (top-k) per search."""
     index_dir: str = "runs/index"
     # a running retrieval server (`sleuth serve-retrieval`, or Search-R1's retrieval_server.py): the agent searches
-    # it over HTTP (retrieval.client.RemoteRetriever) instead of opening index_dir; the server picks the method
+    # it over HTTP (retrieval.client.RemoteRetriever) instead of opening index_dir; the server picks the method (any
+    # method but simulated stands aside for it: the simulated engine's documents are written by the run's own LLM)
     url: str | None = None
     # a name of retrieval.registry.RETRIEVERS (a plugin may register more): bm25, dense, hybrid and lucene search
     # index_dir (lucene: pyserini BM25, the lucene extra, faster from ~1M passages); simulated: ZeroSearch

@@ -98,10 +98,28 @@ TOYS = [QAExample("t0", "Where do the toys live?", ["Toyland"]), QAExample("t1",
 
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory):
-    """The plugin file, one path for the module's tests (a module is imported once per path and process)."""
+    """The plugin file, one path for the module's tests (a module is imported once per path and process); the
+    registries are as before once they are done, so no other test sees the toys."""
+    import sys
+
+    from agent.backends.build import BACKENDS
+    from agent.protocols.build import PROTOCOLS
+    from eval.methods import EVAL_METHODS
+    from retrieval.registry import RETRIEVERS
+    from training.algos.estimators import ADV_ESTIMATORS
+    from training.algos.losses import POLICY_LOSSES
+
+    registries = (RETRIEVERS, BACKENDS, PROTOCOLS, EVAL_METHODS, ADV_ESTIMATORS, POLICY_LOSSES)
+    before = [dict(r._entries) for r in registries]
+    modules = set(sys.modules)
     path = tmp_path_factory.mktemp("plugins") / "toy_plugins.py"
     path.write_text(textwrap.dedent(TOY_PLUGIN))
-    return path
+    yield path
+    for registry, entries in zip(registries, before):
+        registry._entries = entries
+    for name in set(sys.modules) - modules:
+        if name.startswith("sleuth_plugin_toy_plugins"):
+            del sys.modules[name]
 
 
 def sleuth(capsys, *argv) -> tuple[int, str, str]:
@@ -168,3 +186,37 @@ def test_a_toy_estimator_and_policy_loss_train_through_sleuth_train(plugin, tiny
     (record,) = [json.loads(x) for x in (out / "toy_estimator" / "metrics.jsonl").read_text().splitlines()]
     assert record["step"] == 1 and record["adv_abs_mean"] == pytest.approx(0.5)  # the toy's constant advantage
     assert record["toy_ratio_max"] == pytest.approx(1.0, abs=1e-4)  # the toy loss ran (on-policy: ratio 1)
+
+
+def test_the_built_in_entries_say_what_each_choice_needs():
+    from agent.backends.build import BACKENDS
+    from agent.protocols.build import PROTOCOLS
+    from eval.methods import EVAL_METHODS
+    from retrieval.registry import RETRIEVERS
+    from sleuth.config import Config
+    from sleuth.pipeline import check_rollout_backend, needs_index
+
+    parts = {n: RETRIEVERS.get(n).index_parts for n in ("bm25", "dense", "hybrid", "lucene", "simulated", "mcp", "web")}
+    assert parts == {"bm25": ("bm25",), "dense": ("dense",), "hybrid": ("bm25", "dense"), "lucene": ("lucene",),
+                     "simulated": (), "mcp": (), "web": ()}
+    assert [n for n in parts if not RETRIEVERS.get(n).cached] == [n for n in parts if RETRIEVERS.get(n).generative] \
+        == ["simulated"]
+    assert [(n, BACKENDS.get(n).rollout, BACKENDS.get(n).engine) for n in ("transformers", "vllm", "openai")] == [
+        ("transformers", True, False), ("vllm", True, True), ("openai", False, False)]
+    assert [n for n in ("search_r1", "function_call") if PROTOCOLS.get(n).tags] == ["search_r1"]
+    assert {n: (e.retrieves, e.tags, e.episodes) for n in ("direct", "rag", "ircot", "agent", "search_o1")
+            for e in [EVAL_METHODS.get(n)]} == {"direct": (False, False, False), "rag": (True, False, False),
+                                                 "ircot": (True, False, False), "agent": (True, False, True),
+                                                 "search_o1": (True, True, False)}
+    with pytest.raises(ValueError, match="agent.backend.kind=openai cannot roll out for training.*"
+                                         "agent.backend.kind=transformers or vllm"):
+        check_rollout_backend(Config.model_validate({"agent": {"backend": {"kind": "openai"}}}))
+    check_rollout_backend(Config())
+    # an index is needed for an index method without a server in its place
+    assert needs_index(Config()) and not needs_index(Config.model_validate({"retrieval": {"url": "http://h:1"}}))
+    assert not needs_index(Config.model_validate({"retrieval": {"method": "web"}}))
+    # the config schema's help says the registered names
+    schema = Config.model_json_schema()["$defs"]
+    assert "one of bm25, dense, hybrid, lucene, simulated, mcp, web" in \
+        schema["RetrievalConfig"]["properties"]["method"]["description"]
+    assert "one of transformers, vllm, openai" in schema["BackendConfig"]["properties"]["kind"]["description"]
