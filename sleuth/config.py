@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 # each layer's sections live beside it (agent/config.py, training/config.py); they are part of this schema
 from agent.config import AgentConfig, BackendConfig, LLMJudgeConfig, Section, SimulatorConfig
+from retrieval.registry import RETRIEVERS
 from training.config import FLAT_KEYS, DeprecatedConfigKey, SFTConfig, TrainConfig, upgrade_train_keys
 
 __all__ = ["AgentConfig", "BackendConfig", "Config", "ConfigError", "LLMJudgeConfig", "SFTConfig", "Section",
@@ -42,12 +43,14 @@ class RetrievalConfig(Section):
     """Which index and retriever the agent searches, and how many passages (top-k) per search."""
     index_dir: str = "runs/index"
     # a running retrieval server (`sleuth serve-retrieval`, or Search-R1's retrieval_server.py): the agent searches
-    # it over HTTP (retrieval.client.RemoteRetriever) instead of opening index_dir; the server picks the method
+    # it over HTTP (retrieval.client.RemoteRetriever) instead of opening index_dir; the server picks the method (any
+    # method but simulated stands aside for it: the simulated engine's documents are written by the run's own LLM)
     url: str | None = None
-    # simulated: ZeroSearch (agent.simulator); lucene: pyserini BM25 (lucene extra), faster from ~1M passages
-    # mcp: the search tool of the MCP server at mcp_server (retrieval.mcp.MCPRetriever)
+    # a name of retrieval.registry.RETRIEVERS (a plugin may register more): bm25, dense, hybrid and lucene search
+    # index_dir (lucene: pyserini BM25, the lucene extra, faster from ~1M passages); simulated: ZeroSearch
+    # (agent.simulator); mcp: the search tool of the MCP server at mcp_server (retrieval.mcp.MCPRetriever);
     # web: a web search API (retrieval.web.WebSearch; web_provider, its key from the environment)
-    method: Literal["bm25", "dense", "hybrid", "lucene", "simulated", "mcp", "web"] = "bm25"
+    method: str = Field("bm25", description=f"the retriever: {RETRIEVERS.help()}")
     top_k: int = Field(3, ge=1, le=100)
     # the model `sleuth index`/ensure_index embed with; an index is searched with the model it was built with,
     # and setting another one here is an error (see chosen_dense_model)
@@ -70,6 +73,11 @@ class RetrievalConfig(Section):
     web_url: str | None = None
     web_cache_dir: str = "runs/web_cache"
     web_rate_per_s: float = Field(1.0, ge=0)
+
+    @field_validator("method")
+    @classmethod
+    def _registered_method(cls, v: str) -> str:  # the registry's names, plugins' included
+        return RETRIEVERS.check(v)
 
     def chosen_dense_model(self) -> str | None:
         """``dense_model`` when the config sets it (a YAML key or an override, also to the default's value),
@@ -127,7 +135,8 @@ class EvalConfig(Section):
 class Config(Section):
     """The whole run configuration (one YAML file plus dotted overrides). ``plugins``: Python modules (dotted
     names, or paths of ``.py`` files) imported before the rest is validated, so that what they register
-    (advantage estimators, losses, KL estimators: :mod:`training.registry`) is a valid config value."""
+    (retrievers, LLM backends, tool protocols, evaluation methods, advantage estimators, losses, KL
+    estimators: :class:`corpora.registry.Registry`) is a valid config value."""
     seed: int = 0
     out_dir: str = "runs/quickstart"
     plugins: list[str] = Field(default_factory=list)

@@ -144,7 +144,7 @@ def test_eval_checks_benchmarks_and_method_before_loading_anything(tmp_path, cap
     assert main(["eval", "--benchmarks", "hotpot-qa", nope]) == 2
     assert "unknown benchmark 'hotpot-qa'" in capsys.readouterr().err
     assert main(["eval", "--benchmarks", "sample", "--method", "reflexion", nope]) == 2
-    assert "unknown method 'reflexion'" in capsys.readouterr().err
+    assert "unknown evaluation method 'reflexion'" in capsys.readouterr().err
     assert main(["eval", "--benchmarks", "nq", "--data-dir", str(tmp_path), nope]) == 2
     assert f"benchmark nq not found in the data dir {tmp_path}" in capsys.readouterr().err
 
@@ -153,7 +153,7 @@ def test_eval_checks_method_and_qa_file_before_loading_anything(tmp_path, capsys
     """An unknown --method or a missing --qa file is reported at once (any method runs on a QA file)."""
     nope = f"retrieval.index_dir={tmp_path / 'nope'}"  # loading the index would fail with another error
     assert main(["eval", "--method", "reflexion", nope]) == 2
-    assert "unknown method 'reflexion'" in capsys.readouterr().err
+    assert "unknown evaluation method 'reflexion'" in capsys.readouterr().err
     assert main(["eval", "--qa", str(tmp_path / "missing.jsonl"), nope]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
 
