@@ -82,13 +82,12 @@ def toy_method(examples, ctx):
 
 
 @register_outcome_adv_est("toy_estimator", groups=False)
-def toy_estimator(rewards, groups, search_calls, tc):
+def toy_estimator(rewards, groups, search_calls, opts):
     return torch.full_like(rewards, 0.5)
 
 
 @register_policy_loss("toy_loss")
-def toy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_high=0.2, clip_ratio_c=None,
-             options=None):
+def toy_loss(logprobs, old_logprobs, advantages, mask, cfg):
     ratio = torch.exp(logprobs - old_logprobs)
     return -advantages * ratio, {"toy_ratio_max": float((ratio * mask).detach().max())}
 '''
@@ -179,9 +178,9 @@ def test_a_toy_estimator_and_policy_loss_train_through_sleuth_train(plugin, tiny
     code, _, err = sleuth(capsys, "train", f"plugins=[{plugin}]", f"out_dir={out}", f"data.corpus={tiny_data / 'corpus.jsonl'}",
                           f"data.train={tiny_data / 'train.jsonl'}", f"data.test={tiny_data / 'test.jsonl'}",
                           "retrieval.method=toy_retriever", "agent.protocol=toy_protocol",
-                          f"policy.model={tiny_policy_dir}", "sft.enabled=false", "train.algorithm=toy_estimator",
-                          "train.policy_loss=toy_loss", "train.steps=1", "train.questions_per_step=2",
-                          "train.group_size=2", "agent.max_new_tokens=8", "agent.max_total_tokens=256")
+                          f"policy.model={tiny_policy_dir}", "sft.enabled=false", "train.algorithm.adv_estimator=toy_estimator",
+                          "train.algorithm.policy_loss=toy_loss", "train.steps=1", "train.rollout.questions_per_step=2",
+                          "train.rollout.group_size=2", "agent.max_new_tokens=8", "agent.max_total_tokens=256")
     assert code == 0, err
     (record,) = [json.loads(x) for x in (out / "toy_estimator" / "metrics.jsonl").read_text().splitlines()]
     assert record["step"] == 1 and record["adv_abs_mean"] == pytest.approx(0.5)  # the toy's constant advantage
