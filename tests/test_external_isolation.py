@@ -210,6 +210,27 @@ def test_an_agent_that_raises_is_named_with_its_exception_and_run_again(tiny_llm
     assert "retrieval server" not in str(e.value)
 
 
+def test_a_cancelled_episode_leaves_no_record_behind(tiny_llm, agent_cfg):
+    """An episode cancelled from outside (``sleuth serve``'s time limit, a client gone) stops its agent and
+    leaves nothing in the proxy: no record, no sampling setting; its later calls would get 409."""
+    stopped = threading.Event()
+
+    async def hang(question: str, base_url: str) -> str:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            stopped.set()
+
+    with ExternalRunner(tiny_llm, hang, agent_cfg, timeout_s=60) as runner:
+        async def go():
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(runner.run_episode(FRANCE, sampling=(0.5, 1.0)), 0.3)
+
+        asyncio.run(go())
+        assert stopped.wait(5) and runner.proxy.sampling == {} and not runner.proxy.episodes
+        assert len(runner.proxy.ended) == 1
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True])
 def test_a_timeout_that_is_not_a_positive_number_is_refused(tiny_llm, agent_cfg, bad):
     async def agent(question: str, base_url: str) -> str:

@@ -210,7 +210,12 @@ class ExternalRunner:
         if sampling is not None:
             self.proxy.sampling[eid] = sampling
         base_url = self.server.base_url(eid)
-        run = await self.threads.run(lambda: self.agent(example.question, base_url), limit)
+        try:
+            run = await self.threads.run(lambda: self.agent(example.question, base_url), limit)
+        except BaseException:  # cancelled (a client gone, sleuth serve's own limit): its record is dropped
+            self.proxy.end(eid)
+            self.proxy.take(eid)
+            raise
         self.proxy.end(eid)  # calls it makes after this (a timed-out agent) get an error, not a record
         reply, error = run.result, self._error(run)
         answer = final_answer(reply)
