@@ -11,7 +11,7 @@ configured one) with the answer the agent returned, grouped as :func:`agent.loop
 them. An episode the template split gives several sequences of one episode
 (``metadata["episode"]``/``["segment"]``), each with the episode's reward.
 
-Each episode runs in an event loop of its own on a thread of its own (:mod:`agent.external.isolation`), so an
+Each episode runs on a worker thread with an event loop of its own (:mod:`agent.external.isolation`), so an
 agent that blocks (``time.sleep`` in a tool, a synchronous client) stops neither the trainer nor the other
 episodes, and ``timeout_s`` (``agent.external_timeout_s``) ends it whether it blocks or awaits forever. An
 agent that raises, or runs past ``timeout_s``, gives an episode with ``stop_reason == "error"`` and the reason
