@@ -442,8 +442,8 @@ def run_rl_stage(cfg: Config, init_path: str | Path, retriever, resume: bool = F
                  top_k=cfg.retrieval.top_k, resume=ckpt is not None, on_step=on_step, llm_factory=llm_factory,
                  evaluate=held_out_evaluator(cfg, llm.tokenizer, retriever), judge=answer_judge(cfg))
     finally:
+        bar.close()  # ends the bar's line, so a stop message prints on a line of its own
         for engine in engines:  # its process and memory now, not at interpreter exit
             engine.close()
-    bar.close()
     final = latest_checkpoint(run_dir)
     return final if final is not None else start_from
