@@ -197,6 +197,7 @@ def test_sleuth_train_resume_and_eval_an_external_agent_on_the_shipped_sample(tm
     from sleuth.cli import main
 
     common = ["--config", "configs/react_agent.yaml", f"out_dir={tmp_path}", f"retrieval.index_dir={tmp_path / 'index'}",
+              "data.corpus=null", "data.train=null", "data.test=null", "sft.enabled=false",  # the sample, untrained
               "policy.tiny.hidden_size=32", "policy.tiny.num_layers=1", "policy.tiny.vocab_size=1024",
               "policy.tiny.intermediate_size=64", "train.questions_per_step=2", "train.group_size=2",
               "train.save_every=1", "train.eval_every=2", "eval.limit=4"]
