@@ -87,15 +87,19 @@ def test_hop_table_gives_em_and_searches_per_hop_class_before_and_after():
     assert numbers["all"] == {"n": 4, "em_sft": 0.25, "em_rl": 0.75, "searches_sft": 1.5, "searches_rl": 1.75}
 
 
-def _fake_stages(monkeypatch, calls: list):
+def _fake_stages(monkeypatch, calls: list, threads: list | None = None):
+    import torch
+
     import sleuth.commands.quickstart as qs
 
     def hotpot(cfg, log, t0):
         calls.append(("hotpotqa", cfg.out_dir))
+        (threads if threads is not None else []).append(torch.get_num_threads())
         return "HotpotQA title", "| hotpot table |", "What it proves: hotpot"
 
     def synthetic(cfg, log):
         calls.append(("synthetic", cfg.out_dir, cfg.train.steps))
+        (threads if threads is not None else []).append(torch.get_num_threads())
         return "Synthetic title", "| synthetic table |", "What it proves: synthetic"
 
     monkeypatch.setattr(qs, "run_hotpotqa", hotpot)
@@ -103,11 +107,20 @@ def _fake_stages(monkeypatch, calls: list):
 
 
 def test_quickstart_runs_both_stages_and_prints_both_tables(tmp_path, monkeypatch, capsys):
+    import torch
+
     from sleuth.cli import main
 
     calls: list = []
-    _fake_stages(monkeypatch, calls)
-    assert main(["quickstart", f"out_dir={tmp_path}", "train.steps=3", "synthetic.train.steps=7"]) == 0
+    threads: list = []
+    _fake_stages(monkeypatch, calls, threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(["quickstart", f"out_dir={tmp_path}", "train.steps=3", "synthetic.train.steps=7"]) == 0
+        assert threads == [1, 1] and torch.get_num_threads() == 2  # one torch thread in both stages, then restored
+    finally:
+        torch.set_num_threads(before)
     assert calls == [("hotpotqa", str(tmp_path)), ("synthetic", str(tmp_path / "synthetic"), 7)]
     out = capsys.readouterr().out
     assert out.index("| hotpot table |") < out.index("What it proves: hotpot") < out.index("| synthetic table |") \

@@ -17,6 +17,7 @@ another training there is refused before anything is written).
 
 from __future__ import annotations
 
+import contextlib
 import random
 from pathlib import Path
 
@@ -39,7 +40,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    import contextlib
     import time
 
     from sleuth.config import load_config
@@ -58,6 +58,7 @@ def run(args) -> int:
     check_rollout_backend(cfg)
     log = lambda msg: print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
     with contextlib.ExitStack() as held:  # a second quickstart or training there is refused before it writes
+        held.enter_context(one_torch_thread())
         held.enter_context(run_dir_lock(cfg.out_dir))
         if syn is not None:
             held.enter_context(run_dir_lock(syn.out_dir))
@@ -207,22 +208,24 @@ def hop_table(before, after) -> tuple[str, dict]:
     return "\n".join(lines), numbers
 
 
-def run_synthetic(cfg, log) -> tuple[str, str, str]:
-    """Stage 2 (the synthetic multi-hop task); returns ``(title, markdown table, what it proves)`` and writes
-    ``results.md`` / ``results.json`` under its ``out_dir``. Runs with one torch thread: the policy is ~0.1M
-    parameters, too small to gain from a second one, and OpenMP threads that wait for a busy core slow every
-    step many times over on a machine shared with other jobs."""
+@contextlib.contextmanager
+def one_torch_thread():
+    """Run the block with one torch CPU thread (the previous count restored after it). Both policies are tiny
+    (two layers of 96 and 64 hidden units), too small to gain much from a second thread, and on a machine
+    shared with other jobs OpenMP threads that wait for a busy core slow every step two to three times over."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run_synthetic(cfg, log)
+        yield
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_synthetic(cfg, log) -> tuple[str, str, str]:
+def run_synthetic(cfg, log) -> tuple[str, str, str]:
+    """Stage 2 (the synthetic multi-hop task); returns ``(title, markdown table, what it proves)`` and writes
+    ``results.md`` / ``results.json`` under its ``out_dir``."""
     import json
     import time
 
