@@ -1,4 +1,4 @@
-"""External agents as rollouts: the shipped LangGraph ReAct example (``create_react_agent`` + ``ChatOpenAI`` + a
+"""External agents as rollouts: the shipped ReAct example (LangChain's ``create_agent`` + ``ChatOpenAI`` + a
 search tool over Sleuth's retriever) runs over the training proxy, unchanged but for its base URL; its
 episodes come back as judged, grouped trajectories whose trained tokens are exactly the sampled ones, and an
 agent that fails or hangs fails its own episode only."""
