@@ -1,7 +1,8 @@
-"""An agent as people write it: LangGraph's prebuilt ReAct agent, LangChain's ``ChatOpenAI`` and a search tool
-over Sleuth's retriever. Nothing in it knows about training: Sleuth runs it with the base URL of its training
-proxy, which records every token the policy samples (``agent.kind=external``,
-``agent.entry=examples.react_agent:answer``); pointed at any OpenAI-compatible server it runs as it is.
+"""An agent as people write it: LangChain's ReAct agent (``langchain.agents.create_agent``, a LangGraph graph that
+alternates a model node and a tool node), its ``ChatOpenAI`` and a search tool over Sleuth's retriever. Nothing
+in it knows about training: Sleuth runs it with the base URL of its training proxy, which records every token
+the policy samples (``agent.kind=external``, ``agent.entry=examples.react_agent:answer``); pointed at any
+OpenAI-compatible server it runs as it is.
 
 The index it searches is ``$SLEUTH_INDEX`` (default ``runs/index``, what ``sleuth quickstart`` builds).
 """
@@ -12,9 +13,9 @@ import functools
 import os
 import threading
 
+from langchain.agents import create_agent
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
-from langgraph.prebuilt import create_react_agent
 
 PROMPT = ("Answer the user's question. Call the search tool whenever you lack knowledge; you may call it as many "
           "times as you need. When you know the answer, reply with the answer only, inside <answer> and </answer>.")
@@ -45,6 +46,6 @@ def search(query: str) -> str:
 async def answer(question: str, base_url: str) -> str:
     """Run the agent on ``question`` with the chat model at ``base_url``; its last message is the answer."""
     model = ChatOpenAI(model="policy", base_url=base_url, api_key="unused", max_retries=0)
-    agent = create_react_agent(model, [search], prompt=PROMPT)
+    agent = create_agent(model, [search], system_prompt=PROMPT)
     state = await agent.ainvoke({"messages": [("user", question)]}, {"recursion_limit": 9})
     return state["messages"][-1].content

@@ -164,7 +164,8 @@ def ensure_index(cfg: Config, log=print):
 
 def tiny_policy_path(cfg: Config, log=print) -> Path:
     """The tiny from-scratch policy of this run (``<out_dir>/tiny``), built on first use (under a temporary
-    name, then renamed: an interrupted build is never taken for a finished one)."""
+    name, then renamed: an interrupted build is never taken for a finished one). With ``agent.kind:
+    external`` its tokenizer also learns the agent's conversations (:func:`external_agent_texts`)."""
     import shutil
 
     from training.model.tiny import create_tiny_policy
@@ -173,12 +174,35 @@ def tiny_policy_path(cfg: Config, log=print) -> Path:
     if not (path / "config.json").exists():
         paths = data_paths(cfg)
         log(f"training a BPE tokenizer and building the tiny Qwen2 policy in {path}")
+        extra = external_agent_texts(cfg) if cfg.agent.kind == "external" else []
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        create_tiny_policy(tmp, read_corpus(paths["corpus"]), read_qa(paths["train"]), cfg.policy.tiny, cfg.seed)
+        create_tiny_policy(tmp, read_corpus(paths["corpus"]), read_qa(paths["train"]), cfg.policy.tiny, cfg.seed, extra)
         shutil.rmtree(path, ignore_errors=True)  # an unfinished folder (no config.json) of an earlier build
         tmp.rename(path)
     return path
+
+
+def external_agent_texts(cfg: Config, n: int = 3) -> list[str]:
+    """The text of ``n`` oracle episodes of the external agent (its system prompt, its tools' schemas, the chat
+    template's frames and tool calls; :func:`training.sft.external_oracle_trajectories` over the training
+    questions of :func:`sft_questions`), rendered with a tokenizer trained on the corpus alone. The tiny
+    policy's tokenizer learns them too, as a pretrained tokenizer knows its model's chat format: the agent's
+    conversations then take about half the tokens (the ReAct example's ~660-1030 become ~320-500), and every
+    SFT and RL step costs about a third. Raises what the oracle episodes raise (an agent that never searches)."""
+    from agent.llm import decode
+    from corpora.formats import iter_corpus
+    from training.model.tiny import tokenizer_corpus, train_tokenizer
+    from training.sft import external_oracle_trajectories
+
+    paths = data_paths(cfg)
+    train = read_qa(paths["train"])
+    tok = train_tokenizer(tokenizer_corpus(read_corpus(paths["corpus"]), train, cfg.policy.tiny.tokenizer_texts),
+                          cfg.policy.tiny.vocab_size)
+    external_agent_env(cfg)
+    titles = {p.id: p.title for p in iter_corpus(paths["corpus"])}
+    trajs = external_oracle_trajectories(sft_questions(train, n), tok, cfg.agent, titles)
+    return [decode(tok, t.token_ids) for t in trajs]
 
 
 def resolve_model_path(path: str | Path) -> str | Path:
@@ -261,9 +285,10 @@ def save_run_config(cfg: Config) -> None:
 
 # -- training stages ----------------------------------------------------------------------------------
 def run_sft_stage(cfg: Config, retriever, log=print) -> Path:
-    """SFT warm start on oracle trajectories of the training questions (searching ``retriever``); returns the
-    model directory (``<out_dir>/sft``, written under a temporary name and renamed), reusing it when it
-    already exists.
+    """SFT warm start on oracle trajectories of the training questions (:func:`sft_questions`, searching
+    ``retriever``; with ``agent.kind: external``, episodes of the agent itself with a scripted oracle behind
+    the training proxy, :func:`training.sft.external_oracle_trajectories`); returns the model directory
+    (``<out_dir>/sft``, written under a temporary name and renamed), reusing it when it already exists.
 
     One process: under torchrun run it on rank 0 only (``training.infra.distributed.run_on_rank0``, as
     ``sleuth train`` does); the other ranks then load the directory it returns. The weights are trained
@@ -275,7 +300,7 @@ def run_sft_stage(cfg: Config, retriever, log=print) -> Path:
     from agent.backends.hf import TransformersLLM
     from corpora.formats import iter_corpus
     from training.infra.checkpoint import commit_directory
-    from training.sft import oracle_trajectories, sft_train
+    from training.sft import external_oracle_trajectories, oracle_trajectories, sft_train
 
     out = Path(cfg.out_dir) / "sft"
     if (out / "config.json").exists():
@@ -285,9 +310,13 @@ def run_sft_stage(cfg: Config, retriever, log=print) -> Path:
     init = resolve_model_path(cfg.policy.model or tiny_policy_path(cfg, log))
     check_context_length(cfg, init)
     llm = TransformersLLM.from_pretrained(str(init), cfg.policy.dtype, cfg.policy.device)
-    train = read_qa(paths["train"])[: cfg.sft.max_examples]
+    train = sft_questions(read_qa(paths["train"]), cfg.sft.max_examples)
     titles = {p.id: p.title for p in iter_corpus(paths["corpus"])}
-    trajs = oracle_trajectories(train, llm.tokenizer, retriever, cfg.agent, titles, cfg.retrieval.top_k)
+    if cfg.agent.kind == "external":  # the agent itself, over the proxy, in its own chat template
+        external_agent_env(cfg)
+        trajs = external_oracle_trajectories(train, llm.tokenizer, cfg.agent, titles)
+    else:
+        trajs = oracle_trajectories(train, llm.tokenizer, retriever, cfg.agent, titles, cfg.retrieval.top_k)
     save_trajectories(Path(cfg.out_dir) / "oracle_trajectories.jsonl", trajs)
     n_steps = cfg.sft.epochs * ((len(trajs) + cfg.sft.batch_size - 1) // cfg.sft.batch_size)
     log(f"SFT: {len(trajs)} oracle trajectories, {cfg.sft.epochs} epochs ({n_steps} steps)")
@@ -307,6 +336,18 @@ def run_sft_stage(cfg: Config, retriever, log=print) -> Path:
     (tmp / "sft_history.json").write_text(json.dumps(history, indent=1))
     save_trained_settings(cfg, tmp)  # the agent settings it learned under, for ask/eval/serve --model
     return commit_directory(tmp, out)  # flushed: later runs reuse it, so no empty files after a power loss
+
+
+def sft_questions(train: list[QAExample], limit: int | None) -> list[QAExample]:
+    """The SFT warm start's questions: the first ``limit`` of ``train`` (all when ``None``). On the synthetic
+    task (every question has a ``chain`` and a ``hops`` count: :mod:`corpora.synthetic`) the first ``limit //
+    classes`` of each hop class instead, class by class, so that every depth is shown equally often (what
+    ``bench/learning.py``'s warm start does: 20 per class of 60)."""
+    if not train or not all("chain" in q.metadata and "hops" in q.metadata for q in train):
+        return train[:limit]
+    hops = sorted({int(q.metadata["hops"]) for q in train})
+    per = None if limit is None else max(limit // len(hops), 1)
+    return [q for h in hops for q in [q for q in train if int(q.metadata["hops"]) == h][:per]]
 
 
 def held_out_questions(cfg: Config) -> list[QAExample]:

@@ -1,4 +1,4 @@
-"""External agents as rollouts: the shipped LangGraph ReAct example (``create_react_agent`` + ``ChatOpenAI`` + a
+"""External agents as rollouts: the shipped ReAct example (LangChain's ``create_agent`` + ``ChatOpenAI`` + a
 search tool over Sleuth's retriever) runs over the training proxy, unchanged but for its base URL; its
 episodes come back as judged, grouped trajectories whose trained tokens are exactly the sampled ones, and an
 agent that fails or hangs fails its own episode only."""
@@ -206,6 +206,7 @@ def test_sleuth_train_resume_and_eval_an_external_agent_on_the_shipped_sample(tm
     from sleuth.cli import main
 
     common = ["--config", "configs/react_agent.yaml", f"out_dir={tmp_path}", f"retrieval.index_dir={tmp_path / 'index'}",
+              "data.corpus=null", "data.train=null", "data.test=null", "sft.enabled=false",  # the sample, untrained
               "policy.tiny.hidden_size=32", "policy.tiny.num_layers=1", "policy.tiny.vocab_size=1024",
               "policy.tiny.intermediate_size=64", "train.rollout.questions_per_step=2", "train.rollout.group_size=2",
               "train.checkpoints.save_every=1", "train.monitoring.eval_every=2", "eval.limit=4"]

@@ -281,8 +281,13 @@ def test_quickstart_and_eval_score_the_same_questions_under_eval_limit(tmp_path,
     seen, evals = [], []
 
     def fake_eval(llm, retriever, examples, agent_cfg, **kw):
+        from agent.trajectory import Trajectory
+
         seen.append([e.id for e in examples])
-        return {"n": len(examples), "em": 0.0, "f1": 0.0, "search_calls": 0.0}, []
+        trajs = [Trajectory(e.id, e.question, list(e.golden_answers)) for e in examples]
+        for t in trajs:
+            t.verdict = {"em": 0.0}
+        return {"n": len(examples), "em": 0.0, "f1": 0.0, "search_calls": 0.0}, trajs
 
     for name, fn in {"ensure_index": lambda cfg, log=None: None, "tiny_policy_path": lambda cfg, log=None: "tiny",
                      "run_sft_stage": lambda cfg, retriever, log=None: "sft",
@@ -292,7 +297,7 @@ def test_quickstart_and_eval_score_the_same_questions_under_eval_limit(tmp_path,
     monkeypatch.setattr(eval.run, "evaluate_agent", fake_eval)
     monkeypatch.setattr(eval.run, "write_eval_outputs", lambda out, *a: out.mkdir(parents=True, exist_ok=True))
     over = ["eval.limit=5", "seed=3", f"out_dir={tmp_path}"]
-    assert main(["quickstart", *over]) == 0
+    assert main(["quickstart", "--skip-synthetic", *over]) == 0  # the HotpotQA stages' questions
     assert main(["eval", *over, "--out", str(tmp_path / "eval")]) == 0
     assert len(seen) == 2 and seen[0] == seen[1] == evals[0]["ids"] and len(seen[0]) == 5
 

@@ -17,13 +17,14 @@ from corpora.formats import QAExample
 from retrieval.base import Retriever
 from training.batch import collate
 from training.model.forward import policy_logprobs
-from training.rollout.oracle import OracleLLM
+from training.rollout.oracle import ChainOracleLLM, OracleLLM
 
 
 def oracle_trajectories(examples: list[QAExample], tokenizer: Any, retriever: Retriever, agent_cfg: Any,
                         titles_by_id: dict[str, str], top_k: int) -> list[Trajectory]:
     """Roll out the scripted oracle through the real agent loop (see
-    :class:`training.rollout.oracle.OracleLLM`).
+    :class:`training.rollout.oracle.OracleLLM`; :class:`~training.rollout.oracle.ChainOracleLLM` when every
+    example carries a synthetic ``chain``: it searches each link of the chain in turn).
 
     Raises ``ValueError`` under ``agent.protocol=function_call``: the oracle writes Search-R1 tags and reads
     the question after ``Question:``, so it would answer 'unknown' to every question without searching."""
@@ -32,8 +33,40 @@ def oracle_trajectories(examples: list[QAExample], tokenizer: Any, retriever: Re
             f"the SFT oracle writes Search-R1 tags (<search>, <answer>) and cannot act under "
             f"agent.protocol={agent_cfg.protocol}: it would teach the policy to answer 'unknown'; "
             "use agent.protocol=search_r1 or sft.enabled=false")
-    oracle = OracleLLM(tokenizer, examples, titles_by_id)
+    chains = bool(examples) and all("chain" in e.metadata for e in examples)  # the synthetic task: its chain
+    oracle = ChainOracleLLM(tokenizer, examples) if chains else OracleLLM(tokenizer, examples, titles_by_id)
     return run_episodes(examples, oracle, retriever, agent_cfg, top_k=top_k, temperature=0.0)
+
+
+def external_oracle_trajectories(examples: list[QAExample], tokenizer: Any, agent_cfg: Any,
+                                 titles_by_id: dict[str, str] | None = None) -> list[Trajectory]:
+    """Oracle episodes of the external agent ``agent_cfg.entry`` (``agent.kind: external``) for its SFT warm
+    start: the agent runs unchanged over the training proxy (:class:`agent.external.runner.ExternalRunner`),
+    whose backend is :class:`training.rollout.oracle.ToolCallOracleLLM` writing tool calls in the chat template
+    the proxy renders with (the tokenizer's, else Sleuth's ChatML); the proxy records the ids as it records the
+    policy's, so the tool results and the template's frames are masked tool tokens.
+
+    Returns the training sequences of the episodes the oracle answered right (EM 1). Raises ``ValueError``
+    when none is (the agent never searched with a ``search(query)`` tool, or its episodes failed: the first
+    error is named) and what :func:`agent.external.runner.runner_for` raises for a bad ``agent.entry``."""
+    from agent.external.chat_template import CHATML_TOOLS
+    from agent.external.runner import ExternalRunner, load_entry
+    from training.rollout.oracle import ToolCallOracleLLM
+
+    if not agent_cfg.entry:
+        raise ValueError("agent.kind=external needs agent.entry=module:function for its SFT warm start")
+    template = None if getattr(tokenizer, "chat_template", None) else CHATML_TOOLS  # the proxy's choice
+    oracle = ToolCallOracleLLM(tokenizer, examples, titles_by_id, chat_template=template)
+    with ExternalRunner(oracle, load_entry(agent_cfg.entry), agent_cfg, temperature=0.0, reruns=0,
+                        timeout_s=agent_cfg.external_timeout_s) as runner:
+        trajs = runner.run_episodes(examples)
+    good = [t for t in trajs if t.stop_reason != "error" and t.verdict.get("em") == 1.0]
+    if not good:
+        errors = [t.metadata["error"] for t in trajs if t.metadata.get("error")]
+        raise ValueError(f"the oracle solved none of {len(examples)} questions through agent.entry "
+                         f"{agent_cfg.entry!r}" + (f" (first error: {errors[0]})" if errors else
+                                                   "; does the agent search with a tool search(query)?"))
+    return good
 
 
 def sft_train(model: Any, tokenizer: Any, trajs: list[Trajectory], cfg: Any, seed: int = 0,

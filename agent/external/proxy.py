@@ -1,6 +1,6 @@
 """The training proxy: an OpenAI-compatible API in front of a rollout backend that records every token.
 
-External agents (LangGraph's ``create_react_agent`` with ``ChatOpenAI``, any code that speaks the OpenAI
+External agents (LangChain's ``create_agent`` with ``ChatOpenAI``, any code that speaks the OpenAI
 API) run unchanged against it, pointed at its base URL; the proxy renders each conversation with the policy's
 own chat template (Sleuth's ChatML one, :mod:`agent.external.chat_template`, for a tokenizer without one),
 samples through the project's backend interface (:class:`agent.llm.LLM`: transformers, vLLM or an OpenAI-compatible

@@ -83,10 +83,14 @@ def tokenizer_corpus(passages: Iterable[Any], questions: Iterable[Any], max_pass
         yield from q.golden_answers
 
 
-def create_tiny_policy(out_dir: str | Path, passages: Iterable[Any], questions: list[Any], cfg: Any, seed: int = 0) -> Path:
-    """Train the tokenizer, build the tiny model and save both (``save_pretrained``) to ``out_dir``."""
+def create_tiny_policy(out_dir: str | Path, passages: Iterable[Any], questions: list[Any], cfg: Any, seed: int = 0,
+                       extra_texts: Iterable[str] = ()) -> Path:
+    """Train the tokenizer (on the corpus, the questions and ``extra_texts``, e.g. an external agent's
+    conversations, so that their frames take few tokens), build the tiny model and save both
+    (``save_pretrained``) to ``out_dir``."""
     out_dir = Path(out_dir)
-    tok = train_tokenizer(tokenizer_corpus(passages, questions, cfg.tokenizer_texts), cfg.vocab_size)
+    texts = itertools.chain(tokenizer_corpus(passages, questions, cfg.tokenizer_texts), extra_texts)
+    tok = train_tokenizer(texts, cfg.vocab_size)
     model = build_tiny_policy(tok, cfg, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)

@@ -104,3 +104,83 @@ class ChainOracleLLM(OracleLLM):
         if searches < hops:
             return f"<search> {chain[searches]} </search>"
         return f"<answer> {chain[hops]} </answer>"
+
+
+class ToolCallOracleLLM(OracleLLM):
+    """The oracle of an external agent (``agent.kind: external``), played behind the training proxy while the
+    agent runs unchanged: the same script as :class:`ChainOracleLLM` on the synthetic task (every example has a
+    ``chain``) and as :class:`OracleLLM` otherwise (the question, then a missing supporting title, then the
+    gold answer), written as the agent's chat model writes it: a call of the search tool ``tool`` (argument
+    ``argument``) or ``<answer> ... </answer>``, each ended with EOS.
+
+    The call's text is what ``chat_template`` (``None``: the tokenizer's own) renders for an assistant message
+    holding that tool call, so the proxy's next prompt extends the sampled ids (no split training sequence)
+    whatever the template's tool-call format. The question is the longest known one in the prompt; the
+    searches made are the calls rendered after it. Raises ``ValueError`` when the template renders no
+    assistant turn after its generation prompt (a tool call could not be written in its format)."""
+
+    def __init__(self, tokenizer: Any, examples: list[QAExample], titles_by_id: dict[str, str] | None = None,
+                 chat_template: str | None = None, tool: str = "search", argument: str = "query"):
+        super().__init__(tokenizer, examples, titles_by_id)
+        self.chat_template, self.tool, self.argument = chat_template, tool, argument
+        self.chains = bool(examples) and all("chain" in e.metadata for e in examples)
+        self._known = sorted(((e.question, e) for e in examples), key=lambda qe: len(qe[0]), reverse=True)
+        a, b = self.call_text("a"), self.call_text("b")
+        self._call_prefix = a[: next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)]
+
+    def call_text(self, query: str) -> str:
+        """The text of a turn that calls the search tool with ``query``, in the chat template's format, up to
+        (without) its end-of-turn token."""
+        head = [{"role": "user", "content": "?"}]
+        call = {"id": "call_0", "type": "function", "function": {"name": self.tool, "arguments": {self.argument: query}}}
+
+        def render(msgs: list[dict[str, Any]], gen: bool) -> str:
+            return self.tokenizer.apply_chat_template(msgs, chat_template=self.chat_template,
+                                                      add_generation_prompt=gen, tokenize=False)
+
+        prompt = render(head, True)
+        full = render([*head, {"role": "assistant", "content": "", "tool_calls": [call]}], False)
+        if not full.startswith(prompt) or query not in full[len(prompt):]:
+            raise ValueError("the chat template renders no assistant tool call after its generation prompt: the "
+                             "oracle cannot write a tool call in its format")
+        text = full[len(prompt):]
+        eos = self.tokenizer.eos_token
+        return text[: text.index(eos)] if eos and eos in text else text.rstrip()
+
+    def _plan(self, context: str) -> tuple[str, str]:
+        """``("search", query)`` or ``("answer", answer)`` for the conversation rendered in ``context``."""
+        found = next(((q, ex) for q, ex in self._known if q in context), None)
+        if found is None:
+            return "answer", "unknown"
+        q, ex = found
+        searches = context.count(self._call_prefix, context.index(q))  # the user turn: before any call
+        if self.chains:
+            chain, hops = ex.metadata["chain"], int(ex.metadata["hops"])
+            return ("search", chain[searches]) if searches < hops else ("answer", chain[hops])
+        if searches == 0:
+            return "search", ex.question
+        wanted = [self.titles_by_id[i] for i in ex.metadata.get("supporting_ids", []) if i in self.titles_by_id]
+        missing = [t for t in wanted if not _shown(t, context)]
+        if missing and searches < 2:
+            return "search", missing[0]
+        return "answer", ex.golden_answers[0]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """One scripted turn per prompt, its ids ending with EOS (in the ids, not the text, as a sampling
+        backend returns them). A search over ``params.max_new_tokens`` drops words from the end of its
+        query until it fits; what still does not fit is cut, with finish_reason ``"length"``."""
+        outs = []
+        for p in prompts:
+            kind, value = self._plan(decode(self.tokenizer, p))
+            words = value.split()
+            while True:
+                text = self.call_text(" ".join(words)) if kind == "search" else f"<answer> {value} </answer>"
+                ids = [*encode(self.tokenizer, text), self.tokenizer.eos_token_id]
+                if len(ids) <= params.max_new_tokens or kind != "search" or len(words) <= 1:
+                    break
+                words.pop()
+            reason = "stop" if len(ids) <= params.max_new_tokens else "length"
+            ids = ids[: params.max_new_tokens]
+            outs.append(Generation(ids, text if reason == "stop" else decode(self.tokenizer, ids), reason,
+                                   [0.0] * len(ids)))
+        return outs
