@@ -101,7 +101,8 @@ def test_the_react_example_learns_to_call_its_tool_through_the_cli(tmp_path, cap
     data = write(tmp_path / "data")
     over = [f"out_dir={tmp_path}", f"retrieval.index_dir={tmp_path / 'index'}",
             *(f"data.{k}={p}" for k, p in data.items()), "sft.max_examples=30", "sft.epochs=40",
-            "train.steps=6", "train.questions_per_step=4", "train.group_size=4", "train.save_every=3"]
+            "train.steps=6", "train.rollout.questions_per_step=4", "train.rollout.group_size=4",
+            "train.checkpoints.save_every=3"]
     assert main(["train", "--config", "configs/react_agent.yaml", *over]) == 0
     sft = [json.loads(x) for x in (tmp_path / "oracle_trajectories.jsonl").read_text().splitlines()]
     assert len(sft) == 30 and all(t["verdict"]["em"] == 1.0 for t in sft)
