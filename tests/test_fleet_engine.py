@@ -131,7 +131,7 @@ def test_a_disk_update_replaces_the_weights_and_bumps_the_version(engine, tiny_l
     half = sorted(new)[: len(new) // 2]
     save_file({k: new[k].contiguous() for k in half}, str(tmp_path / "a.safetensors"))
     save_file({k: new[k].contiguous().clone() for k in new if k not in half}, str(tmp_path / "b.safetensors"))
-    post = lambda path, body=None: httpx2.post(engine.url + path, json=body or {}, timeout=30)  # noqa: E731
+    post = lambda path, body=None: httpx2.post(engine.url + path, json=body or {}, timeout=30)
     assert post("/update_weights", {"update_info": {"path": str(tmp_path / "a.safetensors")}}).status_code == 409
     assert post("/start_weight_update").status_code == 200
     assert post("/start_weight_update").status_code == 409  # one update at a time
@@ -168,7 +168,7 @@ def test_bad_weight_files_are_refused_by_name(tiny_policy_dir, tmp_path):
     save_file({"lm_head.weight": torch.zeros(3, 3)}, str(tmp_path / "outside.safetensors"))
     with ServerThread(srv.app) as st:
         httpx2.post(st.url + "/start_weight_update", json={})
-        up = lambda p: httpx2.post(st.url + "/update_weights", json={"update_info": {"path": p}})  # noqa: E731
+        up = lambda p: httpx2.post(st.url + "/update_weights", json={"update_info": {"path": p}})
         cases = [(str(tmp_path / "shared" / "bad.safetensors"), 422, "no weight 'model.nope.weight'"),
                  (str(tmp_path / "shared" / "shape.safetensors"), 422, "has shape"),
                  (str(tmp_path / "outside.safetensors"), 403, "not under this engine's weights directory"),
