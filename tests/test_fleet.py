@@ -151,7 +151,7 @@ def test_unreachable_other_model_and_other_tokenizer_are_refused_at_start(tiny_p
     tok = tiny_llm.tokenizer
     with ServerThread(right.app) as s0, ServerThread(other_name.app) as s1, ServerThread(other_tok.app) as s2:
         fleet = Fleet([s0.url], tok, "tiny")
-        assert fleet.in_rotation() == [s0.url] and fleet.engines[s0.url].weight_version == "0"
+        assert fleet.in_rotation() == [s0.url] and fleet.engines[s0.url].weight_version == 0
         assert Fleet([s0.url], tok).model == "tiny"  # the served name, when none is given
         with pytest.raises(FleetError) as e:
             Fleet([s0.url, "http://127.0.0.1:9", s1.url, s2.url], tok, "tiny", connect_timeout_s=2)

@@ -224,3 +224,49 @@ def test_an_abandoned_update_refuses_service_instead_of_serving_mixed_weights(ti
         httpx2.post(st.url + "/update_weights", json={"update_info": {"path": str(tmp_path / "all.safetensors")}})
         httpx2.post(st.url + "/finish_weight_update", json={})
         assert httpx2.post(st.url + "/v1/completions", json={"prompt": [1], "max_tokens": 1}).status_code == 200
+
+
+def test_a_bucket_over_the_transfer_group_packed_or_one_tensor_at_a_time(engine, tiny_llm):
+    """The engine joins the trainer's gloo group (rank 1 of 2) and receives buckets as vLLM's update_info
+    describes them: packed (one broadcast) or unpacked (one per tensor, vLLM's default); a bucket larger
+    than the whole model is refused before anything is allocated."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from agent.backends.engine_protocol import (
+        broadcast,
+        join_group,
+        meta_of,
+        open_store,
+        pack,
+        packed_layout,
+        update_info,
+    )
+
+    store = open_store("127.0.0.1", 0, 2, True, 30)
+    post = lambda path, body: httpx2.post(engine.url + path, json=body, timeout=60)
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(post, "/init_weight_transfer_engine", {"init_info": {
+            "master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2,
+            "timeout_s": 30}})
+        group = join_group(store, 0, 2, "gloo", 30)
+        assert joined.result().json()["rank"] == 1
+        new = _perturbed(tiny_llm.model, 0.03)
+        names = sorted(new)
+        assert post("/start_weight_update", {}).status_code == 200
+        huge = {"names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[1 << 20, 1 << 10]], "packed": True}
+        r = post("/update_weights", {"update_info": huge})
+        assert r.status_code == 422 and "more than the served model's" in r.text
+        for packed, part in ((True, names[:5]), (False, names[5:])):
+            metas = [meta_of(n, new[n]) for n in part]
+            fut = pool.submit(post, "/update_weights", {"update_info": update_info(metas, packed)})
+            if packed:
+                offsets, total = packed_layout(metas)
+                buf = torch.empty(total, dtype=torch.uint8)
+                pack([new[n] for n in part], offsets, buf)
+                broadcast(group, buf)
+            else:
+                for n in part:
+                    broadcast(group, new[n].contiguous())
+            assert fut.result().json()["loaded"] == len(part)
+        r = post("/finish_weight_update", {"weight_version": "9"}).json()
+    assert r["missing_count"] == 0 and all(torch.equal(engine.weights.own[k], new[k]) for k in new)

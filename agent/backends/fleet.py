@@ -44,7 +44,7 @@ from typing import Any
 import httpx2
 
 from agent.backends.engine_protocol import IDENTITY_TEXT, tokenizer_fingerprint
-from agent.backends.openai import BackendError, OpenAICompatibleLLM
+from agent.backends.openai import BackendError, OpenAICompatibleLLM, tls_context
 from agent.llm import BackendUnavailable, BatchPartlyFailed, Generation, SamplingParams, run_sync
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,11 @@ class Engine:
     served: int = 0
     owned_by: str = ""
     events: list[str] = field(default_factory=list)
+
+
+def as_version(v: Any) -> Any:
+    """A weight version as an engine reports it (vLLM's are strings): an integer when it is one."""
+    return int(v) if isinstance(v, str) and v.isdigit() else v
 
 
 def root_url(url: str) -> str:
@@ -140,7 +145,7 @@ class Fleet:
                 errors.append(str(e))
                 continue
             names[url] = info["id"]
-            eng.weight_version, eng.owned_by = info.get("weight_version"), str(info.get("owned_by", ""))
+            eng.weight_version, eng.owned_by = as_version(info.get("weight_version")), str(info.get("owned_by", ""))
         if not errors and len(set(names.values())) > 1:
             errors.append(f"the engines serve different models: {names}")
         if errors:
@@ -156,7 +161,7 @@ class Fleet:
         right model name, the same tokenizer. Raises :class:`FleetError` naming the engine and the reason."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
-            with httpx2.Client(base_url=url, headers=headers, timeout=self.connect_timeout_s) as http:
+            with httpx2.Client(base_url=url, headers=headers, timeout=self.connect_timeout_s, verify=tls_context()) as http:
                 r = http.get("/v1/models")
                 if r.status_code != 200:
                     raise FleetError(f"{url}: GET /v1/models answered HTTP {r.status_code}: {r.text[:200]}")
@@ -238,7 +243,8 @@ class Fleet:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         eng = self.engines[url]
         try:
-            r = httpx2.post(url + "/v1/completions", json=body, headers=headers, timeout=eng.client.timeout_s)
+            r = httpx2.post(url + "/v1/completions", json=body, headers=headers, timeout=eng.client.timeout_s,
+                            verify=tls_context())
             steps = r.json()["choices"][0]["prompt_logprobs"] if r.status_code == 200 else None
             if not isinstance(steps, list) or len(steps) != len(ids):
                 raise ValueError(f"HTTP {r.status_code}: {r.text[:200]}")
@@ -309,7 +315,8 @@ class Fleet:
         while True:
             eng = await self._engine_for(params.episode)
             if not first:
-                self.stats["rerouted"] += 1
+                with self._lock:
+                    self.stats["rerouted"] += 1
             first = False
             if eng.url not in clients:
                 clients[eng.url] = eng.client.async_client()
@@ -331,7 +338,8 @@ class Fleet:
     async def _agenerate(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
         clients: dict[str, Any] = {}
         sems: dict[str, asyncio.Semaphore] = {}
-        self.stats["requests"] += len(requests)
+        with self._lock:
+            self.stats["requests"] += len(requests)
         try:
             out = await asyncio.gather(*(self._one(clients, sems, p, params, i)
                                          for i, (p, params) in enumerate(requests)), return_exceptions=True)
@@ -384,7 +392,7 @@ def wait_until_up(url: str, timeout_s: float, what: str = "the engine") -> None:
     last = "no answer"
     while time.monotonic() < deadline:
         try:
-            r = httpx2.get(root_url(url) + "/health", timeout=5.0)
+            r = httpx2.get(root_url(url) + "/health", timeout=5.0, verify=tls_context())
             if r.status_code == 200:
                 return
             last = f"HTTP {r.status_code}"

@@ -25,7 +25,9 @@ requests failed, each with its reason, and sends nothing again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+import ssl
 from typing import Any
 
 import httpx2
@@ -42,6 +44,13 @@ from agent.llm import (
     truncate_at_stop,
 )
 from retrieval.client import retry_after_s
+
+
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """httpx2's default TLS context (its CA bundle), made once per process: building it loads the CA bundle,
+    about 20-250 ms, which a client made per batch paid every time."""
+    return httpx2.create_ssl_context()
 
 
 class BackendError(RuntimeError):
@@ -119,7 +128,7 @@ class OpenAICompatibleLLM:
         running event loop with :meth:`request`."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         return httpx2.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout_s,
-                                  limits=httpx2.Limits(max_connections=self.max_concurrency))
+                                  limits=httpx2.Limits(max_connections=self.max_concurrency), verify=tls_context())
 
     async def request(self, client: httpx2.AsyncClient, sem: asyncio.Semaphore, prompt: list[int],
                       params: SamplingParams, i: int = 0) -> Generation:

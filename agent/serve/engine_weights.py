@@ -81,6 +81,7 @@ class EngineWeights:
                  max_tensors: int = 100_000, weights_dir: str | None = None):
         self.model, self.version = model, version
         self.own: dict[str, torch.Tensor] = model.state_dict()  # views of the parameters: copy_ updates them
+        self.model_bytes = sum(t.numel() * t.element_size() for t in self.own.values())
         self.device = next(model.parameters()).device
         self.lock_timeout_s, self.idle_timeout_s, self.max_tensors = lock_timeout_s, idle_timeout_s, max_tensors
         self.weights_dir = Path(weights_dir).resolve() if weights_dir else None
@@ -245,9 +246,12 @@ class EngineWeights:
         except (TypeError, ValueError) as e:  # a trainer's bug: its broadcast to this engine times out
             raise UpdateError(422, str(e)) from None
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        offsets, total = packed_layout(metas)
+        if total > self.model_bytes + 16 * len(metas):  # no bucket of this model is that large: refused unread
+            raise UpdateError(422, f"update_info describes {total} bytes, more than the served model's "
+                                   f"{self.model_bytes}")
         try:
-            if info.get("packed", True):
-                offsets, total = packed_layout(metas)
+            if info.get("packed", False):  # vLLM's default: one broadcast per tensor
                 buf = torch.empty(total, dtype=torch.uint8, device=device)
                 broadcast(group, buf)
                 pairs = unpack(buf, metas, offsets)
@@ -260,7 +264,7 @@ class EngineWeights:
         except Exception as e:  # noqa: BLE001 - the group is broken (a member gone, a timeout)
             raise UpdateError(504, f"receiving {len(metas)} tensors over the transfer group failed "
                                    f"({type(e).__name__}: {e})") from None
-        for m in metas:  # after the broadcast: a refused bucket does not hang the trainer and the others
+        for m in metas:  # after the broadcast (of at most the model's size): the trainer and the others go on
             self._check(m.name, m.shape)
         return pairs
 

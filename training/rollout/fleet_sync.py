@@ -13,7 +13,7 @@ After an update the trainer streams its weights, parameter by parameter, into bu
   under ``shared_dir`` (a temporary name, then renamed), every engine loads it, and it is removed.
 
 Memory. The trainer's rank 0 holds one parameter as gathered and one bucket (the packed buffer, allocated
-once: ``min(bucket_bytes, the model's bytes)``; on disk, the bucket's tensors); never a second full copy of
+once per push: ``min(bucket_bytes, the model's bytes)``; on disk, the bucket's tensors); never a second full copy of
 the model. Under FSDP2 :class:`FullState` gathers one parameter at a time (``DTensor.full_tensor``, a
 collective every trainer rank runs in step: all ranks call :meth:`FleetSync.sync`, rank 0 alone sends). An
 engine holds one bucket besides its model.
@@ -51,6 +51,7 @@ from agent.backends.engine_protocol import (
     update_info,
 )
 from agent.backends.fleet import Fleet
+from agent.backends.openai import tls_context
 from training.rollout.weight_sync import WeightSyncError, check_engine
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ class FleetSync:
         self.store: Any = None
         self.members: tuple[str, ...] = ()
         self._buf: torch.Tensor | None = None
+        self._http: Any = None
         self.last: dict[str, float] = {}
 
     # -- the whole step ---------------------------------------------------------------------------------
@@ -278,6 +280,7 @@ class FleetSync:
             else:
                 payload = [t.detach().to(device).contiguous() for _, t in bucket]
             live = self._send_bucket(i, live, update_info(metas, s.packed), payload)
+        self._buf = None  # the training step gets the memory back
         return live, n_buckets, n_bytes
 
     def _send_bucket(self, i: int, live: list[str], info: dict[str, Any], payload: list[torch.Tensor]) -> list[str]:
@@ -388,11 +391,26 @@ class FleetSync:
         key = self.fleet.api_key
         return {"Authorization": f"Bearer {key}"} if key else {}
 
+    def _client(self) -> Any:
+        """One HTTP client for every engine call (thread-safe; its connections are kept between calls)."""
+        import httpx2
+
+        if self._http is None:
+            self._http = httpx2.Client(headers=self._headers(), timeout=self.settings.timeout_s + 30,
+                                       verify=tls_context(), limits=httpx2.Limits(max_connections=256))
+        return self._http
+
+    def close(self) -> None:
+        """Close the HTTP client (the transfer group is left to the engines' next init)."""
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+
     def _post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         import httpx2
 
         try:
-            r = httpx2.post(url + path, json=body, headers=self._headers(), timeout=self.settings.timeout_s + 30)
+            r = self._client().post(url + path, json=body)
         except (httpx2.TransportError, httpx2.TimeoutException) as e:
             raise EngineCallError(f"POST {path} got no answer ({type(e).__name__}: {e or 'timed out'})") from None
         if r.status_code != 200:
@@ -406,7 +424,7 @@ class FleetSync:
         import httpx2
 
         try:
-            r = httpx2.get(url + path, headers=self._headers(), timeout=self.fleet.connect_timeout_s)
+            r = self._client().get(url + path, timeout=self.fleet.connect_timeout_s)
             if r.status_code != 200:
                 raise EngineCallError(f"GET {path} answered HTTP {r.status_code}: {r.text[:200]}", r.status_code)
             return r.json()
