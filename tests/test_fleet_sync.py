@@ -241,3 +241,27 @@ def test_buckets_stream_within_the_bound(tiny_llm):
     wrapped = torch.nn.Module()
     wrapped.model = model
     assert [n for n, _ in FullState(wrapped, strip="model.")] == list(model.state_dict())
+
+
+def test_a_failed_push_still_runs_every_gather_and_raises(tiny_llm, monkeypatch):
+    """Under FSDP every parameter's gather is a collective: rank 0 failing half way through its push must still
+    run the rest of the stream, or the other ranks would wait in a gather until the collective timeout."""
+    fleet = Fleet(["http://127.0.0.1:9"], tiny_llm.tokenizer, "tiny", connect=False)
+    gathered = []
+
+    def stream():
+        for i in range(5):
+            gathered.append(i)
+            yield f"w{i}", torch.zeros(2)
+
+    def push_fails(self, named_tensors, version, targets):
+        next(iter(named_tensors))
+        raise RuntimeError("the engine call broke")
+
+    monkeypatch.setattr(FleetSync, "push", push_fails)
+    with pytest.raises(RuntimeError, match="the engine call broke"):
+        FleetSync(fleet, rank=0).sync(stream(), 1, None, None, 1e-4)
+    assert gathered == [0, 1, 2, 3, 4]
+    gathered.clear()
+    assert FleetSync(fleet, rank=1).sync(stream(), 1, None, None, 1e-4) == {}  # another rank: gathers only
+    assert gathered == [0, 1, 2, 3, 4]

@@ -104,6 +104,22 @@ class FullState:
             yield name.removeprefix(self.strip), t.detach()
 
 
+class Stream:
+    """``named_tensors`` iterated once, with its ``nbytes`` (when it has one) and :meth:`drain` to run what is
+    left of it (under FSDP every parameter's gather is a collective the other ranks wait in)."""
+
+    def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):
+        self.nbytes = getattr(named_tensors, "nbytes", None)
+        self._it = iter(named_tensors)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._it
+
+    def drain(self) -> None:
+        for _ in self._it:
+            pass
+
+
 def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups of ``named_tensors`` whose packed size (:func:`agent.backends.engine_protocol.packed_layout`)
     stays within ``bucket_bytes``; a tensor larger than that is a bucket of its own."""
@@ -157,19 +173,22 @@ class FleetSync:
         :class:`training.rollout.weight_sync.WeightSyncError` on every rank when no engine is left."""
         stats: dict[str, float] = {}
         error: BaseException | None = None
+        stream = Stream(named_tensors)
         if self.rank != 0:
-            for _ in named_tensors:
-                pass
+            stream.drain()
         else:
             try:
                 targets = self.fleet.in_rotation() + self.fleet.candidates()
-                pushed = self.push(named_tensors, version, targets)
+                pushed = self.push(stream, version, targets)
                 stats = {**self.last, **self.verify(pushed, version, probe, want, tol)}
             except BaseException as e:  # noqa: BLE001 - the other ranks still get the rotation, then it is raised
                 error = e
-        share_rotation(self.fleet)
+                stream.drain()  # the other ranks gather every parameter in step: rank 0 must too
+        failed = share_rotation(self.fleet, None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
             raise error
+        if failed is not None:
+            raise WeightSyncError(f"rank 0 failed the weight sync of version {version}: {failed}")
         if not self.fleet.in_rotation():
             why = "; ".join(f"{u}: {e['reason']}" for u, e in self.fleet.describe().items())
             raise WeightSyncError(f"no rollout engine runs weight version {version} ({why})")
@@ -182,17 +201,23 @@ class FleetSync:
         check before the first step, which admits nothing new). Returns ``sync/engines_verified``,
         ``sync/engines_failed`` and, over the engines that passed, the largest ``sync/probe_lp_diff_mean``
         and ``sync/probe_lp_diff_max``."""
+        def check(url: str) -> dict[str, float] | Exception:
+            try:
+                return check_engine(self.fleet.handle(url), None, probe, tol, want=want, what=f"rollout engine {url}")
+            except Exception as e:  # noqa: BLE001 - WeightSyncError, or the probe request failed
+                return e
+
+        results: dict[str, Any] = {u: {} for u in urls}
+        if probe is not None and urls:
+            with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:  # the engines score it at once
+                results = dict(zip(urls, pool.map(check, urls), strict=True))
         ok, means, maxes = 0, [0.0], [0.0]
-        for url in urls:
-            if probe is not None:
-                try:
-                    s = check_engine(self.fleet.handle(url), None, probe, tol, want=want,
-                                     what=f"rollout engine {url}")
-                except Exception as e:  # noqa: BLE001 - WeightSyncError, or the probe request failed
-                    self.fleet.take_out(url, f"failed the weight-sync check after version {version}: {e}")
-                    continue
-                means.append(s["sync/probe_lp_diff_mean"])
-                maxes.append(s["sync/probe_lp_diff_max"])
+        for url, s in results.items():
+            if isinstance(s, Exception):
+                self.fleet.take_out(url, f"failed the weight-sync check after version {version}: {s}")
+                continue
+            means.append(s.get("sync/probe_lp_diff_mean", 0.0))
+            maxes.append(s.get("sync/probe_lp_diff_max", 0.0))
             ok += 1
             if version is not None:
                 self.fleet.admit(url, version)
@@ -456,22 +481,25 @@ class FleetSync:
         return out if replies else [u for u in urls if u in out]
 
 
-def share_rotation(fleet: Fleet) -> None:
+def share_rotation(fleet: Fleet, error: str | None = None) -> str | None:
     """Under ``torchrun``, give every rank's ``fleet`` rank 0's rotation (which engines are in, why the others
-    are out, the weight versions): each rank routes its own requests. A collective; a no-op on one process."""
+    are out, the weight versions): each rank routes its own requests. ``error``: rank 0's failure of the sync,
+    returned on every rank (so that all raise, not rank 0 alone). A collective; returns ``error`` on one
+    process."""
     from training.infra.distributed import world
 
     rank, W = world()
     if W == 1:
-        return
+        return error
     import torch.distributed as dist
 
-    box = [fleet.describe() if rank == 0 else None]
+    box = [(fleet.describe(), error) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    if rank == 0:
-        return
-    for url, state in box[0].items():
-        if state["in_rotation"]:
-            fleet.admit(url, state["weight_version"])
-        else:
-            fleet.take_out(url, state["reason"])
+    states, error = box[0]
+    if rank != 0:
+        for url, state in states.items():
+            if state["in_rotation"]:
+                fleet.admit(url, state["weight_version"])
+            else:
+                fleet.take_out(url, state["reason"])
+    return error
