@@ -190,7 +190,7 @@ class EngineServer:
     async def completion(self, body: dict[str, Any]) -> dict[str, Any]:
         """Answer one ``/v1/completions`` body (see the module docstring); raises :class:`HTTPError`."""
         model = body.get("model")
-        if model is not None and model != self.name:
+        if model not in (None, "") and model != self.name:
             raise HTTPError(404, f"The model `{model}` does not exist.", "NotFoundError")
         prompt = self._prompt(body)
         params = self._params(body, len(prompt))
