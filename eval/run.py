@@ -105,7 +105,7 @@ def method_manifest(
         "options": options,
         "agent": cfg,
         "model": describe_llm(llm),
-        "retriever": describe_retriever(retriever, index_dir) if method != "direct" else None,
+        "retriever": describe_retriever(retriever, index_dir) if get_method(method).retrieves else None,
     }
     if model_dir is not None:  # a local checkpoint is hashed; a hub id is recorded by name
         man["model"]["files"] = path_manifest(model_dir) if Path(model_dir).exists() else {"name": str(model_dir)}
@@ -259,8 +259,8 @@ def run_benchmarks(
     Args:
         benchmarks: registry names, ``"all"`` (the seven benchmarks), comma-separated lists, or QA file
             paths (any format :func:`corpora.qa.read_qa` reads).
-        method: a name of :data:`eval.methods.METHODS` (``direct``, ``rag``, ``ircot``, ``agent``,
-            ``search_o1``).
+        method: a name of :data:`eval.methods.EVAL_METHODS` (``direct``, ``rag``, ``ircot``, ``agent``,
+            ``search_o1``, and what plugins register).
         limit, seed: deterministic sub-sample of each benchmark (``None`` = all questions); ``seed`` is also
             the sampling seed when ``temperature > 0``.
         out_dir: the run directory; predictions go to ``out_dir/<method>-<fingerprint>/``.
@@ -269,8 +269,8 @@ def run_benchmarks(
         data_dir: root of the benchmark files (default ``$SLEUTH_DATA_DIR``, else the folder ``sleuth data get``
             fills: :func:`corpora.catalog.resolve_data_dir`).
         top_k, temperature: passages per search and decoding temperature (0 = greedy).
-        method_options: more method keywords (``max_steps``, ``max_docs`` for IRCoT).
-        run_episodes: the agent loop to use for ``agent`` (default :func:`agent.loop.batch.run_episodes`).
+        method_options: more :class:`eval.methods.MethodContext` settings (``max_steps``, ``max_docs``...).
+        run_episodes: the agent loop of a method that runs episodes (default: the built-in one).
         index_dir, model_dir, fingerprint_extra: added to the config fingerprint (index and model manifests,
             anything else that determines the predictions).
         batch_size: questions per method call (and per cache append).
@@ -280,7 +280,7 @@ def run_benchmarks(
             (:func:`judge_records`; ``None`` = no LLM judge); its description, ``judge_options``
             (``unparseable``: ``"zero"``/``"rule"``, ``fallback_metric``, ``max_new_tokens``; defaults
             :data:`JUDGE_DEFAULTS`) and ``judge_model_dir``'s manifest go into the fingerprint.
-        keep_trajectories: with ``method="agent"``, append the trajectories of the episodes computed in this
+        keep_trajectories: with a method that runs episodes (``agent``), append the trajectories of the episodes computed in this
             call to ``<run dir>/<benchmark>.trajectories.jsonl``.
 
     Returns ``{"method", "fingerprint", "run_dir", "benchmarks": {name: metrics}}`` where metrics are those of
@@ -294,7 +294,7 @@ def run_benchmarks(
     another config under this fingerprint.
     """
     names = expand_benchmarks(benchmarks)
-    get_method(method)  # fail fast on an unknown method
+    entry = get_method(method)  # fail fast on an unknown method
     options: dict[str, Any] = {"top_k": top_k, "temperature": temperature, **(method_options or {})}
     if temperature > 0:
         options["sampling_seed"] = seed
@@ -308,7 +308,7 @@ def run_benchmarks(
         if (Path(out_dir) / f"{method}-{fingerprint(base)}").is_dir():
             unjudged = PredictionCache(out_dir, method, base)
     kw = {k: v for k, v in options.items() if k != "sampling_seed"}
-    if method == "agent" and run_episodes is not None:
+    if entry.episodes and run_episodes is not None:
         kw["run_episodes"] = run_episodes
     summary_path = cache.dir / SUMMARY
     summary: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.exists() else {}
@@ -319,7 +319,7 @@ def run_benchmarks(
         t0 = time.perf_counter()
         fn = method_fn
         if fn is None:
-            if method == "agent" and keep_trajectories:  # beside the predictions, those computed in this call
+            if entry.episodes and keep_trajectories:  # beside the predictions, those computed in this call
                 path = cache.dir / f"{safe_name(name)}.trajectories.jsonl"
                 kw["on_trajectories"] = lambda trajs, path=path: save_trajectories(path, trajs, append=True)
             fn = make_method(method, llm, retriever, agent_cfg, seed=seed, **kw)

@@ -17,6 +17,7 @@ from corpora.formats import QAExample
 from eval.prompting import (
     RAW_CHARS,
     TAGS,
+    MethodContext,
     check_tags_protocol,
     extract_answer,
     fit_tokens,
@@ -25,7 +26,7 @@ from eval.prompting import (
     set_wall,
     task_prompt,
 )
-from retrieval.base import Hit, Retriever
+from retrieval.base import Hit
 
 # -- search_o1 ------------------------------------------------------------------------------------------
 REASON_IN_DOCUMENTS = (
@@ -89,23 +90,11 @@ def _refined(text: str) -> str:
     return out or NO_INFO
 
 
-def search_o1(
-    examples: list[QAExample],
-    llm: LLM,
-    retriever: Retriever,
-    cfg: AgentConfig | None = None,
-    *,
-    top_k: int = 3,
-    max_steps: int | None = None,
-    max_extract_tokens: int | None = None,
-    temperature: float = 0.0,
-    seed: int | None = 0,
-    **_: Any,
-) -> list[dict[str, Any]]:
+def search_o1(examples: list[QAExample], ctx: MethodContext) -> list[dict[str, Any]]:
     """Search-o1 (Li et al. 2025, "Search-o1: Agentic Search-Enhanced Large Reasoning Models",
     arXiv:2501.05366) in the tag protocol, batched across questions.
 
-    Agentic retrieval-augmented reasoning with the Reason-in-Documents module. For up to ``max_steps``
+    Agentic retrieval-augmented reasoning with the Reason-in-Documents module. For up to ``ctx.max_steps``
     steps (default ``cfg.max_turns``) over the questions still running: (1) one batched generation
     continues each reasoning chain (the agent prompt, then the model's own turns) until ``</search>`` or
     ``</answer>``; an answer ends the question. (2) One batched search with the queries written. (3) One
@@ -123,7 +112,7 @@ def search_o1(
     Reason-in-Documents instruction (no few-shot examples, no "**Final Information**" marker: the whole
     continuation up to a blank line is the extraction); the search limit is ``max_steps`` reasoning steps
     (the paper caps searches at 10); documents are passages of the local corpus, not web pages; the
-    chain is cut to the episode budget ``cfg.max_total_tokens``. ``max_extract_tokens`` (default
+    chain is cut to the episode budget ``cfg.max_total_tokens``. ``ctx.max_extract_tokens`` (default
     ``cfg.max_new_tokens``; at least 1) bounds each extraction.
 
     Raises ``ValueError`` with ``agent.protocol: function_call``: the policy's tool calls are not
@@ -133,9 +122,10 @@ def search_o1(
     (reasoning steps, Reason-in-Documents calls and the forced answer), ``generated_tokens`` all their
     tokens, plus ``refined`` (the inserted extractions, in order).
     """
-    cfg = cfg or AgentConfig()
+    llm, retriever, cfg, top_k, temperature, seed = ctx.llm, ctx.retriever, ctx.cfg, ctx.top_k, ctx.temperature, ctx.seed
     check_tags_protocol("search_o1", cfg)
-    max_steps = cfg.max_turns if max_steps is None else max_steps
+    max_steps = cfg.max_turns if ctx.max_steps is None else ctx.max_steps
+    max_extract_tokens = ctx.max_extract_tokens
     if max_extract_tokens is not None and max_extract_tokens < 1:  # before any generation
         raise ValueError(f"max_extract_tokens must be at least 1 token, got {max_extract_tokens}")
     extract_new = cfg.max_new_tokens if max_extract_tokens is None else max_extract_tokens

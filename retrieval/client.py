@@ -28,11 +28,9 @@ from __future__ import annotations
 
 import functools
 import http.client
-import math
 import os
 import select
 import threading
-import time
 from math import nan
 from urllib.parse import urlsplit
 
@@ -40,6 +38,7 @@ from orjson import dumps as _dumps
 from orjson import loads as _loads
 
 from retrieval.base import REPLY_FORMAT_HEADER, ROWS_REPLY_HEADER, Hit, check_queries
+from retrieval.retry import RetriesExhausted, Retry, RetryPolicy, call, retry_after_s, retryable_status
 
 API_KEY_ENV = "SLEUTH_RETRIEVAL_API_KEY"
 """The environment variable holding the retrieval server's API key, read by the client and by
@@ -101,7 +100,7 @@ def _readable(sock) -> bool:
     return bool(select.select([sock], [], [], 0)[0])
 
 
-class _ServerFailed(RuntimeError):
+class _ServerFailed(Retry):
     """The server answered, with a 5xx or 429: it is up, so "is it running?" would mislead."""
 
 
@@ -113,7 +112,8 @@ class RemoteRetriever:
     ``retries`` extra attempts wait ``backoff * 2**i`` seconds, or longer when a 429/5xx answer's
     ``Retry-After`` asks it (at most 60 s; a kept-alive connection the server closed meanwhile is replaced at
     once, without using up an attempt); ``max_connections`` idle connections are
-    kept for reuse. ``reply_format`` is the reply format asked for (``columns-stream``; set ``columns`` or
+    kept for reuse; ``deadline_s`` (``None``: none) ends the retries of a request whose next wait would end
+    later than that many seconds after its first attempt. ``reply_format`` is the reply format asked for (``columns-stream``; set ``columns`` or
     ``search-r1`` to compare them). ``api_key`` (default: ``$SLEUTH_RETRIEVAL_API_KEY``, the variable
     ``sleuth serve-retrieval --api-key`` reads too; unset or empty: none) is sent as ``Authorization: Bearer``.
     Raises :class:`RetrievalServerError` when the server is down and ``ValueError`` on a rejected request
@@ -133,6 +133,7 @@ class RemoteRetriever:
         max_batch: int = 1024,
         max_connections: int = 32,
         api_key: str | None = None,
+        deadline_s: float | None = None,
     ):
         url = url.rstrip("/")
         key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
@@ -140,10 +141,16 @@ class RemoteRetriever:
         self.endpoint = url if url.endswith("/retrieve") else url + "/retrieve"
         self.base = self.endpoint[: -len("/retrieve")]
         self.retries, self.backoff, self.max_batch = retries, backoff, max_batch
+        self.deadline_s = deadline_s
         self.reply_format = "columns-stream"
         u = urlsplit(self.endpoint)
         self._path = u.path
         self._pool = _Connections(u.scheme, u.hostname or "127.0.0.1", u.port, timeout, max_connections)
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """The retry policy of a request (from ``retries``, ``backoff``, ``deadline_s``)."""
+        return RetryPolicy(self.retries, self.backoff, deadline_s=self.deadline_s)
 
     def close(self) -> None:
         self._pool.clear()
@@ -158,14 +165,25 @@ class RemoteRetriever:
         """The reply of a successful request to ``path`` on the server (see the class docstring for retries and
         errors): its body, or what ``read(response)`` makes of a response with a status below 400 (called
         before the connection goes back to the pool; an ``OSError`` or ``HTTPException`` it raises is retried
-        like a failed request; a :class:`RetrievalServerError` or any other exception is raised at once)."""
+        like a failed request; a :class:`RetrievalServerError` or any other exception is raised at once). The
+        retries are :func:`retrieval.retry.call`'s."""
         headers = dict(self._auth)
         if body is not None:
             headers |= {"Content-Type": "application/json", REPLY_FORMAT_HEADER: self.reply_format}
-        last: Exception | None = None
-        failures = 0
+        try:
+            return call(functools.partial(self._attempt, method, path, body, headers, read), self.retry)
+        except RetriesExhausted as e:
+            hint = ("it is up but failing: see its log" if isinstance(e.last, _ServerFailed)
+                    else "is it running? Start one with: sleuth serve-retrieval --index DIR")
+            raise RetrievalServerError(
+                f"retrieval server at {self.base} failed after {e.attempts} attempts ({e.last.reason}); {hint}"
+            ) from None
+
+    def _attempt(self, method: str, path: str, body: bytes | None, headers: dict, read):
+        """One attempt of :meth:`_request`: :class:`~retrieval.retry.Retry` on a connection error, a timeout, 429
+        or 5xx (a kept-alive connection the server had closed meanwhile is replaced at once, on a new one,
+        within the attempt)."""
         while True:
-            wait = 0.0
             conn, reused = self._pool.take()
             try:
                 conn.request(method, path, body=body, headers=headers)
@@ -176,34 +194,23 @@ class RemoteRetriever:
                 raise
             except (OSError, http.client.HTTPException) as e:  # refused, timeout, reset, closed mid-reply
                 conn.close()
-                last = e
                 if reused and not isinstance(e, TimeoutError):
                     continue  # a kept-alive connection the server had closed: again at once, on a new one
+                raise Retry(f"{type(e).__name__}: {e}") from None
             except BaseException:
                 conn.close()
                 raise
+            if r.will_close or not r.isclosed():
+                conn.close()
             else:
-                if r.will_close or not r.isclosed():
-                    conn.close()
-                else:
-                    self._pool.give(conn)
-                if r.status < 400:
-                    return data
-                if r.status != 429 and r.status < 500:
-                    hint = f" (set ${API_KEY_ENV} to the server's --api-key)" if r.status == 401 else ""
-                    raise ValueError(f"retrieval server rejected the request (HTTP {r.status}): {_message(data)}{hint}")
-                last = _ServerFailed(f"HTTP {r.status}: {_message(data)}")
-                wait = retry_after_s(r.getheader("retry-after"))
-            failures += 1
-            if failures > self.retries:
-                break
-            time.sleep(max(self.backoff * 2 ** (failures - 1), wait))
-        hint = ("it is up but failing: see its log" if isinstance(last, _ServerFailed)
-                else "is it running? Start one with: sleuth serve-retrieval --index DIR")
-        raise RetrievalServerError(
-            f"retrieval server at {self.base} failed after {self.retries + 1} attempts ({type(last).__name__}: "
-            f"{last}); {hint}"
-        )
+                self._pool.give(conn)
+            if r.status < 400:
+                return data
+            if not retryable_status(r.status):
+                hint = f" (set ${API_KEY_ENV} to the server's --api-key)" if r.status == 401 else ""
+                raise ValueError(f"retrieval server rejected the request (HTTP {r.status}): {_message(data)}{hint}")
+            raise _ServerFailed(f"HTTP {r.status}: {_message(data)}",
+                                retry_after_s(r.getheader("retry-after")))
 
     def health(self) -> dict:
         """The server's ``/health`` JSON."""
@@ -298,16 +305,6 @@ def _hit(item: dict) -> Hit:
         score = nan
     return Hit(str(doc.get("id", "")), title if type(title) is str else str(title), contents,
                score if type(score) is float else float(score))
-
-
-def retry_after_s(value: str | None, cap_s: float = 60.0) -> float:
-    """Seconds a 429/5xx answer's ``Retry-After: <seconds>`` asks the client to wait, at most ``cap_s`` (the
-    HTTP-date form, a missing header and junk read as 0). Also read by :mod:`agent.backends.openai`."""
-    try:
-        s = float(value) if value else 0.0
-    except ValueError:
-        return 0.0
-    return min(max(s, 0.0), cap_s) if math.isfinite(s) else 0.0
 
 
 def _message(data: bytes) -> str:

@@ -23,8 +23,9 @@ if a search of several requests fails, each is searched alone, so a bad request 
 one search runs, the next requests pile up and form the next batch, so concurrent rollout workers share
 index passes without a fixed wait (``max_wait_ms`` adds one if wanted).
 
-Limits (each violation is a 4xx whose ``error`` names the limit): body bytes (413), a body that is not JSON
-or nests too deeply (400), queries per request, query characters, empty or non-Unicode queries, ``topk``
+Limits (each violation is a 4xx whose ``error`` names the limit): body bytes (413), a body that is not JSON,
+nests too deeply or holds an over-long integer (400; these and the API key are the shared
+:mod:`retrieval.http_guard`'s checks), queries per request, query characters, empty or non-Unicode queries, ``topk``
 range, queries x ``topk`` (400), and the reply's estimated bytes (queries x ``topk`` x the index's mean bytes
 per hit, :func:`reply_bytes_per_hit`; 413 over ``max_reply_bytes``). Overload is shed, not piled up: a
 request that would take the queries waiting or being searched past ``max_pending_queries``, or the
@@ -37,10 +38,8 @@ unless told otherwise.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
-import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from orjson import dumps as _dumps
 from starlette.routing import Route
 
 from retrieval.base import REPLY_FORMAT_HEADER, ROWS_REPLY_HEADER, Hit, Retriever
+from retrieval.http_guard import GuardError, RequestGuard, asgi_body
 from retrieval.reply import REPLY_FORMATS, rows_to_frame, rows_to_reply
 
 log = logging.getLogger(__name__)
@@ -112,19 +112,16 @@ class RequestError(ValueError):
         self.status = status
 
 
-def parse_request(body: bytes, limits: ServerLimits) -> tuple[list[str], int, bool]:
-    """Validate a ``/retrieve`` body; returns (queries, topk, return_scores) or raises :class:`RequestError`."""
-    if len(body) > limits.max_body_bytes:
-        raise RequestError(f"request body is {len(body)} bytes; the limit is {limits.max_body_bytes} (max_body_bytes)",
-                           413)
+def parse_request(body: bytes, limits: ServerLimits, guard: RequestGuard | None = None) -> tuple[list[str], int, bool]:
+    """Validate a ``/retrieve`` body; returns (queries, topk, return_scores) or raises :class:`RequestError`.
+    The body is bounded and parsed by ``guard`` (default: one of ``limits.max_body_bytes``; see
+    :mod:`retrieval.http_guard`)."""
+    guard = guard or RequestGuard(max_body_bytes=limits.max_body_bytes)
     try:
-        obj = json.loads(body)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's 4,300-digit limit
-        raise RequestError(f"request body is not valid JSON ({e})") from None
-    except RecursionError:  # valid JSON nested deeper than the decoder's recursion limit ([[[...]]])
-        raise RequestError("request body is JSON nested too deeply") from None
-    if not isinstance(obj, dict):
-        raise RequestError("request body must be a JSON object with 'queries'")
+        guard.check_length(len(body))
+        obj = guard.parse_object(body, " with 'queries'")
+    except GuardError as e:
+        raise RequestError(e.message, e.status) from None
     queries = obj.get("queries")
     if isinstance(queries, str):
         queries = [queries]
@@ -306,7 +303,8 @@ class Batcher:
 
 class RetrieveEndpoint:
     """``POST /retrieve`` as a plain ASGI app: checks the API key (``api_key``; 401 without it), reads the
-    body (at most ``limits.max_body_bytes``, else 413), validates it (:func:`parse_request`), admits it
+    body (at most ``limits.max_body_bytes``, else 413) and parses it (both by the shared
+    :class:`retrieval.http_guard.RequestGuard`), validates it (:func:`parse_request`), admits it
     within ``max_pending_queries`` and ``max_reply_bytes`` (:meth:`admit`), searches through the
     :class:`Batcher` and sends the reply (:meth:`Batcher.encode_reply`, or frames of ``frame_docs`` documents
     for ``columns-stream``). Errors answer ``{"error": msg, "detail": msg}``: 4xx for the request, 400 for a
@@ -316,7 +314,7 @@ class RetrieveEndpoint:
 
     def __init__(self, batcher: Batcher, limits: ServerLimits, frame_docs: int = 320, api_key: str | None = None):
         self.batcher, self.limits, self.frame_docs = batcher, limits, frame_docs
-        self.auth = b"Bearer " + api_key.encode() if api_key else None
+        self.guard = RequestGuard(api_key, limits.max_body_bytes)
         self.bytes_per_hit = reply_bytes_per_hit(batcher.retriever)
         self.reply_bytes = 0
 
@@ -359,12 +357,13 @@ class RetrieveEndpoint:
     async def _handle(self, scope, receive, send) -> None:
         headers = dict(scope["headers"])
         asked = headers.get(_FORMAT, b"").decode("latin-1")
-        if self.auth is not None and not secrets.compare_digest(headers.get(b"authorization", b""), self.auth):
-            msg = "missing or wrong API key (Authorization: Bearer <key>)"
-            return await _send(send, 401, _error_body(msg), [(b"www-authenticate", b"Bearer")])
         try:
-            body = await self._body(scope, receive)
-            queries, topk, return_scores = parse_request(body, self.limits)
+            self.guard.check_auth(headers.get(b"authorization"))
+            body = await self.guard.read_body(asgi_body(receive), headers.get(b"content-length"))
+            queries, topk, return_scores = parse_request(body, self.limits, self.guard)
+        except GuardError as e:
+            extra = [(b"www-authenticate", b"Bearer")] if e.status == 401 else None
+            return await _send(send, e.status, _error_body(e.message), extra)
         except RequestError as e:
             return await _send(send, e.status, _error_body(str(e)))
         est, refusal, status = self.admit(len(queries), topk)
@@ -420,24 +419,6 @@ class RetrieveEndpoint:
             line = _error_body(msg) + b"\n"
             await send({"type": "http.response.body", "body": b"%d\n" % len(line) + line, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
-
-    async def _body(self, scope, receive) -> bytes:
-        limit = self.limits.max_body_bytes
-        for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > limit:
-                raise RequestError(f"request body is {int(value)} bytes; the limit is {limit} (max_body_bytes)", 413)
-        parts, n = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                raise RequestError("client disconnected before sending the whole body")
-            chunk = msg.get("body", b"")
-            n += len(chunk)
-            if n > limit:
-                raise RequestError(f"request body is over {limit} bytes; the limit is {limit} (max_body_bytes)", 413)
-            parts.append(chunk)
-            if not msg.get("more_body", False):
-                return b"".join(parts)
 
 
 _ROWS, _FORMAT = ROWS_REPLY_HEADER.encode(), REPLY_FORMAT_HEADER.encode()
@@ -501,7 +482,7 @@ def create_app(
             "pending_queries": batcher.pending,
             "reply_bytes_in_flight": endpoint.reply_bytes,
             "reply_bytes_per_hit": endpoint.bytes_per_hit,
-            "auth": endpoint.auth is not None,
+            "auth": not endpoint.guard.open,
             "limits": limits.__dict__,
             **(info or {}),
         }

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx2
 
 from retrieval.base import Hit, check_queries
-from retrieval.client import retry_after_s
+from retrieval.retry import RetriesExhausted, Retry, RetryPolicy, call, retry_after_s, retryable_status
 
 PROVIDERS = {
     # provider: (default base URL, environment variable of the key or None, the key is required)
@@ -107,6 +107,8 @@ class WebSearch:
             ``SEARXNG_API_KEY``, the latter optional, sent as a Bearer token when set).
         rate_per_s: most requests a second (0: unlimited). timeout_s: per request, seconds.
         max_retries: retries after the first attempt. backoff_s: first retry delay (doubles each retry).
+        deadline_s: no retry wait of a query ends later than this many seconds after its first attempt
+            (``None``: none); the retries are :func:`retrieval.retry.call`'s.
 
     ``stats``: ``requests`` (sent), ``cache_hits``, ``retries``. Raises ``ValueError`` for an unknown provider,
     a missing key or SearXNG URL.
@@ -116,7 +118,7 @@ class WebSearch:
 
     def __init__(self, provider: str, url: str | None = None, cache_dir: str | Path = "runs/web_cache",
                  api_key_env: str | None = None, rate_per_s: float = 1.0, timeout_s: float = 20.0,
-                 max_retries: int = 4, backoff_s: float = 1.0):
+                 max_retries: int = 4, backoff_s: float = 1.0, deadline_s: float | None = None):
         if provider not in PROVIDERS:
             raise ValueError(f"unknown web search provider {provider!r}; use one of {', '.join(PROVIDERS)}")
         default_url, env, required = PROVIDERS[provider]
@@ -129,12 +131,18 @@ class WebSearch:
             raise ValueError(f"web search with {provider} needs the instance's URL (retrieval.web_url or $SEARXNG_URL)")
         self.url, self.env = url.rstrip("/"), env
         self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
+        self.deadline_s = deadline_s
         self.cache = WebCache(Path(cache_dir) / "web_cache.sqlite")
         self.limiter = RateLimiter(rate_per_s)
         headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
         self.http = httpx2.Client(base_url=self.url, headers=headers, timeout=timeout_s)
         self.stats = {"requests": 0, "cache_hits": 0, "retries": 0}
         self._stats_lock = threading.Lock()
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """The retry policy of a query (from ``max_retries``, ``backoff_s``, ``deadline_s``)."""
+        return RetryPolicy(self.max_retries, self.backoff_s, deadline_s=self.deadline_s)
 
     def _count(self, key: str) -> None:
         with self._stats_lock:
@@ -161,23 +169,15 @@ class WebSearch:
         return self.http.get("/search", params={"q": query, "format": "json"})
 
     def _fetch(self, query: str, k: int) -> list[Hit]:
-        delay, wait, last = self.backoff_s, 0.0, "no attempt"
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                self._count("retries")
-                time.sleep(max(delay, wait))
-                delay, wait = delay * 2, 0.0
+        def attempt() -> list[Hit]:
             self.limiter.wait()
             self._count("requests")
             try:
                 r = self._request(query, k)
             except (httpx2.TimeoutException, httpx2.TransportError) as e:
-                last = f"{type(e).__name__}: {e or 'timed out'}"
-                continue
-            if r.status_code == 429 or r.status_code >= 500:
-                last = f"HTTP {r.status_code}: {r.text[:200]}"
-                wait = retry_after_s(r.headers.get("retry-after"))
-                continue
+                raise Retry(f"{type(e).__name__}: {e or 'timed out'}") from None
+            if retryable_status(r.status_code):
+                raise Retry(f"HTTP {r.status_code}: {r.text[:200]}", retry_after_s(r.headers.get("retry-after")))
             if r.status_code in (401, 403):
                 raise WebSearchError(f"{self.provider} at {self.url} refused the API key (HTTP {r.status_code}: "
                                      f"{r.text[:200]}); check ${self.env}")
@@ -185,8 +185,12 @@ class WebSearch:
                 raise WebSearchError(f"{self.provider} at {self.url} answered HTTP {r.status_code} for {query!r}: "
                                      f"{r.text[:300]}")
             return self._parse(r, k)
-        raise WebSearchUnavailable(f"{self.provider} at {self.url} failed after {self.max_retries + 1} attempts "
-                                   f"for {query!r} ({last})")
+
+        try:
+            return call(attempt, self.retry, lambda wait: self._count("retries"))
+        except RetriesExhausted as e:
+            raise WebSearchUnavailable(f"{self.provider} at {self.url} failed after {e.attempts} attempts for "
+                                       f"{query!r} ({e.last.reason})") from None
 
     def _parse(self, r: httpx2.Response, k: int) -> list[Hit]:
         try:

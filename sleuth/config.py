@@ -1,22 +1,27 @@
 """Configuration as data: YAML files under ``configs/`` validated by a pydantic schema.
 
-Every section forbids unknown keys, so a typo is an error that names the key (``train.lrr``). Dotted
-``key=value`` overrides on the command line are parsed as YAML scalars (``train.lr=1e-4``,
-``agent.max_turns=3``, ``policy.model=Qwen/Qwen2.5-3B-Instruct``).
+Every section forbids unknown keys, so a typo is an error that names the key (``train.optim.lrr``). Dotted
+``key=value`` overrides on the command line are parsed as YAML scalars (``train.optim.lr=1e-4``,
+``agent.max_turns=3``, ``policy.model=Qwen/Qwen2.5-3B-Instruct``). The ``train`` section's flat keys of the
+earlier release (``train.lr``) are moved to their sections in the file and in the overrides before the two
+are merged, with a warning naming the new key (:func:`training.config.upgrade_train_keys`).
 """
 
 from __future__ import annotations
 
 import re
+import sys
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 # each layer's sections live beside it (agent/config.py, training/config.py); they are part of this schema
 from agent.config import AgentConfig, BackendConfig, LLMJudgeConfig, Section, SimulatorConfig
-from training.config import SFTConfig, TrainConfig
+from retrieval.registry import RETRIEVERS
+from training.config import FLAT_KEYS, DeprecatedConfigKey, SFTConfig, TrainConfig, upgrade_train_keys
 
 __all__ = ["AgentConfig", "BackendConfig", "Config", "ConfigError", "LLMJudgeConfig", "SFTConfig", "Section",
            "SimulatorConfig", "TrainConfig"]
@@ -38,12 +43,14 @@ class RetrievalConfig(Section):
     """Which index and retriever the agent searches, and how many passages (top-k) per search."""
     index_dir: str = "runs/index"
     # a running retrieval server (`sleuth serve-retrieval`, or Search-R1's retrieval_server.py): the agent searches
-    # it over HTTP (retrieval.client.RemoteRetriever) instead of opening index_dir; the server picks the method
+    # it over HTTP (retrieval.client.RemoteRetriever) instead of opening index_dir; the server picks the method (any
+    # method but simulated stands aside for it: the simulated engine's documents are written by the run's own LLM)
     url: str | None = None
-    # simulated: ZeroSearch (agent.simulator); lucene: pyserini BM25 (lucene extra), faster from ~1M passages
-    # mcp: the search tool of the MCP server at mcp_server (retrieval.mcp.MCPRetriever)
+    # a name of retrieval.registry.RETRIEVERS (a plugin may register more): bm25, dense, hybrid and lucene search
+    # index_dir (lucene: pyserini BM25, the lucene extra, faster from ~1M passages); simulated: ZeroSearch
+    # (agent.simulator); mcp: the search tool of the MCP server at mcp_server (retrieval.mcp.MCPRetriever);
     # web: a web search API (retrieval.web.WebSearch; web_provider, its key from the environment)
-    method: Literal["bm25", "dense", "hybrid", "lucene", "simulated", "mcp", "web"] = "bm25"
+    method: str = Field("bm25", description=f"the retriever: {RETRIEVERS.help()}")
     top_k: int = Field(3, ge=1, le=100)
     # the model `sleuth index`/ensure_index embed with; an index is searched with the model it was built with,
     # and setting another one here is an error (see chosen_dense_model)
@@ -66,6 +73,11 @@ class RetrievalConfig(Section):
     web_url: str | None = None
     web_cache_dir: str = "runs/web_cache"
     web_rate_per_s: float = Field(1.0, ge=0)
+
+    @field_validator("method")
+    @classmethod
+    def _registered_method(cls, v: str) -> str:  # the registry's names, plugins' included
+        return RETRIEVERS.check(v)
 
     def chosen_dense_model(self) -> str | None:
         """``dense_model`` when the config sets it (a YAML key or an override, also to the default's value),
@@ -123,7 +135,8 @@ class EvalConfig(Section):
 class Config(Section):
     """The whole run configuration (one YAML file plus dotted overrides). ``plugins``: Python modules (dotted
     names, or paths of ``.py`` files) imported before the rest is validated, so that what they register
-    (advantage estimators, losses, KL estimators: :mod:`training.registry`) is a valid config value."""
+    (retrievers, LLM backends, tool protocols, evaluation methods, advantage estimators, losses, KL
+    estimators: :class:`corpora.registry.Registry`) is a valid config value."""
     seed: int = 0
     out_dir: str = "runs/quickstart"
     plugins: list[str] = Field(default_factory=list)
@@ -211,7 +224,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: not valid YAML ({_yaml_problem(e)})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a config must be a mapping, got {type(raw).__name__}")
-    _merge(raw, parse_overrides(overrides or []))
+    updates = parse_overrides(overrides or [])
+    # the earlier flat train keys, in the file and in the overrides, before an override replaces a section; their
+    # warnings are shown unless the interpreter's -W options say otherwise
+    with warnings.catch_warnings():
+        if not sys.warnoptions:
+            warnings.simplefilter("default", DeprecatedConfigKey)
+        try:
+            for part in (raw, updates):
+                if isinstance(part.get("train"), dict):
+                    part["train"] = upgrade_train_keys(part["train"], str(path) if part is raw else "override")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    _merge(raw, updates)
     import_plugins(raw.get("plugins"))
     try:
         return Config.model_validate(raw)
@@ -262,8 +287,9 @@ def import_plugins(plugins: Any) -> None:
 
 
 def _suggest(loc: tuple[Any, ...]) -> str:
-    """``"; did you mean 'train.lr'?"`` for an unknown key at ``loc``: close matches among the keys of its
-    section (empty when there are none)."""
+    """``"; did you mean 'train.optim.lr'?"`` for an unknown key at ``loc``: close matches among the keys of its
+    section (empty when there are none); directly below ``train``, also among its sections' keys and the
+    earlier flat keys, each named by its place (``train.adv_estimator``: ``train.algorithm.adv_estimator``)."""
     import difflib
 
     model: Any = Config
@@ -272,11 +298,18 @@ def _suggest(loc: tuple[Any, ...]) -> str:
         model = getattr(field, "annotation", None)
         if not isinstance(model, type) or not issubclass(model, Section):
             return ""
-    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=3, cutoff=0.6)
+    prefix = "".join(f"{p}." for p in loc[:-1])
+    names = {c: prefix + c for c in model.model_fields}
+    if model is TrainConfig:  # a key of one of its sections, or a typo of an earlier flat key: its place
+        for section, field in TrainConfig.model_fields.items():
+            sub = field.annotation
+            if isinstance(sub, type) and issubclass(sub, Section):
+                names.update({k: f"train.{section}.{k}" for k in sub.model_fields if k not in names})
+        names.update({old: f"train.{new}" for old, new in FLAT_KEYS.items() if old not in names})
+    close = difflib.get_close_matches(str(loc[-1]), list(names), n=3, cutoff=0.6)
     if not close:
         return ""
-    prefix = "".join(f"{p}." for p in loc[:-1])
-    return "; did you mean " + " or ".join(repr(prefix + c) for c in close) + "?"
+    return "; did you mean " + " or ".join(dict.fromkeys(repr(names[c]) for c in close)) + "?"
 
 
 def dump_config(cfg: Config, path: str | Path) -> None:

@@ -22,83 +22,95 @@ def data_paths(cfg: Config) -> dict[str, Path]:
     return {k: Path(getattr(cfg.data, k) or sample[k]) for k in ("corpus", "train", "test")}
 
 
-#: retrieval methods that search no local index (nothing to build or check)
-INDEXLESS_METHODS = ("simulated", "mcp", "web")
-
 #: seconds per socket operation of the start-up ``/health`` probe of ``retrieval.url`` (two attempts)
 HEALTH_PROBE_TIMEOUT_S = 10.0
 
 
-def open_retriever(cfg: Config, index_dir: str | None = None, method: str | None = None):
-    """Load the configured retriever; raises ``IndexNotFoundError`` saying how to build a missing index.
+def open_retriever(cfg: Config, index_dir: str | None = None, method: str | None = None, *,
+                   cache_size: int | None = None, **load_options: Any):
+    """The retriever of ``method`` (default ``retrieval.method``), opened as its registration says
+    (:data:`retrieval.registry.RETRIEVERS`): the one way every command opens one. Raises ``ValueError`` for an
+    unknown method (naming the registered ones and the closest) and ``IndexNotFoundError`` saying how to build
+    a missing index.
 
-    ``retrieval.method: simulated`` wires ZeroSearch's simulated search engine: an LLM (``agent.simulator.model``,
-    else the policy model) behind a plain ``generate`` callable, so the retrieval layer never imports agent.
-    Otherwise ``retrieval.url`` (unless an ``index_dir`` is given here) is a running retrieval server, searched
-    over HTTP; it is asked for ``/health`` here (:data:`HEALTH_PROBE_TIMEOUT_S` a socket operation, two
-    attempts), so a server that is down or hangs is a ``RetrievalServerError`` saying so before anything runs
-    (the agent loop would keep it as one failed episode per question). A server that answers without a
-    ``/health`` route (Search-R1's own) is taken as running. A dense or hybrid index is searched with the
-    model it was built with; a ``retrieval.dense_model`` the config sets to another model is a ``ValueError``
-    naming both and the rebuild command (:meth:`~sleuth.config.RetrievalConfig.chosen_dense_model`).
+    A method that searches an index directory opens ``index_dir`` (default ``retrieval.index_dir``) with
+    ``retrieval.bm25_backend``, the chosen ``retrieval.dense_model`` and ``load_options``
+    (:func:`retrieval.index.load_retriever`'s keywords: ``mmap``, ``n_threads``, ...); a dense or hybrid index
+    is searched with the model it was built with, and a ``retrieval.dense_model`` the config sets to another
+    model is a ``ValueError`` naming both and the rebuild command
+    (:meth:`~sleuth.config.RetrievalConfig.chosen_dense_model`). A method whose documents an LLM writes
+    (``simulated``: ZeroSearch) gets the ``generate`` callable of ``agent.simulator.model``, else of the policy
+    model, so the retrieval layer never imports agent.
 
-    An index or a server is searched through a query cache of ``retrieval.cache_size`` ``(query, k)`` keys
-    (:class:`retrieval.cache.CachedRetriever`; 0: none), shared by every rollout and step of the run; the
-    simulated engine is not cached (its documents are sampled, with a noise level that changes per step).
+    Unless an ``index_dir`` is given here, ``retrieval.url`` (a running retrieval server, e.g. ``sleuth
+    serve-retrieval``, which picks the method it serves) stands in for every method but one whose documents
+    an LLM of this run writes (the simulated engine's noise follows the run's steps). It is asked for
+    ``/health`` first (:data:`HEALTH_PROBE_TIMEOUT_S` a socket operation, two attempts), so a server that is
+    down or hangs is a ``RetrievalServerError`` saying so before anything runs (the agent loop would keep it
+    as one failed episode per question); a server that answers without a ``/health`` route (Search-R1's own)
+    is taken as running.
+
+    The retriever is searched through a query cache of ``cache_size`` ``(query, k)`` keys (default
+    ``retrieval.cache_size``; 0: none; :class:`retrieval.cache.CachedRetriever`), shared by every rollout and
+    step of the run, unless its entry says its answers are sampled (the simulated engine's noise changes per
+    step).
     """
+    from retrieval.registry import RETRIEVERS
+
     method = method or cfg.retrieval.method
-    if method == "simulated":
-        return _simulated_search(cfg)
-    retriever = _index_or_server(cfg, index_dir, method)
-    if cfg.retrieval.cache_size:
+    entry = RETRIEVERS.get(method)
+    retriever = _open_entry(cfg, entry, index_dir, load_options)
+    size = cfg.retrieval.cache_size if cache_size is None else cache_size
+    if entry.cached and size:
         from retrieval.cache import CachedRetriever
 
-        retriever = CachedRetriever(retriever, cfg.retrieval.cache_size)
+        retriever = CachedRetriever(retriever, size)
     return retriever
 
 
-def _index_or_server(cfg: Config, index_dir: str | None, method: str):
-    """:func:`open_retriever`'s retriever before its cache: an MCP server's search tool (``retrieval.method:
-    mcp``, ``retrieval.mcp_server``), a web search API (``web``), the server at ``retrieval.url`` or the index."""
-    if method == "mcp":
-        from retrieval.mcp import MCPRetriever
+def _open_entry(cfg: Config, entry, index_dir: str | None, load_options: dict[str, Any]):
+    """:func:`open_retriever`'s retriever before its cache: the server at ``retrieval.url`` (unless an
+    ``index_dir`` is given, or the method's documents are written by an LLM of this run), else what the entry
+    opens."""
+    from retrieval.registry import OpenRequest
 
-        if not cfg.retrieval.mcp_server:
-            raise ValueError("retrieval.method=mcp needs retrieval.mcp_server: a streamable-HTTP URL or the command "
-                             "of a stdio MCP server (e.g. 'sleuth serve-mcp --index runs/index')")
-        return MCPRetriever(cfg.retrieval.mcp_server, cfg.retrieval.mcp_tool)
-    if method == "web":
-        from retrieval.web import WebSearch
-
-        r = cfg.retrieval
-        return WebSearch(r.web_provider, r.web_url, r.web_cache_dir, rate_per_s=r.web_rate_per_s)
-    if cfg.retrieval.url and index_dir is None:
+    r = cfg.retrieval
+    if r.url and index_dir is None and not entry.generative:
         from retrieval.client import RemoteRetriever
 
         try:  # a probe of its own: short timeout, one retry (the search client waits 60 s, 4 attempts)
-            RemoteRetriever(cfg.retrieval.url, timeout=HEALTH_PROBE_TIMEOUT_S, retries=1).health()
+            RemoteRetriever(r.url, timeout=HEALTH_PROBE_TIMEOUT_S, retries=1).health()
         except ValueError:  # it answered (HTTP 4xx, or not JSON): it is up
             pass
-        return RemoteRetriever(cfg.retrieval.url)
-    from retrieval.index import load_retriever
+        return RemoteRetriever(r.url)
+    options = {"bm25_backend": r.bm25_backend, "dense_model": r.chosen_dense_model(), **load_options}
+    req = OpenRequest(Path(index_dir or r.index_dir), r, cfg, options, lambda: simulator_generate(cfg),
+                      total_steps=max(cfg.train.steps, 1), seed=cfg.seed)
+    return entry.open(req)
 
-    return load_retriever(index_dir or cfg.retrieval.index_dir, method, bm25_backend=cfg.retrieval.bm25_backend,
-                          dense_model=cfg.retrieval.chosen_dense_model())
 
-
-def _simulated_search(cfg: Config):
-    """ZeroSearch's simulated search engine (:func:`open_retriever`)."""
+def simulator_generate(cfg: Config):
+    """``generate(prompts) -> texts`` of the simulated search engine's LLM (ZeroSearch): ``agent.simulator.model``
+    on the ``agent.backend`` kind, else the policy model (the tiny one when none is set), sampling
+    ``agent.simulator.max_doc_tokens`` at ``agent.simulator.temperature``."""
     from agent.backends.build import make_llm
     from agent.llm import SamplingParams, complete
-    from retrieval.simulated import SimulatedSearch
 
     s = cfg.agent.simulator
     backend = other_model_backend(cfg) if s.model else cfg.agent.backend
     sim_llm = make_llm(backend, str(s.model or cfg.policy.model or tiny_policy_path(cfg)),
                        cfg.policy.dtype, cfg.policy.device, cfg.seed)
     params = SamplingParams(max_new_tokens=s.max_doc_tokens, temperature=s.temperature, stop=())
-    return SimulatedSearch(lambda prompts: complete(sim_llm, prompts, params), s.noise_start, s.noise_end,
-                           s.noise_base, total_steps=max(cfg.train.steps, 1), seed=cfg.seed)
+    return lambda prompts: complete(sim_llm, prompts, params)
+
+
+def needs_index(cfg: Config) -> bool:
+    """Whether the configured retriever searches a local index directory: an index method
+    (:attr:`retrieval.registry.RetrieverEntry.needs_index`) and no retrieval server (``retrieval.url``) in its
+    place."""
+    from retrieval.registry import RETRIEVERS
+
+    return RETRIEVERS.get(cfg.retrieval.method).needs_index and not cfg.retrieval.url
 
 
 def check_index_corpus(cfg: Config) -> None:
@@ -110,7 +122,7 @@ def check_index_corpus(cfg: Config) -> None:
     from retrieval.docstore import build_command
     from retrieval.index import file_fingerprint, read_manifest
 
-    if cfg.retrieval.method in INDEXLESS_METHODS or cfg.retrieval.url:
+    if not needs_index(cfg):
         return
     corpus = data_paths(cfg)["corpus"]
     man = read_manifest(cfg.retrieval.index_dir)
@@ -128,8 +140,9 @@ def ensure_index(cfg: Config, log=print):
     when no complete one is there yet (nothing is built when the agent searches a server, ``retrieval.url``,
     or the simulated engine). Opened once: the caller passes it to every stage."""
     from retrieval.base import IndexNotFoundError
+    from retrieval.registry import RETRIEVERS
 
-    if cfg.retrieval.url or cfg.retrieval.method in INDEXLESS_METHODS:
+    if not needs_index(cfg):
         return open_retriever(cfg)
     try:
         retriever = open_retriever(cfg)
@@ -139,10 +152,11 @@ def ensure_index(cfg: Config, log=print):
         pass
     from retrieval.index import build_index
 
+    parts = RETRIEVERS.get(cfg.retrieval.method).index_parts
     log(f"building the index of {data_paths(cfg)['corpus']} in {cfg.retrieval.index_dir}")
     build_index(data_paths(cfg)["corpus"], cfg.retrieval.index_dir, dense_model=cfg.retrieval.dense_model,
-                build_dense=cfg.retrieval.build_dense or cfg.retrieval.method in ("dense", "hybrid"),
-                build_lucene=cfg.retrieval.build_lucene or cfg.retrieval.method == "lucene",
+                build_dense=cfg.retrieval.build_dense or "dense" in parts,
+                build_lucene=cfg.retrieval.build_lucene or "lucene" in parts,
                 batch_size=cfg.retrieval.dense_batch_size)
     return open_retriever(cfg)
 
@@ -295,19 +309,19 @@ def run_sft_stage(cfg: Config, retriever, log=print) -> Path:
 
 def held_out_questions(cfg: Config) -> list[QAExample]:
     """The held-out questions runs are scored on: ``data.test``, sub-sampled to ``eval.limit`` with
-    ``seed`` as ``sleuth eval`` draws them under the same config (so the quickstart, ``train.eval_every``
-    and ``sleuth eval`` score the same questions)."""
+    ``seed`` as ``sleuth eval`` draws them under the same config (so the quickstart,
+    ``train.monitoring.eval_every`` and ``sleuth eval`` score the same questions)."""
     from eval.datasets import subsample
 
     return subsample(read_qa(data_paths(cfg)["test"]), cfg.eval.limit, cfg.seed)
 
 
 def held_out_evaluator(cfg: Config, tokenizer, retriever):
-    """The trainer's ``evaluate(model) -> {"em": ..., ...}`` for ``train.eval_every`` (``None`` when it is 0):
+    """The trainer's ``evaluate(model) -> {"em": ..., ...}`` for ``train.monitoring.eval_every`` (``None`` when 0):
     :func:`eval.run.evaluate_agent` on the held-out questions (``data.test``, the seeded ``eval.limit`` sub-sample that
     ``sleuth eval`` and the quickstart score), numeric fields only. The torch random state is restored after
     it, so evaluating does not change the training's sampling stream."""
-    if not cfg.train.eval_every:
+    if not cfg.train.monitoring.eval_every:
         return None
     import torch
 
@@ -341,22 +355,27 @@ def external_agent_env(cfg: Config, index_dir: str | None = None) -> None:
 
 
 def check_rollout_backend(cfg: Config) -> None:
-    """Raise ``ValueError`` when ``agent.backend.kind`` cannot roll out for RL: ``openai`` is a server whose
-    weights the trainer cannot update (transformers and vllm can; vllm gets each update in place)."""
-    if cfg.agent.backend.kind == "openai":
-        raise ValueError("agent.backend.kind=openai cannot roll out for training: the server's weights are not "
-                         "updated after each step; train with agent.backend.kind=transformers or vllm")
+    """Raise ``ValueError`` when ``agent.backend.kind`` cannot roll out for RL (its entry's ``rollout``,
+    :data:`agent.backends.build.BACKENDS`): ``openai`` is a server whose weights the trainer cannot update
+    (transformers and vllm can; vllm gets each update in place)."""
+    from agent.backends.build import BACKENDS
+
+    kind = cfg.agent.backend.kind
+    if not BACKENDS.get(kind).rollout:
+        able = " or ".join(n for n in BACKENDS.names() if BACKENDS.get(n).rollout)
+        raise ValueError(f"agent.backend.kind={kind} cannot roll out for training: the trainer cannot update its "
+                         f"weights after each step; train with agent.backend.kind={able}")
 
 
 def rl_run_dir(cfg: Config) -> Path:
-    """The RL run directory, ``<out_dir>/<train.algorithm>`` (``runs/quickstart/grpo``, ``runs/x/ppo``): one run
-    per algorithm, so that changing ``train.algorithm`` under one ``out_dir`` starts a new run rather than
-    resuming another algorithm's checkpoints."""
-    return Path(cfg.out_dir) / cfg.train.algorithm
+    """The RL run directory, ``<out_dir>/<estimator>`` (``train.algorithm.adv_estimator``: ``runs/quickstart/grpo``,
+    ``runs/x/ppo``): one run per estimator, so that changing it under one ``out_dir`` starts a new run rather than
+    resuming another estimator's checkpoints."""
+    return Path(cfg.out_dir) / cfg.train.algorithm.adv_estimator
 
 
 def run_rl_stage(cfg: Config, init_path: str | Path, retriever, resume: bool = False, log=print) -> Path:
-    """``train.algorithm`` from ``init_path`` into :func:`rl_run_dir` (``<out_dir>/<algorithm>``), searching
+    """RL with ``train.algorithm.adv_estimator`` from ``init_path`` into :func:`rl_run_dir` (``<out_dir>/<estimator>``), searching
     ``retriever``; returns the final checkpoint directory. Rollouts run on
     ``agent.backend.kind`` (transformers, or vllm updated in place after each step; openai is a ``ValueError``,
     :func:`check_rollout_backend`).
@@ -395,10 +414,10 @@ def run_rl_stage(cfg: Config, init_path: str | Path, retriever, resume: bool = F
     done = 0
     if ckpt is not None:
         done = json.loads((ckpt / "trainer_state.json").read_text())["step"]
-        log(f"{cfg.train.algorithm}: resuming {run_dir} from {ckpt.name}")
+        log(f"{run_dir.name}: resuming {run_dir} from {ckpt.name}")
     elif resume:  # --resume (job scripts always pass it; the quickstart resumes by default): say it is no resume
-        log(f"{cfg.train.algorithm}: no checkpoint in {run_dir} yet: starting at step 0")
-    bar = tqdm(total=cfg.train.steps, initial=done, desc=cfg.train.algorithm, unit="step", disable=rank != 0)
+        log(f"{run_dir.name}: no checkpoint in {run_dir} yet: starting at step 0")
+    bar = tqdm(total=cfg.train.steps, initial=done, desc=run_dir.name, unit="step", disable=rank != 0)
 
     def on_step(step: int, rec: dict[str, Any]) -> None:
         bar.update(1)
@@ -406,8 +425,9 @@ def run_rl_stage(cfg: Config, init_path: str | Path, retriever, resume: bool = F
 
     engines: list = []
     llm_factory = None
-    if cfg.agent.backend.kind == "vllm":  # an engine on the same weights; the trainer pushes each update into it
-        from agent.backends.build import make_llm
+    from agent.backends.build import BACKENDS, make_llm
+
+    if BACKENDS.get(cfg.agent.backend.kind).engine:  # an engine on the same weights; the trainer pushes updates in
 
         def llm_factory(model, tokenizer):
             engines.append(make_llm(cfg.agent.backend, str(start_from), cfg.policy.dtype, cfg.policy.device,

@@ -53,7 +53,7 @@ def test_slow_prompts_are_requeued_and_trained_on_not_starved(tiny_llm, retrieve
                         max_doc_chars=40)
     worker = RolloutWorker(TurnsLLM(tiny_llm.tokenizer), retriever, agent, 1,
                            judge=lambda t: (1.0, {"em": 1.0, "format_ok": True}))
-    tc = TrainConfig(questions_per_step=2, group_size=2, max_staleness=2)
+    tc = TrainConfig(rollout={"questions_per_step": 2, "group_size": 2, "max_staleness": 2})
     producer = AsyncRollouts(worker, DataStream(qs, seed=0), tc, version=0)
     trained: dict[str, int] = {}
     requeued = pinned = 0
@@ -90,7 +90,7 @@ def test_the_frontier_is_the_oldest_question_not_trained_on(tiny_llm, retriever)
     worker = RolloutWorker(TurnsLLM(tiny_llm.tokenizer, call_s=0.0), retriever, agent, 1,
                            judge=lambda t: (0.0, {"em": 0.0}))
     data = DataStream(qs, seed=0)
-    producer = AsyncRollouts(worker, data, TrainConfig(questions_per_step=2, group_size=2), version=0)
+    producer = AsyncRollouts(worker, data, TrainConfig(rollout={"questions_per_step": 2, "group_size": 2}), version=0)
     try:
         producer.take(0)
         deadline = time.time() + 30
@@ -144,7 +144,7 @@ def test_the_worker_process_generates_scores_and_takes_weight_updates(tiny_polic
 def test_async_training_trains_and_checks_each_push_to_the_worker(tiny_policy_dir, retriever, tmp_path):
     model, tok = load(tiny_policy_dir)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    out = run_rl(make_cfg("train.steps=2", "train.async_rollouts=true"), model, tok, retriever, QUESTIONS, tmp_path,
+    out = run_rl(make_cfg("train.steps=2", "train.rollout.asynchronous=true"), model, tok, retriever, QUESTIONS, tmp_path,
                  judge=varying_judge)
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2] and "skipped" not in out["last"]
@@ -160,12 +160,12 @@ def test_async_training_resumes_from_the_oldest_question_not_trained_on(tiny_pol
     from training.infra.checkpoint import latest_checkpoint
 
     model, tok = load(tiny_policy_dir)
-    run_rl(make_cfg("train.steps=3", "train.async_rollouts=true", "train.save_every=3"), model, tok, retriever,
+    run_rl(make_cfg("train.steps=3", "train.rollout.asynchronous=true", "train.checkpoints.save_every=3"), model, tok, retriever,
            QUESTIONS, tmp_path, judge=varying_judge)
     saved = json.loads((latest_checkpoint(tmp_path) / "trainer_state.json").read_text())
     assert saved["data_position"] == 3 * 2  # the producer read ahead; the checkpoint keeps what was not trained on
     model, tok = load_model_and_tokenizer(str(latest_checkpoint(tmp_path)), device="cpu")
-    out = run_rl(make_cfg("train.steps=4", "train.async_rollouts=true", "train.save_every=3"), model, tok,
+    out = run_rl(make_cfg("train.steps=4", "train.rollout.asynchronous=true", "train.checkpoints.save_every=3"), model, tok,
                  retriever, QUESTIONS, tmp_path, resume=True, judge=varying_judge)
     assert out["start_step"] == 3 and out["last"]["async/staleness_max"] == 0
 
@@ -175,10 +175,10 @@ def test_async_mode_refuses_what_it_cannot_run(tiny_policy_dir, retriever, tmp_p
 
     model, tok = load(tiny_policy_dir)
     with pytest.raises(ValueError, match="holds its own weights"):  # generating on the parameters being updated
-        run_rl(make_cfg("train.async_rollouts=true"), model, tok, retriever, QUESTIONS, tmp_path / "a",
+        run_rl(make_cfg("train.rollout.asynchronous=true"), model, tok, retriever, QUESTIONS, tmp_path / "a",
                judge=varying_judge, llm_factory=TransformersLLM)
     with pytest.raises(ValueError, match="dynamic_sampling"):
-        run_rl(make_cfg("train.async_rollouts=true", "train.dynamic_sampling=true"), model, tok, retriever,
+        run_rl(make_cfg("train.rollout.asynchronous=true", "train.rollout.dynamic_sampling=true"), model, tok, retriever,
                QUESTIONS, tmp_path / "b", judge=varying_judge)
 
 

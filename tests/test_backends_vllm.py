@@ -178,8 +178,8 @@ def test_lora_training_on_vllm_checks_that_the_merged_adapters_arrive(engine, ti
     from tests.test_trainer import make_cfg, varying_judge
     from training.rollout.weight_sync import WeightSyncError
 
-    lora = ["train.lora=true", "train.lora_rank=4", "train.lora_targets=[q_proj,v_proj]", "train.lr=5e-2",
-            "train.steps=2", "train.sync_probe_tol=1e-4"]
+    lora = ["train.optim.lora=true", "train.optim.lora_rank=4", "train.optim.lora_targets=[q_proj,v_proj]", "train.optim.lr=5e-2",
+            "train.steps=2", "train.rollout.sync_probe_tol=1e-4"]
     model, tok = load_model_and_tokenizer(str(tiny_dir[0]), device="cpu")
     base = {k: v.clone() for k, v in model.state_dict().items()}
     engine.update_weights(base.items())
@@ -195,7 +195,7 @@ def test_lora_training_on_vllm_checks_that_the_merged_adapters_arrive(engine, ti
 
 
 def test_async_rollouts_on_vllm_overlap_the_update_and_verify_each_push(engine, tiny_dir, retriever, tmp_path):
-    """train.async_rollouts with the vLLM engine: the producer thread generates the next step's groups on the
+    """train.rollout.asynchronous with the vLLM engine: the producer thread generates the next step's groups on the
     engine while the trainer updates; each push is verified on the probe; the rollouts are one update old."""
     from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import QUESTIONS, run_rl
@@ -203,7 +203,7 @@ def test_async_rollouts_on_vllm_overlap_the_update_and_verify_each_push(engine, 
 
     model, tok = load_model_and_tokenizer(str(tiny_dir[0]), device="cpu")
     engine.update_weights(model.state_dict().items())
-    out = run_rl(make_cfg("train.steps=3", "train.async_rollouts=true", "train.sync_probe_tol=1e-4"), model, tok,
+    out = run_rl(make_cfg("train.steps=3", "train.rollout.asynchronous=true", "train.rollout.sync_probe_tol=1e-4"), model, tok,
                  retriever, QUESTIONS, tmp_path, judge=varying_judge, llm_factory=lambda m, t: engine)
     rec = out["last"]
     assert rec["async/staleness_max"] == 1 and rec["sync/probe_lp_diff_mean"] < 1e-4

@@ -391,6 +391,6 @@ def test_learning_long_budget_run_names():
     lb = _load("learning")
     algo, seed, extra = lb.run_spec("evidence_igpo-long-s2")
     assert (algo, seed) == ("evidence_igpo", 2) and extra["steps"] == lb.LONG_BUDGET["steps"] > lb.COMPARE["steps"]
-    assert lb.run_spec("gspo-long-s0")[2]["policy_loss"] == "gspo"  # the estimator's own overrides kept
+    assert lb.run_spec("gspo-long-s0")[2]["algorithm.policy_loss"] == "gspo"  # the estimator's own overrides kept
     with pytest.raises(KeyError):
         lb.run_spec("nonesuch-long-s0")

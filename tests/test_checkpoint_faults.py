@@ -133,9 +133,9 @@ def test_resume_refuses_a_truncated_checkpoint_and_offers_the_previous(tiny_data
     out = tmp_path / "out"
     over = [f"out_dir={out}", f"data.corpus={tiny_data / 'corpus.jsonl'}", f"data.train={tiny_data / 'train.jsonl'}",
             f"data.test={tiny_data / 'test.jsonl'}", f"retrieval.index_dir={bm25_index}",
-            f"policy.model={tiny_policy_dir}", "sft.enabled=false", "train.steps=2", "train.questions_per_step=2",
-            "train.group_size=2", "agent.max_turns=2", "agent.max_new_tokens=8", "agent.max_total_tokens=200",
-            "agent.max_obs_tokens=60", "train.save_every=1", "train.lr=1e-3"]
+            f"policy.model={tiny_policy_dir}", "sft.enabled=false", "train.steps=2", "train.rollout.questions_per_step=2",
+            "train.rollout.group_size=2", "agent.max_turns=2", "agent.max_new_tokens=8", "agent.max_total_tokens=200",
+            "agent.max_obs_tokens=60", "train.checkpoints.save_every=1", "train.optim.lr=1e-3"]
     model, tok = load(tiny_policy_dir)
     from retrieval.index import load_retriever
     from tests.conftest import QUESTIONS

@@ -48,8 +48,8 @@ def state_hash(model) -> str:
 def cfg_for(steps: int, *extra: str):
     from tests.test_trainer import make_cfg
 
-    return make_cfg(f"train.steps={steps}", "train.warmup_steps=2", "train.dist_timeout_s=120",
-                    "train.micro_batch_tokens=250", *extra)
+    return make_cfg(f"train.steps={steps}", "train.optim.lr_warmup_steps=2", "train.dist_timeout_s=120",
+                    "train.optim.micro_batch_tokens=250", *extra)
 
 
 # -- the worker (one per rank, under torchrun) --------------------------------------------------------
@@ -105,7 +105,7 @@ def worker(phase: str, policy_dir: str, index_dir: str, out_dir: str) -> None:
             from training.infra.checkpoint import latest_checkpoint
 
             model, tok = load_model_and_tokenizer(str(latest_checkpoint(out / name)), device="cpu")
-        run_rl(cfg_for(steps, "train.dynamic_sampling=true", *extra), model, tok, retriever, QUESTIONS, out / name,
+        run_rl(cfg_for(steps, "train.rollout.dynamic_sampling=true", *extra), model, tok, retriever, QUESTIONS, out / name,
                    resume=resume, judge=varying_judge, llm_factory=factory, on_step=on_step)
         if rank == 0:
             torch.save({k: v.clone() for k, v in held["model"].state_dict().items()}, out / f"final.{name}.pt")
@@ -114,7 +114,7 @@ def worker(phase: str, policy_dir: str, index_dir: str, out_dir: str) -> None:
         refill_check(rank, policy_dir, retriever, out)
         run("straight", 3)
         run("split", 2)
-        run("lora", 2, False, "train.lora=true", "train.lr=1e-2")
+        run("lora", 2, False, "train.optim.lora=true", "train.optim.lr=1e-2")
     else:
         run("split", 3, resume=True)
         nan_on_one_rank(rank, policy_dir, out)
@@ -208,7 +208,7 @@ def extras_worker(policy_dir: str, index_dir: str, out: Path) -> None:
     model, tok = load(policy_dir)
     RS.save_checkpoint = slow_save
     try:
-        res = run_rl(cfg_for(1, "train.eval_every=1"), model, tok, retriever, QUESTIONS, out / "eval",
+        res = run_rl(cfg_for(1, "train.monitoring.eval_every=1"), model, tok, retriever, QUESTIONS, out / "eval",
                          judge=varying_judge, llm_factory=SeededLLM, evaluate=slow_eval)
         result = f"ok {res['last'].get('eval_em')}"
     except Exception as e:  # noqa: BLE001 - recorded for the test
@@ -291,7 +291,7 @@ def ppo_worker(policy_dir: str, index_dir: str, out: Path) -> None:
 
             model, tok = (load_model_and_tokenizer(str(latest_checkpoint(out / name)), device="cpu") if resume
                           else load(policy_dir))
-            run_rl(cfg_for(steps, "train.algorithm=ppo", "train.critic=separate", "train.critic_lr=1e-2"), model,
+            run_rl(cfg_for(steps, "train.algorithm.adv_estimator=ppo", "train.algorithm.critic=separate", "train.optim.critic_lr=1e-2"), model,
                        tok, retriever, QUESTIONS, out / name, resume=resume, judge=varying_judge, llm_factory=factory,
                        on_step=on_step)
     finally:
@@ -347,7 +347,7 @@ def refill_check(rank: int, policy_dir: str, retriever, out: Path) -> None:
     model, tok = load(policy_dir)
     torch.manual_seed(rank)
     data = DataStream(QUESTIONS, 0)
-    cfg = cfg_for(1, "train.dynamic_sampling=true", "train.dynamic_sampling_max_tries=3", "train.group_size=4")
+    cfg = cfg_for(1, "train.rollout.dynamic_sampling=true", "train.rollout.dynamic_sampling_max_tries=3", "train.rollout.group_size=4")
     first = data.next(2)
     worker = RolloutWorker(TransformersLLM(model, tok), retriever, cfg.agent, cfg.retrieval.top_k, judge)
     trajs, stats = rollout(worker, first[rank::2], cfg.train, data)
@@ -452,7 +452,7 @@ def test_torchrun_train_checkpoint_resume(tiny_policy_dir, bm25_index, retriever
     try:
         model, tok = load_model_and_tokenizer(str(latest_checkpoint(out / "one_process")), device="cpu")
         with pytest.warns(UserWarning, match="saved on 2 ranks on 1"):
-            res = run_rl(cfg_for(3, "train.dynamic_sampling=true"), model, tok, retriever, QUESTIONS,
+            res = run_rl(cfg_for(3, "train.rollout.dynamic_sampling=true"), model, tok, retriever, QUESTIONS,
                              out / "one_process", resume=True, judge=varying_judge, llm_factory=SeededLLM)
     finally:
         RS.load_full_optimizer_state = real_load

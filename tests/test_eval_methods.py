@@ -4,7 +4,17 @@ import pytest
 
 from agent.llm import Generation
 from agent.trajectory import Trajectory, Turn
-from eval.methods import _ircot_step, _sentence_open, agent, direct, extract_answer, ircot, make_method, rag
+from eval.methods import (
+    MethodContext,
+    _ircot_step,
+    _sentence_open,
+    agent,
+    direct,
+    extract_answer,
+    ircot,
+    make_method,
+    rag,
+)
 from sleuth.config import AgentConfig
 from tests.test_eval_fakes import PASSAGES, CharTokenizer, KeywordRetriever, ScriptedLLM, examples
 
@@ -19,19 +29,19 @@ def test_extract_answer():
 
 def test_direct_uses_no_retrieval():
     llm = ScriptedLLM(known={"What is the capital of France?": "Paris"})
-    recs = direct(examples(2), llm)
+    recs = direct(examples(2), MethodContext(llm))
     assert [r["prediction"] for r in recs] == ["Paris", "unknown"]
     assert all(FIELDS <= set(r) for r in recs)
     assert [(r["search_calls"], r["turns"], r["retrieved_ids"]) for r in recs] == [(0, 1, [])] * 2
     assert recs[0]["generated_tokens"] == len("Paris</answer>")
     assert llm.calls == 1 and all(p.endswith("Question: " + e.question + "\n<answer>") for p, e in zip(llm.prompts, examples(2)))
-    assert direct([], llm) == []
+    assert direct([], MethodContext(llm)) == []
 
 
 def test_rag_retrieves_once_then_reads():
     llm, ret = ScriptedLLM(), KeywordRetriever(PASSAGES)
     exs = examples(3)
-    recs = rag(exs, llm, ret, top_k=2)
+    recs = rag(exs, MethodContext(llm, ret, top_k=2))
     assert ret.batches == [[e.question for e in exs]]  # one batched search with the questions
     assert llm.calls == 1
     assert [r["prediction"] for r in recs] == ["Paris", "Rome", "Madrid"]
@@ -44,14 +54,14 @@ def test_rag_retrieves_once_then_reads():
 def test_rag_context_fits_the_episode_budget():
     cfg = AgentConfig(max_total_tokens=200, max_new_tokens=16, max_obs_tokens=384)
     llm = ScriptedLLM()
-    rag(examples(1), llm, KeywordRetriever(PASSAGES), cfg, top_k=4)
+    rag(examples(1), MethodContext(llm, KeywordRetriever(PASSAGES), cfg, top_k=4))
     assert len(llm.prompts[0]) <= cfg.max_total_tokens - cfg.max_new_tokens
     assert "</information>" in llm.prompts[0]  # the body is cut, the closing tag is kept
 
 
 def test_ircot_interleaves_retrieval_with_reasoning():
     llm, ret = ScriptedLLM(ircot_sentences=2), KeywordRetriever(PASSAGES)
-    recs = ircot(examples(2), llm, ret, top_k=1, max_steps=4)
+    recs = ircot(examples(2), MethodContext(llm, ret, top_k=1, max_steps=4))
     # searches: the question, then each reasoning sentence; the third step answers
     assert ret.batches[1:] == [["Look up hop1."] * 2, ["Look up hop2."] * 2]
     for r in recs:
@@ -65,7 +75,7 @@ def test_ircot_interleaves_retrieval_with_reasoning():
 
 def test_ircot_forces_an_answer_when_steps_run_out():
     llm, ret = ScriptedLLM(ircot_sentences=5), KeywordRetriever(PASSAGES)
-    (rec,) = ircot(examples(1), llm, ret, top_k=1, max_steps=1)
+    (rec,) = ircot(examples(1), MethodContext(llm, ret, top_k=1, max_steps=1))
     assert rec["search_calls"] == 2 and rec["turns"] == 2  # one reasoning step + the forced answer
     assert llm.prompts[-1].endswith("Look up hop1. </think>\n<answer>")
     assert rec["prediction"] == "Paris"  # forced answer reads the first passage
@@ -76,7 +86,7 @@ ABBREVIATED = "The team is from St. Louis. It trained with the U.S. Army 1.5 km 
 
 def test_ircot_step_ends_at_a_sentence_end_not_an_abbreviation():
     llm, ret = ScriptedLLM(ircot_text=ABBREVIATED), KeywordRetriever(PASSAGES)
-    (rec,) = ircot(examples(1), llm, ret, AgentConfig(max_new_tokens=64), top_k=1, max_steps=4)
+    (rec,) = ircot(examples(1), MethodContext(llm, ret, AgentConfig(max_new_tokens=64), top_k=1, max_steps=4))
     steps = ["The team is from St. Louis.", "It trained with the U.S. Army 1.5 km away."]
     assert ret.batches[1:] == [[s] for s in steps]  # the whole sentence is the retrieval query
     assert rec["reasoning"] == " ".join(steps) and rec["prediction"] == "St. Louis"
@@ -87,7 +97,7 @@ def test_ircot_step_ends_at_a_sentence_end_not_an_abbreviation():
 def test_ircot_step_after_a_number_ends_where_the_sentence_ends():
     text = "He scored 21. So the answer is 21."
     llm, ret = ScriptedLLM(ircot_text=text), KeywordRetriever(PASSAGES)
-    (rec,) = ircot(examples(1), llm, ret, AgentConfig(max_new_tokens=64), top_k=1, max_steps=4)
+    (rec,) = ircot(examples(1), MethodContext(llm, ret, AgentConfig(max_new_tokens=64), top_k=1, max_steps=4))
     assert ret.batches[1:] == [["He scored 21."]] and rec["reasoning"] == "He scored 21."
     assert rec["prediction"] == "21"
     # the look past "21." (no digit follows, so not kept) was generated and is counted; so is the empty one
@@ -97,7 +107,7 @@ def test_ircot_step_after_a_number_ends_where_the_sentence_ends():
 def test_ircot_step_of_endless_abbreviations_stops_at_the_token_budget():
     llm, ret = ScriptedLLM(ircot_text="St. " * 1000), KeywordRetriever(PASSAGES)
     cfg = AgentConfig(max_new_tokens=20)
-    (rec,) = ircot(examples(1), llm, ret, cfg, top_k=1, max_steps=1)
+    (rec,) = ircot(examples(1), MethodContext(llm, ret, cfg, top_k=1, max_steps=1))
     assert ret.batches[1] == [("St. " * 5)[:20].strip()]  # "St." + 4 x " St." + " ", cut at 20 tokens
     assert rec["generated_tokens"] == 20 + len("Paris</answer>") and rec["prediction"] == "Paris"
     assert rec["turns"] == llm.calls == 6 + 1
@@ -108,7 +118,7 @@ def test_ircot_continuations_are_batched_and_each_step_keeps_its_own_budget():
     mrs = "Mrs. Smith is here and there and everywhere."
     llm = ScriptedLLM(ircot_text={exs[0].question: "St. " * 1000, exs[1].question: mrs})
     ret = KeywordRetriever(PASSAGES)
-    r0, r1 = ircot(exs, llm, ret, AgentConfig(max_new_tokens=20), top_k=1, max_steps=1)
+    r0, r1 = ircot(exs, MethodContext(llm, ret, AgentConfig(max_new_tokens=20), top_k=1, max_steps=1))
     # round 2 asks for 17 tokens (what "St." left); "Mrs." left 16, so its continuation is cut to 16
     assert ret.batches[1] == [("St. " * 5)[:20].strip(), mrs[:20].strip()]
     assert llm.calls == 6 + 1 and (r0["turns"], r1["turns"]) == (7, 3)  # one call per round, both questions
@@ -133,7 +143,8 @@ class TextOnlyServer:
 
 def test_ircot_step_through_a_server_that_drops_the_stop_string():
     inner, ret = ScriptedLLM(ircot_text=ABBREVIATED), KeywordRetriever(PASSAGES)
-    (rec,) = ircot(examples(1), TextOnlyServer(inner), ret, AgentConfig(max_new_tokens=64), top_k=1, max_steps=4)
+    ctx = MethodContext(TextOnlyServer(inner), ret, AgentConfig(max_new_tokens=64), top_k=1, max_steps=4)
+    (rec,) = ircot(examples(1), ctx)
     assert ret.batches[1:] == [["The team is from St. Louis"], ["It trained with the U.S. Army 1.5 km away"]]
     assert rec["reasoning"] == "The team is from St. Louis. It trained with the U.S. Army 1.5 km away."
     assert rec["prediction"] == "St. Louis" and rec["generated_tokens"] == len(ABBREVIATED) - 3
@@ -165,7 +176,8 @@ def test_ircot_continued_step_is_the_decoding_of_all_its_ids():
     model saw) said "St. Louis."."""
     inner, ret = ScriptedLLM(ircot_text=ABBREVIATED), KeywordRetriever(PASSAGES)
     inner.tokenizer = LeadingSpaceDroppingTokenizer()
-    (rec,) = ircot(examples(1), DecodingBackend(inner), ret, AgentConfig(max_new_tokens=64), top_k=1, max_steps=4)
+    ctx = MethodContext(DecodingBackend(inner), ret, AgentConfig(max_new_tokens=64), top_k=1, max_steps=4)
+    (rec,) = ircot(examples(1), ctx)
     steps = ["The team is from St. Louis.", "It trained with the U.S. Army 1.5 km away."]
     assert ret.batches[1:] == [[s] for s in steps]
     assert rec["reasoning"] == " ".join(steps) and rec["prediction"] == "St. Louis"
@@ -206,7 +218,7 @@ def test_ircot_answer_after_an_initial_is_not_run_into_the_next_sentence():
     continuation ran the next sentence into the answer."""
     text = "So the answer is World War I. It ended in 1918."
     llm, ret = ScriptedLLM(ircot_text=text), KeywordRetriever(PASSAGES)
-    (rec,) = ircot(examples(1), llm, ret, AgentConfig(max_new_tokens=64), top_k=1, max_steps=4)
+    (rec,) = ircot(examples(1), MethodContext(llm, ret, AgentConfig(max_new_tokens=64), top_k=1, max_steps=4))
     assert rec["prediction"] == "World War I"
     assert rec["turns"] == 2 and rec["generated_tokens"] == len(text)  # the look past "I." is counted
 
@@ -237,7 +249,8 @@ def test_agent_method_maps_trajectories():
             out.append(t)
         return out
 
-    recs = agent(examples(2), ScriptedLLM(), KeywordRetriever(PASSAGES), run_episodes=fake_run_episodes)
+    ctx = MethodContext(ScriptedLLM(), KeywordRetriever(PASSAGES), run_episodes=fake_run_episodes)
+    recs = agent(examples(2), ctx)
     assert [(r["prediction"], r["search_calls"], r["turns"], r["generated_tokens"]) for r in recs] == [("A", 1, 2, 3)] * 2
     assert recs[0]["retrieved_ids"] == ["p1", "p2"] and recs[0]["stop_reason"] == "answer"
 
@@ -245,12 +258,13 @@ def test_agent_method_maps_trajectories():
         return list(reversed(fake_run_episodes(exs, *a, **k)))
 
     with pytest.raises(RuntimeError, match="expected"):
-        agent(examples(2), ScriptedLLM(), KeywordRetriever(PASSAGES), run_episodes=wrong_order)
+        agent(examples(2), MethodContext(ScriptedLLM(), KeywordRetriever(PASSAGES), run_episodes=wrong_order))
 
 
 def test_agent_method_through_the_real_loop():
     llm, ret = ScriptedLLM(), KeywordRetriever(PASSAGES)
-    recs = agent(examples(3), llm, ret, AgentConfig(max_turns=3, max_new_tokens=200, max_total_tokens=4000), top_k=2)
+    cfg = AgentConfig(max_turns=3, max_new_tokens=200, max_total_tokens=4000)
+    recs = agent(examples(3), MethodContext(llm, ret, cfg, top_k=2))
     assert [r["prediction"] for r in recs] == ["Paris", "Rome", "Madrid"]
     assert all(r["search_calls"] == 1 and r["turns"] == 2 and len(r["retrieved_ids"]) == 2 for r in recs)
     assert all(r["generated_tokens"] > 0 for r in recs)
@@ -260,8 +274,10 @@ def test_make_method():
     llm, ret = ScriptedLLM(), KeywordRetriever(PASSAGES)
     fn = make_method("rag", llm, ret, top_k=1)
     assert [r["retrieved_ids"] for r in fn(examples(1))] == [["p0"]]
-    with pytest.raises(ValueError, match="known: direct, rag, ircot, agent"):
+    with pytest.raises(ValueError, match="registered: direct, rag, ircot, agent, search_o1; did you mean 'search_o1'"):
         make_method("search-o1", llm, ret)
     with pytest.raises(ValueError, match="needs a retriever"):
         make_method("ircot", llm, None)
+    with pytest.raises(ValueError, match=r"unknown setting\(s\) \['max_stpes'\] of method 'ircot'; known: .*max_steps"):
+        make_method("ircot", llm, ret, max_stpes=2)
     assert make_method("direct", llm, None)(examples(1))[0]["prediction"] == "unknown"

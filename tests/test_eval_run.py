@@ -190,7 +190,7 @@ def test_unknown_benchmark_fails_before_any_work(tmp_path):
         run_benchmarks(["sample", "hotpot-qa"], "rag", 2, 0, tmp_path / "run", ScriptedLLM(), None, AgentConfig(),
                        progress=False, method_fn=m)
     assert m.computed == [] and not (tmp_path / "run").exists()
-    with pytest.raises(ValueError, match="unknown method"):
+    with pytest.raises(ValueError, match="unknown evaluation method 'reflexion'.*registered: direct, rag, ircot"):
         run_benchmarks(["sample"], "reflexion", 2, 0, tmp_path / "run", ScriptedLLM(), None, AgentConfig(), progress=False)
 
 

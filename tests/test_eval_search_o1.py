@@ -5,7 +5,7 @@ import re
 import pytest
 
 from agent.llm import Generation, SamplingParams
-from eval.methods import METHODS, make_method, search_o1
+from eval.methods import EVAL_METHODS, MethodContext, make_method, search_o1
 from eval.run import run_benchmarks
 from eval.search_o1 import NO_INFO
 from sleuth.config import AgentConfig
@@ -68,7 +68,7 @@ class SearchO1LLM:
 
 def test_search_o1_control_flow_and_records():
     llm, ret = SearchO1LLM(hops=2), KeywordRetriever(PASSAGES)
-    recs = search_o1(examples(2), llm, ret, top_k=1, max_steps=4)
+    recs = search_o1(examples(2), MethodContext(llm, ret, top_k=1, max_steps=4))
     # the model's own queries are searched (not the question), one batch per step over both questions
     assert ret.batches == [["hop1", "hop1"], ["hop2", "hop2"]]
     assert llm.batches == [("reason", 2), ("rid", 2), ("reason", 2), ("rid", 2), ("reason", 2)]  # no forced answer
@@ -88,7 +88,7 @@ def test_search_o1_control_flow_and_records():
 
 def test_refined_information_replaces_the_documents():
     llm = SearchO1LLM(hops=2)
-    search_o1(examples(1), llm, KeywordRetriever(PASSAGES), top_k=2, max_steps=4)
+    search_o1(examples(1), MethodContext(llm, KeywordRetriever(PASSAGES), top_k=2, max_steps=4))
     last = llm.reason_prompts[-1]
     assert "<information>FACT Berlin for hop1</information>" in last
     assert "<information>FACT Rome for hop2</information>" in last
@@ -103,7 +103,7 @@ def test_refined_information_replaces_the_documents():
 
 def test_stops_at_answer_and_batches_only_running_questions():
     llm, ret = SearchO1LLM(hops=1, known={"What is the capital of France?"}), KeywordRetriever(PASSAGES)
-    recs = search_o1(examples(3), llm, ret, top_k=1, max_steps=4)
+    recs = search_o1(examples(3), MethodContext(llm, ret, top_k=1, max_steps=4))
     assert llm.batches == [("reason", 3), ("rid", 2), ("reason", 2)]
     assert ret.batches == [["hop1", "hop1"]]
     assert (recs[0]["prediction"], recs[0]["search_calls"], recs[0]["turns"], recs[0]["refined"]) == ("Paris", 0, 1, [])
@@ -112,7 +112,7 @@ def test_stops_at_answer_and_batches_only_running_questions():
 
 def test_max_steps_forces_an_answer():
     llm, ret = SearchO1LLM(hops=5), KeywordRetriever(PASSAGES)
-    (rec,) = search_o1(examples(1), llm, ret, top_k=1, max_steps=2)
+    (rec,) = search_o1(examples(1), MethodContext(llm, ret, top_k=1, max_steps=2))
     assert rec["search_calls"] == 2 and len(llm.reason_prompts) == 2
     assert rec["turns"] == 2 + 2 + 1  # 2 reasoning steps, 2 Reason-in-Documents, the forced answer
     (forced,) = llm.forced_prompts
@@ -120,13 +120,13 @@ def test_max_steps_forces_an_answer():
     assert rec["prediction"] == "Rome"
     # max_steps defaults to cfg.max_turns
     llm = SearchO1LLM(hops=5)
-    (rec,) = search_o1(examples(1), llm, KeywordRetriever(PASSAGES), AgentConfig(max_turns=3), top_k=1)
+    (rec,) = search_o1(examples(1), MethodContext(llm, KeywordRetriever(PASSAGES), AgentConfig(max_turns=3), top_k=1))
     assert rec["search_calls"] == 3 and len(llm.forced_prompts) == 1
 
 
 def test_empty_extraction_inserts_no_helpful_information():
     llm = SearchO1LLM(hops=1, empty_rid=True)
-    (rec,) = search_o1(examples(1), llm, KeywordRetriever(PASSAGES), top_k=1, max_steps=3)
+    (rec,) = search_o1(examples(1), MethodContext(llm, KeywordRetriever(PASSAGES), top_k=1, max_steps=3))
     assert rec["refined"] == [NO_INFO] and f"<information>{NO_INFO}</information>" in llm.reason_prompts[-1]
     assert rec["prediction"] == "unknown"
 
@@ -136,7 +136,7 @@ def test_no_reason_in_documents_call_when_no_document_fits_or_none_was_found():
     prompt with no documents: a wasted generation. Nothing is asked then, and the chain gets NO_INFO."""
     cfg = AgentConfig(max_total_tokens=400, max_new_tokens=60, max_obs_tokens=300, max_turns=6)
     llm = SearchO1LLM(hops=1)
-    (rec,) = search_o1(examples(1), llm, KeywordRetriever(PASSAGES), cfg, top_k=1, max_extract_tokens=30)
+    (rec,) = search_o1(examples(1), MethodContext(llm, KeywordRetriever(PASSAGES), cfg, top_k=1, max_extract_tokens=30))
     assert rec["search_calls"] == 1 and rec["refined"] == [NO_INFO] and llm.rid_prompts == []
 
     class Nothing:
@@ -144,14 +144,14 @@ def test_no_reason_in_documents_call_when_no_document_fits_or_none_was_found():
             return [[] for _ in queries]
 
     llm = SearchO1LLM(hops=1)
-    (rec,) = search_o1(examples(1), llm, Nothing(), top_k=1, max_steps=3)
+    (rec,) = search_o1(examples(1), MethodContext(llm, Nothing(), top_k=1, max_steps=3))
     assert rec["search_calls"] == 1 and rec["refined"] == [NO_INFO] and llm.rid_prompts == []
 
 
 def test_reasoning_cut_by_the_turn_budget_continues():
     llm = SearchO1LLM(hops=1, ramble=1)
     cfg = AgentConfig(max_new_tokens=64, max_total_tokens=2000)
-    (rec,) = search_o1(examples(1), llm, KeywordRetriever(PASSAGES), cfg, top_k=1, max_steps=4)
+    (rec,) = search_o1(examples(1), MethodContext(llm, KeywordRetriever(PASSAGES), cfg, top_k=1, max_steps=4))
     assert len(llm.reason_prompts) == 3 and "ramble" in llm.reason_prompts[1]  # continued after the cut turn
     assert rec["search_calls"] == 1 and rec["prediction"] == "Berlin"
     # a turn that stops without any action ends the reasoning: forced answer
@@ -161,7 +161,7 @@ def test_reasoning_cut_by_the_turn_budget_continues():
             return (kind, "I am done.") if kind == "reason" else (kind, text)
 
     llm = Quiet(hops=1)
-    (rec,) = search_o1(examples(1), llm, KeywordRetriever(PASSAGES), top_k=1, max_steps=4)
+    (rec,) = search_o1(examples(1), MethodContext(llm, KeywordRetriever(PASSAGES), top_k=1, max_steps=4))
     assert len(llm.reason_prompts) == 1 and len(llm.forced_prompts) == 1 and rec["search_calls"] == 0
     assert llm.forced_prompts[0].endswith("I am done.<answer>")
 
@@ -173,7 +173,7 @@ def test_open_think_is_closed_before_the_forced_answer():
             return (kind, "<think>hmm") if kind == "reason" else (kind, text)
 
     llm = Thinker()
-    search_o1(examples(1), llm, KeywordRetriever(PASSAGES), top_k=1, max_steps=2)
+    search_o1(examples(1), MethodContext(llm, KeywordRetriever(PASSAGES), top_k=1, max_steps=2))
     assert llm.forced_prompts[0].endswith("<think>hmm </think>\n<answer>")
 
 
@@ -184,7 +184,7 @@ def test_every_prompt_fits_the_episode_budget(top_k, budget):
     Reason-in-Documents and the forced answer) leaves room for its own generation."""
     cfg = AgentConfig(max_total_tokens=budget, max_new_tokens=60, max_obs_tokens=300, max_turns=6)
     llm = SearchO1LLM(hops=6)
-    recs = search_o1(examples(2), llm, KeywordRetriever(PASSAGES), cfg, top_k=top_k, max_extract_tokens=30)
+    recs = search_o1(examples(2), MethodContext(llm, KeywordRetriever(PASSAGES), cfg, top_k=top_k, max_extract_tokens=30))
     assert all(0 < r["search_calls"] < 6 for r in recs)  # it searched, and the budget cut the chain
     assert llm.rid_prompts and llm.forced_prompts
     assert all(len(p) <= cfg.max_total_tokens - 30 for p in llm.rid_prompts)
@@ -195,7 +195,7 @@ def test_every_prompt_fits_the_episode_budget(top_k, budget):
 
 
 def test_registered_and_runs_through_the_runner(tmp_path):
-    assert METHODS["search_o1"] is search_o1
+    assert EVAL_METHODS.get("search_o1").run is search_o1 and EVAL_METHODS.get("search_o1").tags
     with pytest.raises(ValueError, match="needs a retriever"):
         make_method("search_o1", SearchO1LLM(), None)
     fn = make_method("search_o1", SearchO1LLM(hops=1), KeywordRetriever(PASSAGES), top_k=1, max_steps=2)
@@ -204,7 +204,7 @@ def test_registered_and_runs_through_the_runner(tmp_path):
                        AgentConfig(), top_k=1, method_options={"max_steps": 2}, progress=False)
     m = s["benchmarks"]["sample"]
     assert m["n"] == 4 and m["search_calls"] == 1.0 and m["turns"] == 3.0 and s["run_dir"].endswith(s["fingerprint"])
-    assert search_o1([], SearchO1LLM(), KeywordRetriever(PASSAGES)) == []
+    assert search_o1([], MethodContext(SearchO1LLM(), KeywordRetriever(PASSAGES))) == []
 
 
 def test_thinking_cut_by_the_turn_budget_continues():
@@ -218,7 +218,7 @@ def test_thinking_cut_by_the_turn_budget_continues():
 
     llm = LongThinker(hops=1, ramble=1)
     cfg = AgentConfig(max_new_tokens=64, max_total_tokens=2000)
-    (rec,) = search_o1(examples(1), llm, KeywordRetriever(PASSAGES), cfg, top_k=1, max_steps=4)
+    (rec,) = search_o1(examples(1), MethodContext(llm, KeywordRetriever(PASSAGES), cfg, top_k=1, max_steps=4))
     assert len(llm.reason_prompts) == 3 and "<think>ramble" in llm.reason_prompts[1] and not llm.forced_prompts
     assert rec["search_calls"] == 1 and rec["prediction"] == "Berlin"
 
@@ -228,7 +228,7 @@ def test_thinking_cut_by_the_turn_budget_continues():
             return (kind, "<search> " + "long " * 100) if kind == "reason" else (kind, text)
 
     llm = CutSearch(hops=1)
-    (rec,) = search_o1(examples(1), llm, KeywordRetriever(PASSAGES), cfg, top_k=1, max_steps=4)
+    (rec,) = search_o1(examples(1), MethodContext(llm, KeywordRetriever(PASSAGES), cfg, top_k=1, max_steps=4))
     assert len(llm.reason_prompts) == 1 and len(llm.forced_prompts) == 1 and rec["search_calls"] == 0
 
 
@@ -240,7 +240,7 @@ def test_function_calling_policy_is_refused_not_run_without_searches():
     with pytest.raises(ValueError, match="agent.protocol"):
         make_method("search_o1", SearchO1LLM(), KeywordRetriever(PASSAGES), cfg)
     with pytest.raises(ValueError, match="agent.protocol"):
-        search_o1(examples(), SearchO1LLM(), KeywordRetriever(PASSAGES), cfg)
+        search_o1(examples(), MethodContext(SearchO1LLM(), KeywordRetriever(PASSAGES), cfg))
     make_method("search_o1", SearchO1LLM(), KeywordRetriever(PASSAGES), AgentConfig())  # the tag protocol runs
 
 
@@ -256,5 +256,5 @@ def test_zero_extraction_tokens_is_refused_not_the_whole_budget():
     assert sampling(cfg, 0.0, 0, ("</answer>",), 7).max_new_tokens == 7
     llm = SearchO1LLM(hops=1)
     with pytest.raises(ValueError, match="max_extract_tokens"):
-        search_o1(examples(1), llm, KeywordRetriever(PASSAGES), cfg, top_k=1, max_extract_tokens=0)
+        search_o1(examples(1), MethodContext(llm, KeywordRetriever(PASSAGES), cfg, top_k=1, max_extract_tokens=0))
     assert llm.batches == []

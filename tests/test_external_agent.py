@@ -125,13 +125,14 @@ def test_a_tokenizer_without_a_chat_template_renders_with_sleuths_chatml(tiny_ll
 def test_evaluation_runs_the_external_agent_with_one_record_per_episode(tiny_llm, react, cfg):
     """``eval``'s agent method takes the runner's ``loop_episodes`` in place of the built-in loop: one scored
     record per question, also for an episode the template split into two training sequences."""
-    from eval.methods import METHODS
+    from eval.methods import EVAL_METHODS, MethodContext
     from tests.chat_templates import QWEN3_TOOLS
 
     tiny_llm.tokenizer.chat_template = CHATML_TOOLS
     backend = Recording(ScriptedSampler(tiny_llm.tokenizer, [CALLS["chatml"], "<answer> Paris </answer>"]))
     with ExternalRunner(backend, react, cfg, temperature=1.0) as runner:
-        recs = METHODS["agent"]([FRANCE, GERMANY], None, None, cfg, run_episodes=runner.loop_episodes)
+        ctx = MethodContext(None, None, cfg, run_episodes=runner.loop_episodes)
+        recs = EVAL_METHODS.get("agent").run([FRANCE, GERMANY], ctx)
         assert runner.proxy.settings.temperature == 1.0  # the evaluation's 0.0 held for its call only
     assert [r["prediction"] for r in recs] == ["Paris", "Paris"] and recs[0]["verdict"]["em"] == 1.0
     assert [r["search_calls"] for r in recs] == [1, 1] and recs[1]["verdict"]["em"] == 0.0
@@ -152,7 +153,8 @@ def test_evaluation_runs_the_external_agent_with_one_record_per_episode(tiny_llm
     backend = ScriptedSampler(tiny_llm.tokenizer, ["<think>\nhm\n</think>\n\n<answer> Paris </answer>"])
     with ExternalRunner(backend, two_rounds, cfg) as runner:
         seqs = runner.run_episodes([FRANCE])
-        (rec,) = METHODS["agent"]([FRANCE], None, None, cfg, run_episodes=runner.loop_episodes)
+        ctx = MethodContext(None, None, cfg, run_episodes=runner.loop_episodes)
+        (rec,) = EVAL_METHODS.get("agent").run([FRANCE], ctx)
     assert [s.metadata["segment"] for s in seqs] == [0, 1] and all(s.reward == 1.0 for s in seqs)
     assert rec["prediction"] == "Paris" and rec["turns"] == 2
 
@@ -198,8 +200,8 @@ def test_sleuth_train_resume_and_eval_an_external_agent_on_the_shipped_sample(tm
 
     common = ["--config", "configs/react_agent.yaml", f"out_dir={tmp_path}", f"retrieval.index_dir={tmp_path / 'index'}",
               "policy.tiny.hidden_size=32", "policy.tiny.num_layers=1", "policy.tiny.vocab_size=1024",
-              "policy.tiny.intermediate_size=64", "train.questions_per_step=2", "train.group_size=2",
-              "train.save_every=1", "train.eval_every=2", "eval.limit=4"]
+              "policy.tiny.intermediate_size=64", "train.rollout.questions_per_step=2", "train.rollout.group_size=2",
+              "train.checkpoints.save_every=1", "train.monitoring.eval_every=2", "eval.limit=4"]
     assert main(["train", *common, "train.steps=2"]) == 0
     records = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]

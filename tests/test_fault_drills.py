@@ -68,7 +68,7 @@ def _train(tiny_policy_dir, retriever, run: Path, llm_factory) -> list[dict]:
     from tests.conftest import run_rl
     from tests.test_trainer import load, make_cfg
 
-    cfg = make_cfg("train.steps=3", "train.save_every=10", "agent.max_turns=3", "agent.max_new_tokens=40",
+    cfg = make_cfg("train.steps=3", "train.checkpoints.save_every=10", "agent.max_turns=3", "agent.max_new_tokens=40",
                    "agent.max_total_tokens=400", "agent.max_obs_tokens=120")
     model, tok = load(tiny_policy_dir)
     out = run_rl(cfg, model, tok, retriever, QUESTIONS, run, llm_factory=lambda m, t: llm_factory(t))

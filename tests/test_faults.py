@@ -92,14 +92,14 @@ def test_the_trainer_rollout_neither_trains_on_nor_hides_episodes_of_an_outage(t
     from tests.test_trainer import load, make_cfg
     from training.rollout.worker import RolloutWorker, rollout
 
-    cfg = make_cfg("train.group_size=2", "agent.max_turns=3", "agent.max_new_tokens=40", "agent.max_total_tokens=400",
-                   "agent.max_obs_tokens=120", "train.rollout_retry_waits=[0.01,0.01,0.01]")
+    cfg = make_cfg("train.rollout.group_size=2", "agent.max_turns=3", "agent.max_new_tokens=40", "agent.max_total_tokens=400",
+                   "agent.max_obs_tokens=120", "train.rollout.retry_waits=[0.01,0.01,0.01]")
     _, tok = load(tiny_policy_dir)
     flaky = FlakyRetriever(retriever, fail_calls=1)
 
     def worker():
         return RolloutWorker(ScriptLLM(tok, SCRIPTS), flaky, cfg.agent, cfg.retrieval.top_k,
-                             retry_waits=tuple(cfg.train.rollout_retry_waits))
+                             retry_waits=tuple(cfg.train.rollout.retry_waits))
 
     trajs, stats = rollout(worker(), QUESTIONS[:2], cfg.train)
     assert len(trajs) == 4 and all(t.stop_reason == "answer" for t in trajs)
@@ -117,13 +117,13 @@ def test_rollout_retry_waits_are_validated_and_default_to_the_module_schedule():
     from training.config import TrainConfig
     from training.rollout.faults import RETRY_WAITS_S
 
-    assert TrainConfig().rollout_retry_waits == list(RETRY_WAITS_S)
-    assert TrainConfig(rollout_retry_waits=[]).rollout_retry_waits == []
-    with pytest.raises(ValueError, match="rollout_retry_waits must be seconds >= 0"):
-        TrainConfig(rollout_retry_waits=[2.0, -1.0])
+    assert TrainConfig().rollout.retry_waits == list(RETRY_WAITS_S)
+    assert TrainConfig(rollout={"retry_waits": []}).rollout.retry_waits == []
+    with pytest.raises(ValueError, match="train.rollout.retry_waits must be seconds >= 0"):
+        TrainConfig(rollout={"retry_waits": [2.0, -1.0]})
     for bad in ([float("nan")], [float("inf")]):  # a wait of for ever would hang the run
         with pytest.raises(ValueError, match="finite number"):
-            TrainConfig(rollout_retry_waits=bad)
+            TrainConfig(rollout={"retry_waits": bad})
 
 
 def test_rank_records_sum_the_fault_counts():

@@ -199,6 +199,8 @@ def test_a_fleet_is_not_verified_as_one_engine(tiny_llm):
     from training.rollout.weight_sync import verify_engine
 
     fleet = _fleet(["http://127.0.0.1:1"], tiny_llm.tokenizer)
-    tc = type("TC", (), {"sync_probe_tol": 1e-3})()
+    from training.config import TrainConfig
+
+    tc = TrainConfig().updated({"rollout.sync_probe_tol": 1e-3})
     with pytest.raises(NotImplementedError, match="verified one by one"):
         verify_engine(fleet, tiny_llm.model, None, tc, [1, 2, 3])

@@ -59,7 +59,7 @@ def build():
 def train_cfg():
     from sleuth.config import TrainConfig
 
-    return TrainConfig(lr=0.5, micro_batch=2, max_grad_norm=1.0, bf16=False)
+    return TrainConfig(optim={"lr": 0.5, "micro_batch": 2, "grad_clip": 1.0, "bf16": False})
 
 
 def critic_for(model):
@@ -100,7 +100,7 @@ def worker(out: str) -> None:
     copt = torch.optim.SGD(critic.parameters(), lr=train_cfg().lr)
     rows = torch.arange(len(batch))[rank::W]
     # rows 0,2,4 (lengths 20,12,9) -> 2 micro-batches of <= 30 padded tokens; rows 1,3,5 (17,20,15) -> 3
-    update_policy(fwd, None, opt, batch.select(rows), train_cfg().model_copy(update={"micro_batch_tokens": 30}),
+    update_policy(fwd, None, opt, batch.select(rows), train_cfg().updated({"optim.micro_batch_tokens": 30}),
                   critic=critic, critic_optimizer=copt)
     state = ({k.removeprefix("model."): v for k, v in D.full_state_dict(fwd).items()}, D.full_state_dict(critic))
     if rank == 0:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.algos.losses import LOSS_AGGS, masked_lm_head_logprobs, policy_loss
+from training.algos.losses import LOSS_AGGS, LossConfig, masked_lm_head_logprobs, policy_loss
 from training.model import fused_loss as FL
 
 ALL_AGGS = tuple(LOSS_AGGS)
@@ -167,16 +167,16 @@ def _policy_case(seed, B=4, T=12, H=8, V=120):
                                                           ("cispo", "k2", None, True)])
 def test_fused_policy_loss_matches_the_reference_chain(agg, loss, kl_type, clip_c, weighted):
     h, w, t, mask, old, ref, adv, isw = _policy_case(seed=len(agg) + len(loss))
-    kw = {"loss": loss, "clip_low": 0.2, "clip_high": 0.28, "clip_ratio_c": clip_c, "loss_agg": agg,
-          "ref_logprobs": ref, "kl_coef": 0.05, "kl_type": kl_type, "entropy_coef": 0.01, "loss_scale": 7.0,
-          "is_weights": isw if weighted else None}
-    got, stats, _, _ = FL.fused_policy_loss(h, w, t, mask, old, adv, row_block=5, **kw)
+    cfg = LossConfig(loss=loss, clip_low=0.2, clip_high=0.28, clip_ratio_c=clip_c, loss_agg=agg, kl_coef=0.05,
+                     kl_type=kl_type, entropy_coef=0.01, loss_scale=7.0)
+    kw = {"ref_logprobs": ref, "is_weights": isw if weighted else None}
+    got, stats, _, _ = FL.fused_policy_loss(h, w, t, mask, old, adv, cfg, row_block=5, **kw)
     got.backward()
     dh, dw = h.grad.clone(), w.grad.clone()
     h.grad = w.grad = None
     B, T, H = h.shape
     lp_r, ent_r = masked_lm_head_logprobs(h.reshape(-1, H), w, t.reshape(-1), mask.reshape(-1))
-    want, stats_r = policy_loss(lp_r.reshape(B, T), old, adv, mask, entropy=ent_r.reshape(B, T), **kw)
+    want, stats_r = policy_loss(lp_r.reshape(B, T), old, adv, mask, cfg, entropy=ent_r.reshape(B, T), **kw)
     want.backward()
     torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-12)
     assert set(stats) == set(stats_r)
@@ -190,8 +190,8 @@ def test_fused_policy_loss_matches_the_reference_chain(agg, loss, kl_type, clip_
 def test_fused_policy_loss_refuses_sequence_level_losses():
     h, w, t, mask, old, _, adv, _ = _policy_case(seed=1)
     with pytest.raises(ValueError, match="token-local"):
-        FL.fused_policy_loss(h, w, t, mask, old, adv, loss="gspo")
+        FL.fused_policy_loss(h, w, t, mask, old, adv, LossConfig(loss="gspo"))
     with pytest.raises(ValueError, match="unknown"):
-        FL.fused_policy_loss(h, w, t, mask, old, adv, loss="nope")
+        FL.fused_policy_loss(h, w, t, mask, old, adv, LossConfig(loss="nope"))
     with pytest.raises(ValueError, match=r"\[B, T\]"):
         FL.fused_policy_loss(h.reshape(-1, h.shape[-1]), w, t.reshape(-1), mask.reshape(-1), old, adv)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.algos.losses import LOSS_AGGS, masked_lm_head_logprobs, policy_loss
+from training.algos.losses import LOSS_AGGS, LossConfig, masked_lm_head_logprobs, policy_loss
 from training.model import fused_loss as FL
 from training.model import kernels as K
 
@@ -139,15 +139,15 @@ def test_fused_policy_loss_matches_reference(agg, clip_c):
     old = lp0 + torch.randn(B, T, generator=g, device=DEV) * 0.4
     ref = lp0 + torch.randn(B, T, generator=g, device=DEV) * 0.3
     adv = torch.randn(B, T, generator=g, device=DEV)
-    kw = {"clip_low": 0.2, "clip_high": 0.28, "clip_ratio_c": clip_c, "loss_agg": agg, "ref_logprobs": ref,
-          "kl_coef": 0.05, "kl_type": "k3", "entropy_coef": 0.01, "loss_scale": 50.0}
-    loss, stats, _, _ = FL.fused_policy_loss(h, w, t, mask, old, adv, row_block=100, impl="cuda", **kw)
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28, clip_ratio_c=clip_c, loss_agg=agg, kl_coef=0.05, kl_type="k3",
+                     entropy_coef=0.01, loss_scale=50.0)
+    loss, stats, _, _ = FL.fused_policy_loss(h, w, t, mask, old, adv, cfg, ref_logprobs=ref, row_block=100, impl="cuda")
     loss.backward()
     h64 = h.detach().double().requires_grad_(True)
     w64 = w.detach().double().requires_grad_(True)
     lp_r, ent_r = masked_lm_head_logprobs(h64.reshape(-1, H), w64, t.reshape(-1), mask.reshape(-1))
-    loss_r, stats_r = policy_loss(lp_r.reshape(B, T), old.double(), adv.double(), mask.double(),
-                                  entropy=ent_r.reshape(B, T), **{**kw, "ref_logprobs": ref.double()})
+    loss_r, stats_r = policy_loss(lp_r.reshape(B, T), old.double(), adv.double(), mask.double(), cfg,
+                                  ref_logprobs=ref.double(), entropy=ent_r.reshape(B, T))
     loss_r.backward()
     assert abs(loss.item() - loss_r.item()) <= 1e-4 * max(1.0, abs(loss_r.item()))
     for k in stats_r:

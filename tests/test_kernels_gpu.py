@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.algos.losses import LOSS_AGGS, masked_lm_head_logprobs, policy_loss
+from training.algos.losses import LOSS_AGGS, LossConfig, masked_lm_head_logprobs, policy_loss
 from training.model import kernels as K
 
 KERNEL_AGGS = tuple(m for m in LOSS_AGGS if LOSS_AGGS.get(m).kernel_mode is not None)
@@ -228,24 +228,15 @@ def test_policy_loss_matches_reference(B, T, agg, kl_type, keep, clip_c):
     lp, old, adv, mask, ref, ent = _ppo_inputs(B, T, seed=B * T, keep=keep)
     if keep == 1.0:
         mask.fill_(1.0)
-    kw = {
-        "clip_low": 0.2,
-        "clip_high": 0.28,
-        "loss_agg": agg,
-        "ref_logprobs": ref,
-        "kl_coef": 0.05,
-        "kl_type": kl_type,
-        "entropy_coef": 0.01,
-        "clip_ratio_c": clip_c,
-    }
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28, loss_agg=agg, kl_coef=0.05, kl_type=kl_type, entropy_coef=0.01,
+                     clip_ratio_c=clip_c)
     lp_k, ent_k = lp.clone().requires_grad_(True), ent.clone().requires_grad_(True)
     _poison(B * T * 4 * 4)
-    loss, stats = K.policy_loss(lp_k, old, adv, mask, entropy=ent_k, impl="cuda", **kw)
+    loss, stats = K.policy_loss(lp_k, old, adv, mask, cfg, ref_logprobs=ref, entropy=ent_k, impl="cuda")
     loss.backward()
     lp_r, ent_r = lp.double().requires_grad_(True), ent.double().requires_grad_(True)
-    loss_r, stats_r = policy_loss(
-        lp_r, old.double(), adv.double(), mask.double(), **{**kw, "ref_logprobs": ref.double()}, entropy=ent_r
-    )
+    loss_r, stats_r = policy_loss(lp_r, old.double(), adv.double(), mask.double(), cfg, ref_logprobs=ref.double(),
+                                  entropy=ent_r)
     loss_r.backward()
     assert set(stats) == set(stats_r)
     assert abs(loss.item() - loss_r.item()) <= 1e-5 * max(1.0, abs(loss_r.item()))
@@ -267,14 +258,14 @@ def test_policy_loss_with_importance_weights_matches_reference(agg, clip_c):
     and gradient equal the reference's weighted policy term (CPU side: tests/test_offpolicy.py)."""
     lp, old, adv, mask, ref, ent = _ppo_inputs(64, 50, seed=5)
     w = (torch.rand(64, 50, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1)) * 3).clamp(max=2.0)
-    kw = {"clip_low": 0.2, "clip_high": 0.28, "loss_agg": agg, "ref_logprobs": ref, "kl_coef": 0.05,
-          "kl_type": "k3", "entropy_coef": 0.01, "clip_ratio_c": clip_c}
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28, loss_agg=agg, kl_coef=0.05, kl_type="k3", entropy_coef=0.01,
+                     clip_ratio_c=clip_c)
     lp_k = lp.clone().requires_grad_(True)
-    loss, stats = K.policy_loss(lp_k, old, adv, mask, entropy=ent, impl="cuda", is_weights=w, **kw)
+    loss, stats = K.policy_loss(lp_k, old, adv, mask, cfg, ref_logprobs=ref, entropy=ent, impl="cuda", is_weights=w)
     loss.backward()
     lp_r = lp.double().requires_grad_(True)
-    loss_r, stats_r = policy_loss(lp_r, old.double(), adv.double(), mask.double(),
-                                  **{**kw, "ref_logprobs": ref.double()}, entropy=ent.double(), is_weights=w.double())
+    loss_r, stats_r = policy_loss(lp_r, old.double(), adv.double(), mask.double(), cfg, ref_logprobs=ref.double(),
+                                  entropy=ent.double(), is_weights=w.double())
     loss_r.backward()
     assert abs(loss.item() - loss_r.item()) <= 1e-5 * max(1.0, abs(loss_r.item()))
     assert abs(stats["pg_loss"] - stats_r["pg_loss"]) <= 1e-5 * max(1.0, abs(stats_r["pg_loss"]))
@@ -291,13 +282,13 @@ def test_policy_loss_k3_clamps_match_reference(agg):
     d = ref - lp
     clamped = ((d > 20) | (d < -20) | (torch.exp(d.clamp(-20, 20)) - d.clamp(-20, 20) - 1 > 10)) & (mask > 0)
     assert 0.2 < float(clamped.sum() / mask.sum()) < 0.9  # both sides of the clamps are exercised
-    kw = {"clip_low": 0.2, "clip_high": 0.28, "loss_agg": agg, "kl_coef": 0.1, "kl_type": "k3"}
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28, loss_agg=agg, kl_coef=0.1, kl_type="k3")
     lp_k = lp.clone().requires_grad_(True)
-    loss, stats = K.policy_loss(lp_k, old, adv, mask, ref_logprobs=ref, entropy=ent, impl="cuda", **kw)
+    loss, stats = K.policy_loss(lp_k, old, adv, mask, cfg, ref_logprobs=ref, entropy=ent, impl="cuda")
     loss.backward()
     lp_r = lp.double().requires_grad_(True)
-    loss_r, stats_r = policy_loss(lp_r, old.double(), adv.double(), mask.double(), ref_logprobs=ref.double(),
-                                    entropy=ent.double(), **kw)
+    loss_r, stats_r = policy_loss(lp_r, old.double(), adv.double(), mask.double(), cfg, ref_logprobs=ref.double(),
+                                  entropy=ent.double())
     loss_r.backward()
     assert abs(loss.item() - loss_r.item()) <= 1e-5 * max(1.0, abs(loss_r.item()))
     for k in stats:
@@ -338,7 +329,7 @@ def test_end_to_end_kernels_chain():
         old = lp.detach() + 0.1 * torch.sin(torch.arange(B * T, device=DEV, dtype=torch.float32)).reshape(
             B, T
         )
-        loss, _ = K.policy_loss(lp, old, adv, mask, entropy=ent, entropy_coef=0.01, impl=impl)
+        loss, _ = K.policy_loss(lp, old, adv, mask, LossConfig(entropy_coef=0.01), entropy=ent, impl=impl)
         loss.backward()
         return loss.detach(), hh.grad, ww.grad
 

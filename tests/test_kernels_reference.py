@@ -16,7 +16,14 @@ import random
 import pytest
 import torch
 
-from training.algos.losses import LOSS_AGGS, aggregate, kl_estimate, masked_lm_head_logprobs, policy_loss
+from training.algos.losses import (
+    LOSS_AGGS,
+    LossConfig,
+    aggregate,
+    kl_estimate,
+    masked_lm_head_logprobs,
+    policy_loss,
+)
 from training.model import kernels as K
 
 #: the aggregation modes the CUDA loss kernel implements (the reference implements every registered one)
@@ -370,9 +377,9 @@ def _ppo_inputs(B=3, T=5, seed=0, dtype=torch.float64):
 @pytest.mark.parametrize("kl_type", ["k1", "k3"])
 def test_policy_loss_matches_naive(agg, kl_type):
     lp, old, adv, mask, ref, ent = _ppo_inputs(seed=ALL_AGGS.index(agg))
-    kw = {"clip_low": 0.2, "clip_high": 0.28, "loss_agg": agg, "ref_logprobs": ref, "kl_coef": 0.1,
-          "loss_scale": NORM_SCALE}
-    loss, stats = policy_loss(lp, old, adv, mask, kl_type=kl_type, entropy=ent, entropy_coef=0.01, **kw)
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28, loss_agg=agg, kl_coef=0.1, loss_scale=NORM_SCALE, kl_type=kl_type,
+                     entropy_coef=0.01)
+    loss, stats = policy_loss(lp, old, adv, mask, cfg, ref_logprobs=ref, entropy=ent)
     want = _ppo_naive(
         lp,
         old,
@@ -399,20 +406,9 @@ def test_policy_loss_gradcheck(agg):
     ent.requires_grad_(True)
 
     def f(lp, ent):
-        return policy_loss(
-            lp,
-            old,
-            adv,
-            mask,
-            clip_low=0.2,
-            clip_high=0.28,
-            loss_agg=agg,
-            ref_logprobs=ref,
-            kl_coef=0.1,
-            entropy=ent,
-            entropy_coef=0.01,
-            loss_scale=NORM_SCALE,
-        )[0]
+        cfg = LossConfig(clip_low=0.2, clip_high=0.28, loss_agg=agg, kl_coef=0.1, entropy_coef=0.01,
+                         loss_scale=NORM_SCALE)
+        return policy_loss(lp, old, adv, mask, cfg, ref_logprobs=ref, entropy=ent)[0]
 
     assert torch.autograd.gradcheck(f, (lp, ent))
 
@@ -464,16 +460,9 @@ def test_ppo_kernel_gradient_formula_matches_autograd(agg, kl_type, clip_c):
     ref[1, 2] = lp[1, 2] - 12.0  # k3: estimate clamp from below the log-ratio clamp (e^-12 + 11 > 10)
     lp.requires_grad_(True)
     ent.requires_grad_(True)
-    kw = {
-        "clip_low": 0.2,
-        "clip_high": 0.28,
-        "loss_agg": agg,
-        "ref_logprobs": ref,
-        "kl_coef": 0.1,
-        "kl_type": kl_type,
-        "clip_ratio_c": clip_c,
-    }
-    loss, stats = policy_loss(lp, old, adv, mask, entropy=ent, entropy_coef=0.01, **kw)
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28, loss_agg=agg, kl_coef=0.1, kl_type=kl_type, clip_ratio_c=clip_c,
+                     entropy_coef=0.01)
+    loss, stats = policy_loss(lp, old, adv, mask, cfg, ref_logprobs=ref, entropy=ent)
     assert stats.get("clip_frac_lower", 0.0) == (1 / mask.sum() if clip_c else 0.0)  # the one token [2, 0]
     g_lp, g_ent = torch.autograd.grad(loss, (lp, ent))
     e_lp, e_ent = _ppo_kernel_emulation(
@@ -501,12 +490,11 @@ def test_policy_loss_ignores_nan_and_inf_at_masked_positions(agg):
     and the path on CPU) must do the same, not multiply them by 0 (NaN * 0 = NaN)."""
     lp, old, adv, mask, ref, ent = _ppo_inputs(B=4, T=6, seed=5)
     off = mask == 0
-    kw = {"clip_low": 0.2, "clip_high": 0.28, "loss_agg": agg, "kl_coef": 0.1, "entropy_coef": 0.01,
-          "loss_scale": NORM_SCALE}
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28, loss_agg=agg, kl_coef=0.1, entropy_coef=0.01, loss_scale=NORM_SCALE)
 
     def run(lp, old, ref, ent):
         lp, ent = lp.clone().requires_grad_(True), ent.clone().requires_grad_(True)
-        loss, stats = policy_loss(lp, old, adv, mask, ref_logprobs=ref, entropy=ent, **kw)
+        loss, stats = policy_loss(lp, old, adv, mask, cfg, ref_logprobs=ref, entropy=ent)
         loss.backward()
         return loss.detach(), stats, lp.grad, ent.grad
 
@@ -551,20 +539,12 @@ def test_kl_estimates():
 
 def test_policy_loss_dispatch_on_cpu_and_switch(monkeypatch):
     lp, old, adv, mask, ref, ent = _ppo_inputs(dtype=torch.float32)
-    kw = {
-        "clip_low": 0.2,
-        "clip_high": 0.28,
-        "loss_agg": "seq-mean-token-mean",
-        "ref_logprobs": ref,
-        "kl_coef": 0.05,
-        "entropy": ent,
-        "entropy_coef": 0.01,
-    }
-    loss, stats = K.policy_loss(lp, old, adv, mask, **kw)
-    loss_r, stats_r = policy_loss(lp, old, adv, mask, **kw)
+    cfg = LossConfig(clip_low=0.2, clip_high=0.28, loss_agg="seq-mean-token-mean", kl_coef=0.05, entropy_coef=0.01)
+    loss, stats = K.policy_loss(lp, old, adv, mask, cfg, ref_logprobs=ref, entropy=ent)
+    loss_r, stats_r = policy_loss(lp, old, adv, mask, cfg, ref_logprobs=ref, entropy=ent)
     assert float(loss) == float(loss_r) and stats == stats_r
     with pytest.raises(ValueError, match="unknown loss aggregation"):
-        K.policy_loss(lp, old, adv, mask, loss_agg="mean")
+        K.policy_loss(lp, old, adv, mask, LossConfig(loss_agg="mean"))
     with pytest.raises(ValueError, match="shape"):
         K.policy_loss(lp, old[:, :2], adv, mask)
     monkeypatch.setenv(K.ENV_VAR, "cuda")
@@ -589,7 +569,7 @@ def test_dual_clip_bounds_negative_advantages():
                       requires_grad=True)
     adv = torch.tensor([[-1.0, 1.0, -1.0, -1.0]], dtype=torch.float64)
     mask = torch.ones(1, 4, dtype=torch.float64)
-    loss, stats = policy_loss(lp, old, adv, mask, clip_ratio_c=3.0)
+    loss, stats = policy_loss(lp, old, adv, mask, LossConfig(clip_ratio_c=3.0))
     plain = torch.tensor([5.0, -1.2, 2.0, 0.8], dtype=torch.float64)  # max(-A r, -A clip(r, 0.8, 1.2))
     want = torch.tensor([3.0, -1.2, 2.0, 0.8], dtype=torch.float64)  # token 0: min(5, 3)
     assert float(policy_loss(lp, old, adv, mask)[0].detach()) == pytest.approx(float(plain.mean()))
@@ -597,12 +577,12 @@ def test_dual_clip_bounds_negative_advantages():
     loss.backward()
     assert lp.grad[0, 0] == 0 and lp.grad[0, 2] != 0
     with pytest.raises(ValueError, match="clip_ratio_c > 1"):
-        policy_loss(lp, old, adv, mask, clip_ratio_c=1.0)
+        policy_loss(lp, old, adv, mask, LossConfig(clip_ratio_c=1.0))
     args = (lp.detach().float(), old.float(), adv.float(), mask.float())
-    got, got_stats = K.policy_loss(*args, clip_ratio_c=3.0)
+    got, got_stats = K.policy_loss(*args, LossConfig(clip_ratio_c=3.0))
     assert float(got) == pytest.approx(float(want.mean())) and got_stats["clip_frac_lower"] == 0.25
     with pytest.raises(ValueError, match="clip_ratio_c > 1"):
-        K.policy_loss(*args, clip_ratio_c=0.5)
+        K.policy_loss(*args, LossConfig(clip_ratio_c=0.5))
 
 
 def test_available_false_without_cuda():

@@ -11,10 +11,12 @@ import torch
 
 from agent.trajectory import Trajectory, Turn
 from training.infra.monitors import (
+    PHASES,
     Alarms,
     degeneracy_score,
     health_stats,
     malformed_tags,
+    marked_timer,
     plot_dashboard,
     read_metrics,
     repeated_ngram_fraction,
@@ -117,8 +119,8 @@ def test_stop_alarm_keeps_best_checkpoint(tiny_policy_dir, retriever, tmp_path):
 
     model, tok = load(tiny_policy_dir)
     scores = iter([0.5, 0.2, 0.1, 0.0])
-    cfg = make_cfg("train.steps=4", "train.eval_every=1", "train.alarm_min_entropy=100", "train.alarm_patience=2",
-                   "train.alarm_action=stop", "train.save_every=10")
+    cfg = make_cfg("train.steps=4", "train.monitoring.eval_every=1", "train.monitoring.alarms.min_entropy=100", "train.monitoring.alarms.patience=2",
+                   "train.monitoring.alarms.action=stop", "train.checkpoints.save_every=10")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = run_rl(cfg, model, tok, retriever, [__import__("tests.conftest").conftest.QUESTIONS[0]], tmp_path,
@@ -147,7 +149,7 @@ def test_alarm_patience_and_nonfinite_count_survive_a_resume(tiny_policy_dir, re
     from tests.test_trainer import load, make_cfg, varying_judge
     from training.infra.checkpoint import latest_checkpoint
 
-    over = ("train.alarm_min_entropy=100", "train.alarm_patience=2", "train.alarm_action=stop")
+    over = ("train.monitoring.alarms.min_entropy=100", "train.monitoring.alarms.patience=2", "train.monitoring.alarms.action=stop")
     model, tok = load(tiny_policy_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -167,6 +169,34 @@ def test_truncated_judge_and_tool_call_tags_are_faults():
     assert malformed_tags("<judge>useful</judge>") == 0
     assert malformed_tags("<judge>useful</judge") == 2  # the cut closing tag, and <judge> left open
     assert malformed_tags("<tool_call") == 1 and malformed_tags("<judg") == 1
+
+
+def test_the_dashboard_draws_the_time_of_every_phase(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    recs = [{"step": s, "reward": 0.1, **{f"timing/{p}_s": 0.1 * s + i for i, p in enumerate(PHASES)}} for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)  # keep the figure to read it back
+    plot_dashboard(tmp_path)
+    (ax,) = [a for a in figs[0].axes if a.get_title() == "time per phase (s)"]
+    assert [line.get_label() for line in ax.get_lines()] == [f"timing/{p}_s" for p in PHASES]
+    assert list(ax.get_lines()[-1].get_ydata()) == [r[f"timing/{PHASES[-1]}_s"] for r in recs]
+
+
+def test_marked_timer_adds_up_a_phase_timed_in_several_blocks_and_times_a_block_that_raised(monkeypatch):
+    import training.infra.monitors as M
+
+    clock = iter([10.0, 10.5, 20.0, 20.25, 30.0, 31.0])
+    monkeypatch.setattr(M.time, "perf_counter", lambda: next(clock))
+    timing: dict[str, float] = {}
+    with marked_timer("log", timing):
+        pass
+    with marked_timer("log", timing):
+        pass
+    with pytest.raises(KeyError), marked_timer("update", timing):
+        raise KeyError("boom")
+    assert timing == {"timing/log_s": 0.75, "timing/update_s": 1.0}
 
 
 def test_dashboard_of_a_run_directory_points_to_its_grpo_folder(tmp_path, capsys):
@@ -265,9 +295,9 @@ def test_collapse_alarm_fires_on_a_provoked_collapse(tiny_policy_dir, retriever,
     from training.sft import sft_train
 
     model, tok = load(tiny_policy_dir)
-    cfg = make_cfg("train.steps=8", "train.eval_every=1", "train.lr=2e-3", "train.group_size=4",
-                   "train.questions_per_step=4", "train.alarm_collapse_drop=0.3",
-                   "train.alarm_collapse_metric=eval_format_ok", "train.alarm_action=stop", "train.save_every=10")
+    cfg = make_cfg("train.steps=8", "train.monitoring.eval_every=1", "train.optim.lr=2e-3", "train.rollout.group_size=4",
+                   "train.rollout.questions_per_step=4", "train.monitoring.alarms.collapse_drop=0.3",
+                   "train.monitoring.alarms.collapse_metric=eval_format_ok", "train.monitoring.alarms.action=stop", "train.checkpoints.save_every=10")
     oracle = OracleLLM(tok, QUESTIONS, {p.id: p.title for p in PASSAGES})
     trajs = [t for t in run_episodes(QUESTIONS, oracle, retriever, cfg.agent, top_k=1, temperature=0.0)
              if t.verdict["format_ok"]]  # the oracle's episodes that fit the two turns

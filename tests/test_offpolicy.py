@@ -58,7 +58,7 @@ def test_tis_weights_are_the_ratio_capped_and_mis_drops_rows_outside_the_band():
 
     rows = [[0.0, 0.0, 0.0], [2.0, -1.0, 0.1], [0.3, 0.3]]
     batch = _batch_with_drift(rows)
-    stats = rollout_correction(batch, TrainConfig(tis_cap=2.0))
+    stats = rollout_correction(batch, TrainConfig(algorithm={"tis_cap": 2.0}))
     w = batch.is_weights
     assert w[0, :3].tolist() == [1.0, 1.0, 1.0]
     torch.testing.assert_close(w[1, :3], torch.tensor([2.0, torch.e ** -1, torch.e ** 0.1]))  # e^2 capped at 2
@@ -71,13 +71,13 @@ def test_tis_weights_are_the_ratio_capped_and_mis_drops_rows_outside_the_band():
     assert "offpolicy/mis_rejected" not in stats and batch.loss_mask.sum() == 8
 
     batch = _batch_with_drift(rows)
-    stats = rollout_correction(batch, TrainConfig(tis_cap=None, mis_band=(0.5, 2.0)))
+    stats = rollout_correction(batch, TrainConfig(algorithm={"tis_cap": None, "mis_band": (0.5, 2.0)}))
     assert batch.is_weights is None
     # row sums of log rho: 0, 1.1 (e^1.1 = 3.0 > 2: dropped), 0.6 (1.82: kept)
     assert batch.loss_mask.sum(-1).tolist() == [3.0, 0.0, 2.0]
     assert stats["offpolicy/mis_rejected"] == pytest.approx(1 / 3)
     batch = _batch_with_drift(rows)
-    rollout_correction(batch, TrainConfig(tis_cap=None, mis_band=(0.5, 1.3), mis_level="geometric"))
+    rollout_correction(batch, TrainConfig(algorithm={"tis_cap": None, "mis_band": (0.5, 1.3), "mis_level": "geometric"}))
     # geometric means: 1, e^(1.1/3) = 1.44 (dropped), e^0.3 = 1.35 (dropped)
     assert batch.loss_mask.sum(-1).tolist() == [3.0, 0.0, 0.0]
 
@@ -98,7 +98,7 @@ def test_mis_band_must_hold_one():
     from training.config import TrainConfig
 
     with pytest.raises(ValidationError, match="mis_band"):
-        TrainConfig(mis_band=(1.2, 2.0))
+        TrainConfig(algorithm={"mis_band": (1.2, 2.0)})
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
@@ -106,7 +106,7 @@ def test_mis_band_must_hold_one():
 def test_weights_folded_into_the_advantages_equal_the_weighted_loss(agg, clip_c):
     """The CUDA kernel gets the IS weights folded into the advantages (ppo_clip is positively homogeneous
     in A, dual-clip included): loss and gradient must equal the reference's weighted policy term."""
-    from training.algos.losses import policy_loss
+    from training.algos.losses import LossConfig, policy_loss
 
     g = torch.Generator().manual_seed(3)
     B, T = 4, 7
@@ -115,15 +115,15 @@ def test_weights_folded_into_the_advantages_equal_the_weighted_loss(agg, clip_c)
     adv = torch.randn(B, T, generator=g, dtype=torch.float64)
     mask = (torch.rand(B, T, generator=g) > 0.2).double()
     w = (torch.rand(B, T, generator=g, dtype=torch.float64) * 2.5).clamp(max=2.0)
-    kw = {"loss_agg": agg, "clip_low": 0.2, "clip_high": 0.28, "clip_ratio_c": clip_c}
-    a, sa = policy_loss(lp, old, adv, mask, is_weights=w, **kw)
-    b, sb = policy_loss(lp, old, adv * w, mask, **kw)
+    cfg = LossConfig(loss_agg=agg, clip_low=0.2, clip_high=0.28, clip_ratio_c=clip_c)
+    a, sa = policy_loss(lp, old, adv, mask, cfg, is_weights=w)
+    b, sb = policy_loss(lp, old, adv * w, mask, cfg)
     torch.testing.assert_close(a, b)
     ga, = torch.autograd.grad(a, lp)
     gb, = torch.autograd.grad(b, lp)
     torch.testing.assert_close(ga, gb)
     assert sa["pg_loss"] == pytest.approx(sb["pg_loss"])
-    plain, _ = policy_loss(lp, old, adv, mask, **kw)
+    plain, _ = policy_loss(lp, old, adv, mask, cfg)
     assert not torch.allclose(a, plain)  # the weights did change the loss
 
 
@@ -173,7 +173,7 @@ def test_a_perturbed_rollout_model_is_measured_and_the_correction_bounds_the_upd
 
     seen = _spy_weights(monkeypatch)
     model, tok = load(tiny_policy_dir)
-    cfg = make_cfg("train.steps=1", "train.group_size=3", "train.tis_cap=2.0")
+    cfg = make_cfg("train.steps=1", "train.rollout.group_size=3", "train.algorithm.tis_cap=2.0")
     out = run_rl(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge, llm_factory=PerturbedRollouts)
     rec = out["last"]
     assert rec["offpolicy/ratio_max"] > 10 and rec["offpolicy/tis_capped"] > 0.02
@@ -208,7 +208,7 @@ def test_the_cap_bounds_the_gradient_when_one_reported_logprob_is_far_off(tiny_p
         b.token_advantages = to_token_advantages(torch.linspace(-1, 1, len(b)), b.loss_mask)
         row, col = (b.loss_mask > 0).nonzero()[len(b) // 2].tolist()
         b.rollout_logprobs[row, col] -= 15.0
-        tc = cfg.train.model_copy(update={"tis_cap": cap, "max_grad_norm": 1e30})
+        tc = cfg.train.updated({"algorithm.tis_cap": cap, "optim.grad_clip": 1e30})
         score_logprobs(m, None, b, tc)
         stats[name] = rollout_correction(b, tc)
         if cap is not None:

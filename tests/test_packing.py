@@ -114,7 +114,7 @@ def test_packing_refuses_a_transformers_without_packed_sequence_detection(policy
     model, tok = policy
     b = make_batch(tok)
     monkeypatch.setitem(sys.modules, "transformers.masking_utils", None)  # import fails, as on 4.52
-    with pytest.raises(ValueError, match="train.packing"):
+    with pytest.raises(ValueError, match="train.optim.packing"):
         policy_logprobs(model, b, packed=True)
     policy_logprobs(model, b)  # the padded path does not need it
 
@@ -234,7 +234,7 @@ def test_select_carries_the_flag_and_logprob_module_follows_it(policy):
 
 
 def test_update_policy_with_packing_equals_padded(policy):
-    """One PPO step with train.packing (token-budget micro-batches, packed forward) == the padded step."""
+    """One PPO step with train.optim.packing (token-budget micro-batches, packed forward) == the padded step."""
     import copy
 
     from sleuth.config import TrainConfig
@@ -246,14 +246,8 @@ def test_update_policy_with_packing_equals_padded(policy):
         m = copy.deepcopy(model)
         b = make_batch(tok)
         b.token_advantages = to_token_advantages(torch.linspace(-1, 1, len(b)), b.loss_mask)
-        tc = TrainConfig(
-            micro_batch=3,
-            micro_batch_tokens=30,
-            packing=packing,
-            max_grad_norm=1e9,
-            bf16=False,
-            entropy_coef=0.01,
-        )
+        tc = TrainConfig(optim={"micro_batch": 3, "micro_batch_tokens": 30, "packing": packing, "grad_clip": 1e9,
+                                "bf16": False}, algorithm={"entropy_coeff": 0.01})
         update_policy(m, None, torch.optim.SGD(m.parameters(), lr=0.5), b, tc)
         states.append(m.state_dict())
     moved = sum(float((states[0][k] - model.state_dict()[k]).abs().sum()) for k in states[0])
@@ -287,7 +281,7 @@ def test_logprobs_are_of_the_rollout_temperature(policy, packed):
 def test_the_critic_follows_packing_with_the_same_values_and_grads(policy, shared, monkeypatch):
     """PPO's value model runs a packed micro-batch packed too: the same values and gradients as padded, and
     the backbone sees one [1, sum(lengths)] row, not the padded [N, T] (a packed micro-batch is budgeted on
-    the sum of real lengths, so its padded form may be many times train.micro_batch_tokens)."""
+    the sum of real lengths, so its padded form may be many times train.optim.micro_batch_tokens)."""
     from training.model.critic import ValueModel
 
     model, tok = policy

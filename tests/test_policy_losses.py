@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from training.algos.losses import POLICY_LOSSES, policy_loss
+from training.algos.losses import POLICY_LOSSES, CISPOOptions, LossConfig, policy_loss
 from training.config import TrainConfig
 from training.model.kernels import policy_loss as dispatched_loss
 
@@ -21,7 +21,7 @@ ADV = torch.tensor([[1.0, 1.0, 1.0, 1.0], [-2.0, -2.0, -2.0, -2.0]], dtype=torch
 def test_registered():
     assert {"ppo_clip", "gspo", "cispo"} <= set(POLICY_LOSSES)
     assert not POLICY_LOSSES.get("gspo").kernel and not POLICY_LOSSES.get("cispo").kernel
-    TrainConfig(policy_loss="gspo", loss_agg="seq-mean-token-mean")
+    TrainConfig(algorithm={"policy_loss": "gspo", "loss_agg_mode": "seq-mean-token-mean"})
 
 
 def gspo_paper(new, old, adv_seq, mask, lo, hi):
@@ -34,8 +34,8 @@ def gspo_paper(new, old, adv_seq, mask, lo, hi):
 @pytest.mark.parametrize("lo,hi", [(0.3, 0.3), (0.1, 0.1)])  # inside the clip range / both rows clipped
 def test_gspo_matches_the_paper_objective(lo, hi):
     new = NEW.clone().requires_grad_(True)
-    loss, stats = policy_loss(new, OLD, ADV, MASK.double(), loss="gspo", clip_low=lo, clip_high=hi,
-                              loss_agg="seq-mean-token-mean")
+    loss, stats = policy_loss(new, OLD, ADV, MASK.double(),
+                              LossConfig(loss="gspo", clip_low=lo, clip_high=hi, loss_agg="seq-mean-token-mean"))
     (g,) = torch.autograd.grad(loss, new)
     ref_new = NEW.clone().requires_grad_(True)
     ref = gspo_paper(ref_new, OLD, ADV[:, 0], MASK.double(), lo, hi)
@@ -59,7 +59,7 @@ def test_gspo_on_policy_equals_the_policy_gradient():
     # ratio 1 (one update on fresh rollouts): the gradient is A / |y_i| / B on each token, as GRPO's with
     # seq-mean-token-mean
     new = OLD.clone().requires_grad_(True)
-    loss, _ = policy_loss(new, OLD, ADV, MASK.double(), loss="gspo", loss_agg="seq-mean-token-mean")
+    loss, _ = policy_loss(new, OLD, ADV, MASK.double(), LossConfig(loss="gspo", loss_agg="seq-mean-token-mean"))
     (g,) = torch.autograd.grad(loss, new)
     torch.testing.assert_close(g, torch.tensor([[-1 / 6, -1 / 6, -1 / 6, 0], [2 / 4, 2 / 4, 0, 0]], dtype=torch.float64))
 
@@ -75,9 +75,9 @@ def cispo_paper(new, old, adv, mask, hi, lo=None):
 def test_cispo_matches_the_paper_gradient(lo):
     hi = 0.15  # row 0: ratios e^.1, e^.2, e^.3 -> the last two clipped to 1.15; row 1: e^-.3, e^-.1
     new = NEW.clone().requires_grad_(True)
-    opts = {} if lo is None else {"cispo_clip_low": lo}
-    loss, stats = policy_loss(new, OLD, ADV, MASK.double(), loss="cispo", clip_high=hi, clip_low=0.9,
-                              loss_agg="token-mean", options=opts)
+    opts = None if lo is None else CISPOOptions(clip_low=lo)
+    loss, stats = policy_loss(new, OLD, ADV, MASK.double(),
+                              LossConfig(loss="cispo", clip_high=hi, clip_low=0.9, loss_agg="token-mean", options=opts))
     (g,) = torch.autograd.grad(loss, new)
     ref_new = NEW.clone().requires_grad_(True)
     (g_ref,) = torch.autograd.grad(cispo_paper(ref_new, OLD, ADV, MASK.double(), hi, lo), ref_new)
@@ -95,15 +95,15 @@ def test_cispo_matches_the_paper_gradient(lo):
 
 def test_ppo_clip_drops_the_gradient_cispo_keeps():
     new = NEW.clone().requires_grad_(True)
-    loss, _ = policy_loss(new, OLD, ADV, MASK.double(), loss="ppo_clip", clip_low=0.15, clip_high=0.15)
+    loss, _ = policy_loss(new, OLD, ADV, MASK.double(), LossConfig(loss="ppo_clip", clip_low=0.15, clip_high=0.15))
     (g,) = torch.autograd.grad(loss, new)
     assert float(g[0, 2]) == 0.0  # ratio e^.3 > 1.15 with A > 0: clipped away
 
 
 @pytest.mark.parametrize("name,agg", [("gspo", "seq-mean-token-mean"), ("cispo", "token-mean")])
 def test_the_dispatcher_runs_the_reference_for_them(name, agg):
-    kw = {"loss": name, "loss_agg": agg, "clip_low": 0.2, "clip_high": 0.28}
-    a, sa = dispatched_loss(NEW.float(), OLD.float(), ADV.float(), MASK, **kw)
-    b, sb = policy_loss(NEW.float(), OLD.float(), ADV.float(), MASK, **kw)
+    cfg = LossConfig(loss=name, loss_agg=agg, clip_low=0.2, clip_high=0.28)
+    a, sa = dispatched_loss(NEW.float(), OLD.float(), ADV.float(), MASK, cfg)
+    b, sb = policy_loss(NEW.float(), OLD.float(), ADV.float(), MASK, cfg)
     torch.testing.assert_close(a, b)
     assert sa == sb

@@ -174,7 +174,7 @@ def test_the_built_in_loop_through_the_proxy_is_token_identical(tiny_llm, retrie
         batch = collate(trajs, tiny_llm.tokenizer.pad_token_id, agent_cfg.max_total_tokens)
         batch.token_advantages = to_token_advantages(torch.tensor([1.0, -0.5]), batch.loss_mask)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        stats = update_policy(model, None, opt, batch, TrainConfig(micro_batch=2, bf16=False))
+        stats = update_policy(model, None, opt, batch, TrainConfig(optim={"micro_batch": 2, "bf16": False}))
         return stats, torch.cat([p.detach().flatten() for p in model.parameters()])
 
     (s_native, w_native), (s_remote, w_remote) = step(native), step(remote)

@@ -62,15 +62,15 @@ def test_the_norm_mode_does_not_depend_on_the_padded_width():
 def test_config_values_come_from_the_registries():
     from sleuth.config import ConfigError, load_config
 
-    cfg = load_config(None, ["train.kl_type=k2", "train.loss_agg=seq-mean-token-sum-norm",
-                             "train.loss_scale_factor=512"])
-    assert cfg.train.kl_type == "k2" and cfg.train.loss_agg == "seq-mean-token-sum-norm"
+    cfg = load_config(None, ["train.algorithm.kl_type=k2", "train.algorithm.loss_agg_mode=seq-mean-token-sum-norm",
+                             "train.algorithm.loss_scale_factor=512"])
+    assert cfg.train.algorithm.kl_type == "k2" and cfg.train.algorithm.loss_agg_mode == "seq-mean-token-sum-norm"
     with pytest.raises(ConfigError, match="unknown advantage estimator 'gpro'.*did you mean .*'grpo'"):
-        load_config(None, ["train.algorithm=gpro"])
+        load_config(None, ["train.algorithm.adv_estimator=gpro"])
     with pytest.raises(ConfigError, match="unknown KL estimator 'k9'"):
-        load_config(None, ["train.kl_type=k9"])
+        load_config(None, ["train.algorithm.kl_type=k9"])
     with pytest.raises(ConfigError, match="unknown policy loss"):
-        load_config(None, ["train.policy_loss=nope"])
+        load_config(None, ["train.algorithm.policy_loss=nope"])
 
 
 def test_plugin_errors_name_the_plugin(tmp_path):
@@ -92,28 +92,35 @@ def test_the_reference_loss_runs_the_parts_the_kernel_lacks_and_cuda_refuses_the
     g = torch.Generator().manual_seed(0)
     lp, old, adv = -torch.rand(2, 4, generator=g), -torch.rand(2, 4, generator=g), torch.randn(2, 4, generator=g)
     ref, mask = -torch.rand(2, 4, generator=g), torch.ones(2, 4)
-    kw = {"loss_agg": "seq-mean-token-sum-norm", "loss_scale": 8.0, "ref_logprobs": ref, "kl_coef": 0.1,
-          "kl_type": "abs"}
-    got, stats = K.policy_loss(lp, old, adv, mask, **kw)
-    want, _ = L.policy_loss(lp, old, adv, mask, **kw)
+    cfg = L.LossConfig(loss_agg="seq-mean-token-sum-norm", loss_scale=8.0, kl_coef=0.1, kl_type="abs")
+    got, stats = K.policy_loss(lp, old, adv, mask, cfg, ref_logprobs=ref)
+    want, _ = L.policy_loss(lp, old, adv, mask, cfg, ref_logprobs=ref)
     assert float(got) == float(want) and "kl" in stats
     monkeypatch.setenv(K.ENV_VAR, "cuda")
-    with pytest.raises(ValueError, match="does not implement train.loss_agg=seq-mean-token-sum-norm"):
-        K.policy_loss(lp, old, adv, mask, **kw)
+    with pytest.raises(ValueError, match="does not implement train.algorithm.loss_agg_mode=seq-mean-token-sum-norm"):
+        K.policy_loss(lp, old, adv, mask, cfg, ref_logprobs=ref)
 
 
 TOY_PLUGIN = """
+from dataclasses import dataclass
+
 import torch
 
 from training.algos.estimators import register_outcome_adv_est
+from training.registry import Options
 
 CALLS = []
 
 
-@register_outcome_adv_est("toy_constant", groups=False)
-def toy_constant(rewards, groups, search_calls, tc):
+@dataclass(frozen=True)
+class ToyOptions(Options):
+    toy_value: float = 0.0
+
+
+@register_outcome_adv_est("toy_constant", groups=False, options=ToyOptions)
+def toy_constant(rewards, groups, search_calls, opts):
     CALLS.append(len(rewards))
-    return torch.full_like(rewards, float(tc.options["toy_value"]))
+    return torch.full_like(rewards, opts.toy_value)
 """
 
 
@@ -129,8 +136,8 @@ def test_an_estimator_registered_outside_the_package_trains_through_sleuth_train
     rc = main(["train", f"out_dir={out}", f"data.corpus={tiny_data / 'corpus.jsonl'}",
                f"data.train={tiny_data / 'train.jsonl'}", f"data.test={tiny_data / 'test.jsonl'}",
                f"retrieval.index_dir={bm25_index}", f"policy.model={tiny_policy_dir}", "sft.enabled=false",
-               f"plugins=[{plugin}]", "train.algorithm=toy_constant", "train.options.toy_value=0.25",
-               "train.steps=1", "train.questions_per_step=2", "train.group_size=2", "agent.max_new_tokens=8",
+               f"plugins=[{plugin}]", "train.algorithm.adv_estimator=toy_constant", "train.algorithm.options.toy_value=0.25",
+               "train.steps=1", "train.rollout.questions_per_step=2", "train.rollout.group_size=2", "agent.max_new_tokens=8",
                "agent.max_total_tokens=256"])
     assert rc == 0
     (record,) = [json.loads(x) for x in (out / "toy_constant" / "metrics.jsonl").read_text().splitlines()]
@@ -138,3 +145,73 @@ def test_an_estimator_registered_outside_the_package_trains_through_sleuth_train
     # every policy token got the toy's constant advantage: its mean |advantage| is that constant
     assert record["adv_abs_mean"] == pytest.approx(0.25)
     assert (out / "toy_constant" / "checkpoints" / "latest").exists()
+
+
+PREPARING_PLUGIN = '''
+from dataclasses import dataclass
+
+from training.algos.estimators import kl_reward_penalty, register_adv_est
+from training.algos.options import check_range
+from training.registry import Options
+
+SEEN = []
+
+
+@dataclass(frozen=True)
+class SurpriseOptions(Options):
+    scale: float = 1.0
+
+    def __post_init__(self):
+        check_range("surprise's scale", self.scale, 0.0)
+
+
+def surprise(ctx):
+    """A new input: each row's mean surprisal -log pi over its policy tokens, scored with the context's
+    policy on the step's batch."""
+    mask = ctx.batch.loss_mask
+    lp = ctx.logprobs(ctx.batch).cpu()
+    ctx.batch.prepared["surprise"] = -(lp * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    SEEN.append({"step": ctx.step, "rows": len(ctx.trajs), "tokenizer": ctx.tokenizer is not None,
+                 "worker": ctx.worker is not None, "old": ctx.batch.old_logprobs.clone(), "mask": mask.clone(),
+                 "surprise": ctx.batch.prepared["surprise"].clone()})
+
+
+@register_adv_est("surprise_bonus", options=SurpriseOptions, prepare=(kl_reward_penalty, surprise))
+def surprise_bonus(inp, opts, alg):
+    return {"advantages": opts.scale * inp.prepared["surprise"][:, None] * inp.mask}
+'''
+
+
+def test_an_estimator_with_an_input_of_its_own_is_one_registration_in_one_file(tiny_policy_dir, retriever,
+                                                                               tmp_path):
+    """An estimator needing something no other one computes declares it as a prepare step in its own module
+    (no field in the batch type, no flag, no branch in the trainer), with its options validated by the config;
+    the trainer runs the step on the step's batch with the models, the tokenizer and the rollout worker."""
+    import sys
+
+    from sleuth.config import load_config
+    from tests.conftest import QUESTIONS, run_rl
+    from tests.test_trainer import load, varying_judge
+
+    plugin = tmp_path / "surprise_plugin.py"
+    plugin.write_text(PREPARING_PLUGIN)
+    cfg = load_config(None, [f"plugins=[{plugin}]", "train.algorithm.adv_estimator=surprise_bonus",
+                             "train.algorithm.options.scale=0.5", "train.steps=2", "train.rollout.questions_per_step=2",
+                             "train.rollout.group_size=2", "agent.max_turns=2", "agent.max_new_tokens=8",
+                             "agent.max_total_tokens=200", "train.checkpoints.save_every=1"])
+    assert cfg.train.algorithm.options.scale == 0.5
+    with pytest.raises(ValueError, match="surprise's scale must lie in"):
+        load_config(None, [f"plugins=[{plugin}]", "train.algorithm.adv_estimator=surprise_bonus",
+                           "train.algorithm.options.scale=-1"])
+    (module,) = [m for m in list(sys.modules.values()) if getattr(m, "__file__", None) == str(plugin.resolve())]
+    model, tok = load(tiny_policy_dir)
+    out = run_rl(cfg, model, tok, retriever, QUESTIONS, tmp_path / "run", judge=varying_judge)
+    seen = module.SEEN
+    assert [(s["step"], s["rows"], s["tokenizer"], s["worker"]) for s in seen] == [(0, 4, True, True), (1, 4, True, True)]
+    last = seen[-1]
+    # the context's policy scores as the old log-probs were scored (same weights, before the update)
+    want = -(last["old"] * last["mask"]).sum(-1) / last["mask"].sum(-1).clamp(min=1.0)
+    torch.testing.assert_close(last["surprise"], want, rtol=1e-5, atol=1e-6)
+    # the advantage of every policy token is 0.5 x its row's surprisal: mean |A| over the tokens
+    expect = float((0.5 * last["surprise"].abs()[:, None] * last["mask"]).sum() / last["mask"].sum())
+    assert out["last"]["adv_abs_mean"] == pytest.approx(expect, rel=1e-5)

@@ -22,18 +22,18 @@ def test_recipes_load_with_search_r1s_settings():
         assert (c.policy.model, c.retrieval.method, c.retrieval.dense_model) == \
             ("Qwen/Qwen2.5-3B", "dense", "intfloat/e5-base-v2")
         assert (c.retrieval.top_k, c.agent.max_turns, c.agent.max_new_tokens, c.agent.max_obs_tokens) == (3, 4, 500, 500)
-        assert (c.train.lr, c.train.steps, c.train.questions_per_step, c.train.warmup_steps) == (1e-6, 1005, 512, 286)
-        assert c.agent.reward == "em" and not c.sft.enabled and c.train.gradient_checkpointing
-    assert (g.train.algorithm, g.train.group_size, g.train.kl_coef, g.train.kl_type, g.train.kl_mode) == \
+        assert (c.train.optim.lr, c.train.steps, c.train.rollout.questions_per_step, c.train.optim.lr_warmup_steps) == (1e-6, 1005, 512, 286)
+        assert c.agent.reward == "em" and not c.sft.enabled and c.train.optim.gradient_checkpointing
+    assert (g.train.algorithm.adv_estimator, g.train.rollout.group_size, g.train.algorithm.kl_coef, g.train.algorithm.kl_type, g.train.algorithm.kl_mode) == \
         ("grpo", 5, 0.001, "k3", "loss")
-    assert (p.train.algorithm, p.train.critic, p.train.critic_lr, p.train.group_size, p.train.kl_mode) == \
+    assert (p.train.algorithm.adv_estimator, p.train.algorithm.critic, p.train.optim.critic_lr, p.train.rollout.group_size, p.train.algorithm.kl_mode) == \
         ("ppo", "separate", 1e-5, 1, "reward")
 
 
 STAND_IN = ["data.corpus=null", "data.train=null", "data.test=null", "retrieval.method=bm25",
             "retrieval.build_dense=false", "policy.dtype=float32", "agent.backend.kind=transformers",
             "agent.max_new_tokens=16", "agent.max_obs_tokens=48", "agent.max_total_tokens=400", "train.steps=2",
-            "train.questions_per_step=2", "train.save_every=1", "train.eval_every=0"]
+            "train.rollout.questions_per_step=2", "train.checkpoints.save_every=1", "train.monitoring.eval_every=0"]
 
 
 @pytest.mark.parametrize("config, group", [(GRPO, 2), pytest.param(PPO, 1, marks=pytest.mark.slow)], ids=["grpo", "ppo"])
@@ -42,10 +42,10 @@ def test_recipe_runs_two_steps_on_cpu_with_a_tiny_stand_in(config, group, tiny_p
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     over = [f"out_dir={tmp_path}", f"retrieval.index_dir={tmp_path / 'index'}", f"policy.model={tiny_policy_dir}",
-            f"train.group_size={group}", *STAND_IN]
+            f"train.rollout.group_size={group}", *STAND_IN]
     assert main(["train", "--config", str(config), *over]) == 0
     cfg = load_config(config, over)
-    run = tmp_path / cfg.train.algorithm
+    run = tmp_path / cfg.train.algorithm.adv_estimator
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["lr"] > 0 and s["lr"] < 1e-7 for s in steps)  # warming up from 1e-6 over 286 steps

@@ -124,7 +124,7 @@ def test_both_servers_warn_when_bound_beyond_loopback(bm25_index, monkeypatch, c
     for mod in (sleuth.commands.serve, sleuth.commands.serve_retrieval):
         monkeypatch.setattr(mod, "check_port_free", lambda host, port: None)
     monkeypatch.setattr(retrieval.server, "serve", lambda app, host, port: seen.__setitem__("retrieval", app))
-    monkeypatch.setattr(sleuth.pipeline, "open_retriever", lambda cfg, index=None: object())
+    monkeypatch.setattr(sleuth.pipeline, "open_retriever", lambda cfg, index=None, method=None, **kw: object())
     monkeypatch.setattr(sleuth.pipeline, "resolve_model_path", lambda m: m)
     monkeypatch.setattr(sleuth.pipeline, "check_context_length", lambda cfg, model: None)
     monkeypatch.setattr(sleuth.pipeline, "answer_judge", lambda cfg: None)

@@ -144,7 +144,7 @@ def test_eval_checks_benchmarks_and_method_before_loading_anything(tmp_path, cap
     assert main(["eval", "--benchmarks", "hotpot-qa", nope]) == 2
     assert "unknown benchmark 'hotpot-qa'" in capsys.readouterr().err
     assert main(["eval", "--benchmarks", "sample", "--method", "reflexion", nope]) == 2
-    assert "unknown method 'reflexion'" in capsys.readouterr().err
+    assert "unknown evaluation method 'reflexion'" in capsys.readouterr().err
     assert main(["eval", "--benchmarks", "nq", "--data-dir", str(tmp_path), nope]) == 2
     assert f"benchmark nq not found in the data dir {tmp_path}" in capsys.readouterr().err
 
@@ -153,7 +153,7 @@ def test_eval_checks_method_and_qa_file_before_loading_anything(tmp_path, capsys
     """An unknown --method or a missing --qa file is reported at once (any method runs on a QA file)."""
     nope = f"retrieval.index_dir={tmp_path / 'nope'}"  # loading the index would fail with another error
     assert main(["eval", "--method", "reflexion", nope]) == 2
-    assert "unknown method 'reflexion'" in capsys.readouterr().err
+    assert "unknown evaluation method 'reflexion'" in capsys.readouterr().err
     assert main(["eval", "--qa", str(tmp_path / "missing.jsonl"), nope]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
 
@@ -167,8 +167,8 @@ def test_overrides_may_follow_options_anywhere(monkeypatch):
     monkeypatch.setattr(cli, "_dispatch", lambda args: seen.update(vars(args)) or 0)
     assert main(["ask", "Where?", "--model", "M", "agent.max_turns=2"]) == 0
     assert seen["question"] == "Where?" and seen["model"] == "M" and seen["overrides"] == ["agent.max_turns=2"]
-    assert main(["train", "train.steps=2", "--resume", "train.lr=1e-5"]) == 0
-    assert seen["resume"] and seen["overrides"] == ["train.steps=2", "train.lr=1e-5"]
+    assert main(["train", "train.steps=2", "--resume", "train.optim.lr=1e-5"]) == 0
+    assert seen["resume"] and seen["overrides"] == ["train.steps=2", "train.optim.lr=1e-5"]
     with pytest.raises(SystemExit) as e:
         main(["ask", "Where?", "--model", "M", "stray"])
     assert e.value.code == 2
@@ -533,7 +533,7 @@ def _fake_checkpoint(run_dir, algorithm: str) -> None:
 
 def test_each_algorithm_trains_in_its_own_run_directory(tiny_policy_dir, retriever, tmp_path, monkeypatch):
     """Every algorithm's run went to ``<out_dir>/grpo``: a PPO run sat in a folder named for GRPO, and
-    switching ``train.algorithm`` under one ``out_dir`` with ``--resume`` resumed the other algorithm's
+    switching ``train.algorithm.adv_estimator`` under one ``out_dir`` with ``--resume`` resumed the other algorithm's
     checkpoint (GRPO weights as PPO, with a fresh critic and no word). The run directory is now
     ``<out_dir>/<algorithm>``, and :func:`training.trainer.rl_train` refuses a checkpoint written by another
     algorithm."""
@@ -543,7 +543,7 @@ def test_each_algorithm_trains_in_its_own_run_directory(tiny_policy_dir, retriev
 
     over = [f"out_dir={tmp_path}", "train.steps=1"]
     grpo = load_config(None, over)
-    ppo = load_config(None, [*over, "train.algorithm=ppo", "train.critic=separate"])
+    ppo = load_config(None, [*over, "train.algorithm.adv_estimator=ppo", "train.algorithm.critic=separate"])
     assert pipeline.rl_run_dir(grpo) == tmp_path / "grpo" and pipeline.rl_run_dir(ppo) == tmp_path / "ppo"
 
     seen = []
@@ -556,7 +556,7 @@ def test_each_algorithm_trains_in_its_own_run_directory(tiny_policy_dir, retriev
     assert pipeline.rl_run_dir(ppo) == tmp_path / "ppo"
 
     monkeypatch.undo()
-    with pytest.raises(ValueError, match="train.algorithm=grpo, not ppo"):
+    with pytest.raises(ValueError, match="train.algorithm.adv_estimator=grpo, not ppo"):
         run_rl(ppo, None, None, retriever, [], tmp_path / "grpo", resume=True)
     with pytest.raises(ValueError, match="already has checkpoints"):  # a new run never overwrites an old one
         pipeline.run_rl_stage(grpo, tiny_policy_dir, retriever, log=lambda *a, **k: None)
@@ -608,7 +608,7 @@ def test_sft_trains_in_process_under_any_rollout_backend(tiny_data, bm25_index, 
 
 def test_train_eval_every_evaluates_the_held_out_questions(tiny_data, bm25_index, tiny_policy_dir, tmp_path,
                                                            monkeypatch):
-    """``train.eval_every`` ("evaluate on held-out questions every n steps") was read nowhere on the
+    """``train.monitoring.eval_every`` ("evaluate on held-out questions every n steps") was read nowhere on the
     `sleuth train` / quickstart path: the trainer got no ``evaluate``, so no ``eval_*`` metric and no
     ``checkpoints/best``. It now gets one scoring data.test (eval.limit's sub-sample) greedily, without
     moving the training's random stream."""
@@ -623,7 +623,7 @@ def test_train_eval_every_evaluates_the_held_out_questions(tiny_data, bm25_index
     quiet = lambda *a, **k: None
     pipeline.run_rl_stage(_run_cfg(tiny_data, bm25_index, tmp_path / "off"), tiny_policy_dir, None, log=quiet)
     assert seen["evaluate"] is None  # eval_every=0 (the default): never
-    cfg = _run_cfg(tiny_data, bm25_index, tmp_path / "on", "train.eval_every=2", "eval.limit=1",
+    cfg = _run_cfg(tiny_data, bm25_index, tmp_path / "on", "train.monitoring.eval_every=2", "eval.limit=1",
                    "agent.max_new_tokens=8", "agent.max_total_tokens=256")
     pipeline.run_rl_stage(cfg, tiny_policy_dir, pipeline.open_retriever(cfg), log=quiet)
     model = TransformersLLM.from_pretrained(str(tiny_policy_dir)).model
@@ -737,7 +737,7 @@ def test_ask_scores_with_the_configured_llm_judge(tiny_policy_dir, tmp_path, mon
 
 
 def test_evaluation_runs_no_llm_judge(tiny_llm, retriever, tmp_path):
-    """With agent.judge=llm every evaluation episode (quickstart, sleuth eval, train.eval_every) also asked the
+    """With agent.judge=llm every evaluation episode (quickstart, sleuth eval, train.monitoring.eval_every) also asked the
     LLM judge, though the evaluation scores answers with EM/F1 and used the verdict only for format_ok: one
     wasted generation per question. Evaluation episodes are judged by the rules now."""
     from corpora.formats import QAExample

@@ -43,14 +43,17 @@ def test_malformed_yaml_is_a_config_error_naming_the_file(tmp_path):
     p.write_text("train:\n  lr: [1\n")
     with pytest.raises(ConfigError, match="bad.yaml.*not valid YAML"):
         load_config(p)
-    with pytest.raises(ConfigError, match="override 'train.lr=\\[1'.*not valid YAML"):
-        load_config(None, ["train.lr=[1"])
+    with pytest.raises(ConfigError, match="override 'train.optim.lr=\\[1'.*not valid YAML"):
+        load_config(None, ["train.optim.lr=[1"])
     with pytest.raises(ConfigError, match="not a file"):
         load_config(tmp_path)
 
 
 def test_unknown_key_suggests_close_matches():
-    with pytest.raises(ConfigError, match=r"unknown config key 'train\.lrr'; did you mean 'train\.lr'\?"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'train\.optim\.lrr'; did you mean 'train\.optim\.lr'\?"):
+        load_config(None, ["train.optim.lrr=1e-4"])
+    # a typo of an earlier flat key: its new place
+    with pytest.raises(ConfigError, match=r"unknown config key 'train\.lrr'; did you mean 'train\.optim\.lr'\?"):
         load_config(None, ["train.lrr=1e-4"])
     with pytest.raises(ConfigError, match=r"unknown config key 'agent\.max_turn'; did you mean 'agent\.max_turns'"):
         load_config(None, ["agent.max_turn=2"])
@@ -66,7 +69,7 @@ def test_numbers_given_to_text_fields_are_text_and_nan_is_an_error():
     the user wrote in a text field; NaN and infinity are not values of any numeric field."""
     cfg = load_config(None, ["out_dir=2024", "policy.model=1.5"])
     assert cfg.out_dir == "2024" and cfg.policy.model == "1.5"
-    for bad in ("train.lr=nan", "train.lr=inf", "train.clip_high=-inf"):
+    for bad in ("train.optim.lr=nan", "train.optim.lr=inf", "train.algorithm.clip_ratio_high=-inf"):
         with pytest.raises(ConfigError, match=bad.split("=")[0]):
             load_config(None, [bad])
 
@@ -74,7 +77,7 @@ def test_numbers_given_to_text_fields_are_text_and_nan_is_an_error():
 def test_a_bool_is_not_a_number():
     """YAML reads ``true``/``yes`` as a bool, which pydantic would take as 1 for an int field; every numeric
     field (int, float, optional or not) refuses it by name, and bool fields still take bools."""
-    for bad in ("retrieval.top_k=true", "train.steps=yes", "train.lr=false", "agent.max_turns=on"):
+    for bad in ("retrieval.top_k=true", "train.steps=yes", "train.optim.lr=false", "agent.max_turns=on"):
         with pytest.raises(ConfigError, match=bad.split("=")[0].split(".")[-1]):
             load_config(None, [bad])
     assert load_config(None, ["agent.backend.enforce_eager=false"]).agent.backend.enforce_eager is False
@@ -89,10 +92,10 @@ def test_chat_template_on_off_unquoted():
 
 
 def test_dual_clip_bound_must_exceed_one():
-    assert load_config(None, ["train.clip_ratio_c=3"]).train.clip_ratio_c == 3.0
-    assert load_config(None, []).train.clip_ratio_c is None  # off by default
-    with pytest.raises(ConfigError, match="train.clip_ratio_c"):
-        load_config(None, ["train.clip_ratio_c=1"])
+    assert load_config(None, ["train.algorithm.clip_ratio_c=3"]).train.algorithm.clip_ratio_c == 3.0
+    assert load_config(None, []).train.algorithm.clip_ratio_c is None  # off by default
+    with pytest.raises(ConfigError, match="train.algorithm.clip_ratio_c"):
+        load_config(None, ["train.algorithm.clip_ratio_c=1"])
 
 
 def test_negative_eval_temperature_is_an_error():
@@ -109,9 +112,9 @@ def test_a_quoted_override_is_the_string_as_written():
     cfg = load_config(None, ['out_dir="007"', "policy.model='1.50'", 'eval.judge_model="1e-3"'])
     assert (cfg.out_dir, cfg.policy.model, cfg.eval.judge_model) == ("007", "1.50", "1e-3")
     assert load_config(None, ["out_dir=infinity"]).out_dir == "infinity"
-    assert load_config(None, ["train.lr=1e-4"]).train.lr == 1e-4  # unquoted, still a number
-    assert load_config(None, ["train.lr=5E-3", "train.weight_decay=-1.5e-2"]).train.weight_decay == -1.5e-2
-    assert load_config(None, ['train.lr="2e-4"']).train.lr == 2e-4  # a quoted number is still a float field's value
+    assert load_config(None, ["train.optim.lr=1e-4"]).train.optim.lr == 1e-4  # unquoted, still a number
+    assert load_config(None, ["train.optim.lr=5E-3", "train.optim.weight_decay=-1.5e-2"]).train.optim.weight_decay == -1.5e-2
+    assert load_config(None, ['train.optim.lr="2e-4"']).train.optim.lr == 2e-4  # a quoted number is still a float field's value
 
 
 def test_tiny_policy_shapes_are_checked():

@@ -20,7 +20,7 @@ def _params(model):
 
 
 def test_one_grpo_step_changes_the_weights(tiny_llm, retriever, agent_cfg):
-    cfg = load_config(None, ["train.micro_batch=3"])
+    cfg = load_config(None, ["train.optim.micro_batch=3"])
     trajs = run_episodes(QUESTIONS[:2], tiny_llm, retriever, agent_cfg, n_samples=3, seed=0)
     for i, t in enumerate(trajs):  # rewards with in-group variance, so GRPO advantages are non-zero
         t.reward = float(i % 2)
@@ -168,7 +168,7 @@ def test_interrupted_run_resumes_from_last_checkpoint(tiny_policy_dir, retriever
     from agent.backends.hf import TransformersLLM
     from training.infra.checkpoint import latest_checkpoint
 
-    over = ["train.steps=2", "train.save_every=1", "train.questions_per_step=2", "train.group_size=2",
+    over = ["train.steps=2", "train.checkpoints.save_every=1", "train.rollout.questions_per_step=2", "train.rollout.group_size=2",
             "agent.max_new_tokens=12", "agent.max_turns=2", "agent.max_total_tokens=256"]
     cfg = load_config(None, over)
     llm = TransformersLLM.from_pretrained(str(tiny_policy_dir))

@@ -54,9 +54,9 @@ class SeededLLM:
 def make_cfg(*overrides):
     from sleuth.config import load_config
 
-    return load_config(None, ["train.steps=2", "train.questions_per_step=2", "train.group_size=2",
+    return load_config(None, ["train.steps=2", "train.rollout.questions_per_step=2", "train.rollout.group_size=2",
                               "agent.max_turns=2", "agent.max_new_tokens=8", "agent.max_total_tokens=200",
-                              "agent.max_obs_tokens=60", "train.save_every=1", "train.lr=1e-3", *overrides])
+                              "agent.max_obs_tokens=60", "train.checkpoints.save_every=1", "train.optim.lr=1e-3", *overrides])
 
 
 def load(tiny_policy_dir):
@@ -67,21 +67,21 @@ def load(tiny_policy_dir):
 
 
 @pytest.mark.parametrize("algo,extra", [
-    ("grpo", []), ("dr_grpo", ["train.loss_agg=seq-mean-token-sum"]), ("rloo", []),
-    ("reinforce_pp", ["train.kl_coef=0.1", "train.kl_mode=reward"]), ("stratified_grpo", []),
-    ("ppo", ["train.critic=separate"]), ("ppo", ["train.critic=shared"]), ("igpo", ["train.search_cost=0.05"]),
-    ("ppo", ["train.critic=separate", "train.packing=true", "train.micro_batch_tokens=150"]),
-    ("grpo", ["train.kl_coef=0.1", "train.entropy_coef=0.01", "train.micro_batch_tokens=150"]),
-    ("grpo", ["train.clip_ratio_c=3"]), ("gigpo", ["train.search_cost=0.05"]), ("evidence_igpo", []),
-    ("grpo", ["train.policy_loss=gspo", "train.loss_agg=seq-mean-token-mean", "train.ppo_epochs=2"]),
-    ("rloo", ["train.policy_loss=cispo", "train.ppo_epochs=2"]),
+    ("grpo", []), ("dr_grpo", ["train.algorithm.loss_agg_mode=seq-mean-token-sum"]), ("rloo", []),
+    ("reinforce_pp", ["train.algorithm.kl_coef=0.1", "train.algorithm.kl_mode=reward"]), ("stratified_grpo", []),
+    ("ppo", ["train.algorithm.critic=separate"]), ("ppo", ["train.algorithm.critic=shared"]), ("igpo", ["train.algorithm.search_cost=0.05"]),
+    ("ppo", ["train.algorithm.critic=separate", "train.optim.packing=true", "train.optim.micro_batch_tokens=150"]),
+    ("grpo", ["train.algorithm.kl_coef=0.1", "train.algorithm.entropy_coeff=0.01", "train.optim.micro_batch_tokens=150"]),
+    ("grpo", ["train.algorithm.clip_ratio_c=3"]), ("gigpo", ["train.algorithm.search_cost=0.05"]), ("evidence_igpo", []),
+    ("grpo", ["train.algorithm.policy_loss=gspo", "train.algorithm.loss_agg_mode=seq-mean-token-mean", "train.algorithm.ppo_epochs=2"]),
+    ("rloo", ["train.algorithm.policy_loss=cispo", "train.algorithm.ppo_epochs=2"]),
 ])
 def test_every_estimator_moves_the_weights(algo, extra, tiny_policy_dir, retriever, tmp_path):
     from tests.conftest import run_rl
 
     model, tok = load(tiny_policy_dir)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    cfg = make_cfg(f"train.algorithm={algo}", "train.steps=1", "train.group_size=3", *extra)
+    cfg = make_cfg(f"train.algorithm.adv_estimator={algo}", "train.steps=1", "train.rollout.group_size=3", *extra)
     out = run_rl(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
     rec = out["last"]
     assert "skipped" not in rec and rec["adv_abs_mean"] > 0
@@ -91,8 +91,8 @@ def test_every_estimator_moves_the_weights(algo, extra, tiny_policy_dir, retriev
         assert key in rec
     if algo == "ppo":
         assert rec["vf_loss"] > 0
-    assert ("clip_frac_lower" in rec) == ("train.clip_ratio_c=3" in extra)  # dual-clip reaches the loss
-    if "train.kl_coef=0.1" in extra and "train.kl_mode=reward" not in extra:
+    assert ("clip_frac_lower" in rec) == ("train.algorithm.clip_ratio_c=3" in extra)  # dual-clip reaches the loss
+    if "train.algorithm.kl_coef=0.1" in extra and "train.algorithm.kl_mode=reward" not in extra:
         assert "kl" in rec
 
 
@@ -115,8 +115,8 @@ def test_token_budget_micro_batches_equal_one_full_batch(tiny_policy_dir, retrie
     for tokens in (None, 2 * int(batch.lengths.float().mean())):
         m, _ = load(tiny_policy_dir)
         opt = torch.optim.SGD(m.parameters(), lr=0.5)
-        tc = cfg.train.model_copy(update={"micro_batch": 64 if tokens is None else 8, "micro_batch_tokens": tokens,
-                                          "max_grad_norm": 1e9})
+        tc = cfg.train.updated({"optim.micro_batch": 64 if tokens is None else 8, "optim.micro_batch_tokens": tokens,
+                                "optim.grad_clip": 1e9})
         b = collate(trajs, tok.pad_token_id)
         b.token_advantages = batch.token_advantages.clone()
         update_policy(m, None, opt, b, tc)
@@ -125,8 +125,8 @@ def test_token_budget_micro_batches_equal_one_full_batch(tiny_policy_dir, retrie
         torch.testing.assert_close(results[0][k], results[1][k], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("extra", [(), ("train.algorithm=ppo", "train.critic=separate", "train.critic_lr=1e-2"),
-                                   ("train.algorithm=ppo", "train.critic=shared", "train.critic_lr=1e-2")])
+@pytest.mark.parametrize("extra", [(), ("train.algorithm.adv_estimator=ppo", "train.algorithm.critic=separate", "train.optim.critic_lr=1e-2"),
+                                   ("train.algorithm.adv_estimator=ppo", "train.algorithm.critic=shared", "train.optim.critic_lr=1e-2")])
 def test_resume_is_exact(extra, tiny_policy_dir, retriever, tmp_path):
     """3 steps straight == 2 steps + resume from the checkpoint + 1 step (same weights, same data); with PPO
     the critic and its optimizer state are restored too (the critic's weights after step 3 are equal)."""
@@ -134,14 +134,14 @@ def test_resume_is_exact(extra, tiny_policy_dir, retriever, tmp_path):
     from tests.conftest import run_rl
     from training.infra.checkpoint import latest_checkpoint, read_extra
 
-    cfg3 = make_cfg("train.steps=3", "train.warmup_steps=2", *extra)
+    cfg3 = make_cfg("train.steps=3", "train.optim.lr_warmup_steps=2", *extra)
     model, tok = load(tiny_policy_dir)
     run_rl(cfg3, model, tok, retriever, QUESTIONS, tmp_path / "straight", judge=varying_judge,
              llm_factory=SeededLLM)
     straight = model.state_dict()
 
     model, tok = load(tiny_policy_dir)
-    run_rl(make_cfg("train.steps=2", "train.warmup_steps=2", *extra), model, tok, retriever, QUESTIONS,
+    run_rl(make_cfg("train.steps=2", "train.optim.lr_warmup_steps=2", *extra), model, tok, retriever, QUESTIONS,
              tmp_path / "split", judge=varying_judge, llm_factory=SeededLLM)
     ckpt = latest_checkpoint(tmp_path / "split")
     assert ckpt.name == "step_000002"
@@ -247,8 +247,8 @@ def test_gold_answer_probs_run_the_lm_head_on_the_gold_tokens_only(tiny_policy_d
 
     from agent.llm import encode
     from agent.loop.batch import run_episodes
-    from training.algos.rewards import turn_boundaries
-    from training.model.forward import gold_answer_probs
+    from training.algos.rewards import gold_answer_probs, turn_boundaries
+    from training.model.forward import policy_logprobs
 
     model, tok = load(tiny_policy_dir)
     trajs = run_episodes(QUESTIONS[:2], SeededLLM(model, tok), retriever, agent_cfg, n_samples=2)
@@ -265,7 +265,7 @@ def test_gold_answer_probs_run_the_lm_head_on_the_gold_tokens_only(tiny_policy_d
             return out
 
     with HeadRows():
-        probs = gold_answer_probs(model, tok, trajs)
+        probs = gold_answer_probs(lambda b: policy_logprobs(model, b, with_entropy=False)[0], tok, trajs)
     n_gold = 0
     for tr, ps in zip(trajs, probs, strict=True):
         # the answer as the policy writes it, tokenised as one string; p over the gold's own tokens (not the
@@ -340,7 +340,7 @@ def test_nonfinite_loss_is_skipped_then_stops(tiny_policy_dir, retriever, tmp_pa
     monkeypatch.setattr(ACT, "policy_loss", nan_loss)
     model, tok = load(tiny_policy_dir)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    cfg = make_cfg("train.steps=5", "train.max_nonfinite_steps=2")
+    cfg = make_cfg("train.steps=5", "train.monitoring.max_nonfinite_steps=2")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         # the stop names the cause and the checkpoint to resume from (step 1's: a skipped step still saves)
@@ -354,7 +354,7 @@ def test_nonfinite_loss_is_skipped_then_stops(tiny_policy_dir, retriever, tmp_pa
 
 def test_a_nonfinite_later_ppo_epoch_still_pushes_the_epochs_that_stepped(tiny_policy_dir, retriever, tmp_path,
                                                                            monkeypatch):
-    """With ``train.ppo_epochs=2`` a NaN loss in the second epoch raises after the first epoch's optimizer step:
+    """With ``train.algorithm.ppo_epochs=2`` a NaN loss in the second epoch raises after the first epoch's optimizer step:
     the step is counted as skipped, but the policy did move, so a rollout side that holds its own weights
     (vLLM; the rollout copy under torchrun, which checkpoints save) must get them. Before, the push sat in the
     skipped branch: the next rollout sampled from stale weights and a checkpoint saved them beside the moved
@@ -378,7 +378,7 @@ def test_a_nonfinite_later_ppo_epoch_still_pushes_the_epochs_that_stepped(tiny_p
     pushed = []
     model, tok = load(tiny_policy_dir)
     with pytest.warns(UserWarning, match="step skipped"):
-        run_rl(make_cfg("train.steps=1", "train.ppo_epochs=2"), model, tok, retriever, QUESTIONS, tmp_path,
+        run_rl(make_cfg("train.steps=1", "train.algorithm.ppo_epochs=2"), model, tok, retriever, QUESTIONS, tmp_path,
                  judge=varying_judge, sync_weights=lambda llm, state: pushed.append(state))
     assert stepped["n"] == 1 and pushed, "the first epoch stepped; its weights were not pushed"
     for k, v in model.state_dict().items():
@@ -393,7 +393,7 @@ def test_dynamic_sampling_drops_flat_groups_and_refills(tiny_policy_dir, retriev
         r = float(len(traj.token_ids) % 2) if "Germany" in traj.question else 0.0
         return r, {"em": r}
 
-    cfg = make_cfg("train.dynamic_sampling=true", "train.dynamic_sampling_max_tries=3", "train.group_size=4")
+    cfg = make_cfg("train.rollout.dynamic_sampling=true", "train.rollout.dynamic_sampling_max_tries=3", "train.rollout.group_size=4")
     model, tok = load(tiny_policy_dir)
     torch.manual_seed(0)
     data = DataStream(QUESTIONS, 0)
@@ -484,8 +484,8 @@ def test_micro_batches_equal_full_batch_with_a_row_without_policy_tokens(agg, ti
     for mb in (64, 1):
         m, _ = load(tiny_policy_dir)
         opt = torch.optim.SGD(m.parameters(), lr=0.5)
-        tc = make_cfg(f"train.loss_agg={agg}").train.model_copy(
-            update={"micro_batch": mb, "micro_batch_tokens": None, "max_grad_norm": 1e9})
+        tc = make_cfg(f"train.algorithm.loss_agg_mode={agg}").train.updated(
+            {"optim.micro_batch": mb, "optim.micro_batch_tokens": None, "optim.grad_clip": 1e9})
         b = _synthetic_batch(tok, rows)
         assert b.loss_mask[1].sum() == 0
         b.token_advantages = to_token_advantages(torch.tensor([1.0, -2.0, -0.5, 0.7]), b.loss_mask)
@@ -500,7 +500,7 @@ def test_micro_batches_equal_full_batch_with_a_row_without_policy_tokens(agg, ti
 
 def test_old_logprobs_are_computed_under_the_update_autocast(tiny_policy_dir, retriever, tmp_path, monkeypatch):
     """rl_train's old (and reference) log-probs must run under the same autocast as update_policy's new ones:
-    on GPU with train.bf16 fp32 old log-probs against bf16 new ones make the first-epoch ratio != 1 (spurious
+    on GPU with train.optim.bf16 fp32 old log-probs against bf16 new ones make the first-epoch ratio != 1 (spurious
     clipping). The autocast is faked on CPU: every policy/reference forward must happen inside it."""
     import contextlib
 
@@ -526,7 +526,7 @@ def test_old_logprobs_are_computed_under_the_update_autocast(tiny_policy_dir, re
     monkeypatch.setattr(ACT, "autocast", fake_autocast)
     monkeypatch.setattr(LogprobModule, "forward", forward)
     model, tok = load(tiny_policy_dir)
-    cfg = make_cfg("train.steps=1", "train.kl_coef=0.1", "train.kl_mode=reward")
+    cfg = make_cfg("train.steps=1", "train.algorithm.kl_coef=0.1", "train.algorithm.kl_mode=reward")
     run_rl(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
     assert seen and all(seen), seen
 
@@ -552,7 +552,7 @@ def test_nonfinite_value_loss_raises_before_any_weight_moves(shared, tiny_policy
         return loss * float("nan"), stats
 
     monkeypatch.setattr(C, "value_loss", nan_value_loss)
-    tc = make_cfg("train.algorithm=ppo", "train.critic=separate").train
+    tc = make_cfg("train.algorithm.adv_estimator=ppo", "train.algorithm.critic=separate").train
     before = {k: v.clone() for k, v in model.state_dict().items()}
     before_c = {k: v.clone() for k, v in critic.state_dict().items()}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -572,8 +572,8 @@ def test_ppo_with_a_shared_critic_is_refused_under_torchrun(tiny_policy_dir, ret
 
     monkeypatch.setattr(T, "init_from_env", lambda timeout_s=None: (0, 2))
     model, tok = load(tiny_policy_dir)
-    with pytest.raises(ValueError, match="train.critic=shared .*torchrun.*train.critic=separate"):
-        run_rl(make_cfg("train.algorithm=ppo", "train.critic=shared"), model, tok, retriever, QUESTIONS,
+    with pytest.raises(ValueError, match="train.algorithm.critic=shared .*torchrun.*train.algorithm.critic=separate"):
+        run_rl(make_cfg("train.algorithm.adv_estimator=ppo", "train.algorithm.critic=shared"), model, tok, retriever, QUESTIONS,
                    tmp_path / "run")
     assert not (tmp_path / "run").exists()
 
@@ -586,7 +586,7 @@ def test_ppo_critic_estimates_in_eval_mode_and_trains_in_train_mode(shared, hand
     estimates (GAE's baseline, the value clip's old values) come from the critic's backbone in eval mode, its
     value loss from it in train mode. Before, nothing set the separate critic's mode: its backbone kept the
     mode the policy had when it was copied (eval after ``from_pretrained``), so dropout (GPT-2's
-    ``resid_pdrop``, ``train.lora_dropout``) was off in its update, or on in its estimates for a policy
+    ``resid_pdrop``, ``train.optim.lora_dropout``) was off in its update, or on in its estimates for a policy
     handed over in train mode."""
     import training.run_state as RS
     from training.model.critic import ValueModel
@@ -601,7 +601,7 @@ def test_ppo_critic_estimates_in_eval_mode_and_trains_in_train_mode(shared, hand
             return super().forward(batch)
 
     monkeypatch.setattr(RS, "ValueModel", Recording)
-    run_rl(make_cfg("train.steps=1", "train.algorithm=ppo", f"train.critic={'shared' if shared else 'separate'}"),
+    run_rl(make_cfg("train.steps=1", "train.algorithm.adv_estimator=ppo", f"train.algorithm.critic={'shared' if shared else 'separate'}"),
                model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
     assert modes == {False: {False}, True: {True}}, modes
 
@@ -637,7 +637,7 @@ def test_resume_loads_a_sharded_reference_model(tiny_policy_dir, retriever, tmp_
     from agent.backends.hf import load_model_and_tokenizer
     from training.infra.checkpoint import latest_checkpoint
 
-    cfg = make_cfg("train.steps=1", "train.kl_coef=0.1")
+    cfg = make_cfg("train.steps=1", "train.algorithm.kl_coef=0.1")
     model, tok = load(tiny_policy_dir)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     run_rl(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
@@ -657,7 +657,7 @@ def test_resume_loads_a_sharded_reference_model(tiny_policy_dir, retriever, tmp_
     monkeypatch.setattr(TR, "update_policy", spy)
     model, tok = load_model_and_tokenizer(str(latest_checkpoint(tmp_path)), device="cpu")
     assert any(not torch.equal(initial[k], v) for k, v in model.state_dict().items())
-    run_rl(make_cfg("train.steps=2", "train.kl_coef=0.1"), model, tok, retriever, QUESTIONS, tmp_path,
+    run_rl(make_cfg("train.steps=2", "train.algorithm.kl_coef=0.1"), model, tok, retriever, QUESTIONS, tmp_path,
                 resume=True, judge=varying_judge)
     assert seen
     for k, v in initial.items():
@@ -679,12 +679,12 @@ def test_resume_rewrites_best_lost_by_a_kill_inside_save_best(tiny_policy_dir, r
     with monkeypatch.context() as m:
         m.setattr(RS, "save_best", killed)
         with pytest.raises(KeyboardInterrupt):
-            run_rl(make_cfg("train.steps=2", "train.eval_every=1"), model, tok, retriever, QUESTIONS, tmp_path,
+            run_rl(make_cfg("train.steps=2", "train.monitoring.eval_every=1"), model, tok, retriever, QUESTIONS, tmp_path,
                        judge=varying_judge, evaluate=lambda m: {"em": 0.5})
     ckpt = latest_checkpoint(tmp_path)
     assert ckpt.name == "step_000001" and not (tmp_path / "checkpoints" / "best").exists()
     model, tok = load_model_and_tokenizer(str(ckpt), device="cpu")
-    out = run_rl(make_cfg("train.steps=2", "train.eval_every=1"), model, tok, retriever, QUESTIONS, tmp_path,
+    out = run_rl(make_cfg("train.steps=2", "train.monitoring.eval_every=1"), model, tok, retriever, QUESTIONS, tmp_path,
                      resume=True, judge=varying_judge, evaluate=lambda m: {"em": 0.25})
     assert out["start_step"] == 1 and out["best_eval_em"] == 0.5
     best = json.loads((tmp_path / "checkpoints" / "best" / "best.json").read_text())
@@ -697,7 +697,7 @@ def test_a_nan_eval_metric_is_never_the_best(tiny_policy_dir, retriever, tmp_pat
 
     ems = iter([float("nan"), 0.25, 0.5])
     model, tok = load(tiny_policy_dir)
-    out = run_rl(make_cfg("train.steps=3", "train.eval_every=1"), model, tok, retriever, QUESTIONS, tmp_path,
+    out = run_rl(make_cfg("train.steps=3", "train.monitoring.eval_every=1"), model, tok, retriever, QUESTIONS, tmp_path,
                      judge=varying_judge, evaluate=lambda m: {"em": next(ems)})
     assert out["best_eval_em"] == 0.5
     assert json.loads((tmp_path / "checkpoints" / "best" / "best.json").read_text())["from"] == "step_000003"
@@ -738,7 +738,7 @@ def test_logged_lr_is_the_one_the_step_used(tiny_policy_dir):
     model, tok = load(tiny_policy_dir)
     batch = _synthetic_batch(tok, [[0, 0, 1, 1, 1], [0, 1, 1, 2, 1]])
     batch.token_advantages = to_token_advantages(torch.tensor([1.0, -1.0]), batch.loss_mask)
-    cfg = make_cfg("train.lr=1e-3").train
+    cfg = make_cfg("train.optim.lr=1e-3").train
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / 4)
     stats = update_policy(model, None, opt, batch, cfg, scheduler=sched)
@@ -747,8 +747,8 @@ def test_logged_lr_is_the_one_the_step_used(tiny_policy_dir):
 
 
 def test_resume_takes_the_learning_rate_of_the_config(tiny_policy_dir, retriever, tmp_path):
-    """`sleuth train --resume train.lr=1e-5` (the README's example): the restored optimizer and scheduler
-    state carried the old run's lr, so the new train.lr was silently ignored; the config's lr now applies
+    """`sleuth train --resume train.optim.lr=1e-5` (the README's example): the restored optimizer and scheduler
+    state carried the old run's lr, so the new train.optim.lr was silently ignored; the config's lr now applies
     (warm-up position kept), with a warning that it changed."""
     from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import run_rl
@@ -757,8 +757,8 @@ def test_resume_takes_the_learning_rate_of_the_config(tiny_policy_dir, retriever
     model, tok = load(tiny_policy_dir)
     run_rl(make_cfg("train.steps=1"), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge)
     model, tok = load_model_and_tokenizer(str(latest_checkpoint(tmp_path)), device="cpu")
-    with pytest.warns(UserWarning, match="train.lr"):
-        run_rl(make_cfg("train.steps=2", "train.lr=1e-5"), model, tok, retriever, QUESTIONS, tmp_path,
+    with pytest.warns(UserWarning, match="train.optim.lr"):
+        run_rl(make_cfg("train.steps=2", "train.optim.lr=1e-5"), model, tok, retriever, QUESTIONS, tmp_path,
                  resume=True, judge=varying_judge)
     lrs = [json.loads(ln)["lr"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lrs == pytest.approx([1e-3, 1e-5])
@@ -837,7 +837,7 @@ def test_a_fresh_start_replaces_the_reference_of_an_earlier_unfinished_run(tiny_
     other.save_pretrained(tmp_path / "reference")  # what the unfinished run with another model left
     model, tok = load(tiny_policy_dir)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    run_rl(make_cfg("train.steps=1", "train.kl_coef=0.1"), model, tok, retriever, QUESTIONS, tmp_path,
+    run_rl(make_cfg("train.steps=1", "train.algorithm.kl_coef=0.1"), model, tok, retriever, QUESTIONS, tmp_path,
              judge=varying_judge)
     ref, _ = load(tiny_policy_dir)
     load_pretrained_weights(ref, tmp_path / "reference")
@@ -869,21 +869,21 @@ def test_the_leftovers_of_a_checkpoint_write_killed_midway_are_removed(tiny_poli
 
 @pytest.mark.parametrize("first,then", [(True, False), (False, True)])
 def test_resuming_with_lora_switched_is_refused_naming_it(first, then, tiny_policy_dir, retriever, tmp_path):
-    """``--resume train.lora=...`` the other way than the checkpoint's run failed deep in torch ('Missing optimizer
-    state for parameter ...lora_A...'), naming neither train.lora nor what to do; it is now a ValueError that
+    """``--resume train.optim.lora=...`` the other way than the checkpoint's run failed deep in torch ('Missing optimizer
+    state for parameter ...lora_A...'), naming neither train.optim.lora nor what to do; it is now a ValueError that
     does, raised before anything is written."""
     from agent.backends.hf import load_model_and_tokenizer
     from tests.conftest import run_rl
     from training.infra.checkpoint import latest_checkpoint
 
-    lora = ["train.lora_targets=[q_proj,v_proj]"]
+    lora = ["train.optim.lora_targets=[q_proj,v_proj]"]
     model, tok = load(tiny_policy_dir)
-    run_rl(make_cfg("train.steps=1", f"train.lora={first}", *lora), model, tok, retriever, QUESTIONS, tmp_path,
+    run_rl(make_cfg("train.steps=1", f"train.optim.lora={first}", *lora), model, tok, retriever, QUESTIONS, tmp_path,
              judge=varying_judge)
     metrics = (tmp_path / "metrics.jsonl").read_text()
     model, tok = load_model_and_tokenizer(str(latest_checkpoint(tmp_path)), device="cpu")
-    with pytest.raises(ValueError, match=f"train.lora={str(first).lower()}"):
-        run_rl(make_cfg("train.steps=2", f"train.lora={then}", *lora), model, tok, retriever, QUESTIONS, tmp_path,
+    with pytest.raises(ValueError, match=f"train.optim.lora={str(first).lower()}"):
+        run_rl(make_cfg("train.steps=2", f"train.optim.lora={then}", *lora), model, tok, retriever, QUESTIONS, tmp_path,
                  resume=True, judge=varying_judge)
     assert (tmp_path / "metrics.jsonl").read_text() == metrics
 
@@ -911,7 +911,7 @@ def test_a_resumed_run_replaces_the_redone_steps_in_tensorboard_too(tmp_path):
 
 def test_packing_without_packed_sequence_masks_is_refused_before_the_first_rollout(retriever, tmp_path,
                                                                                      monkeypatch):
-    """``train.packing`` on a transformers without packed-sequence detection (4.51-4.52) is an error
+    """``train.optim.packing`` on a transformers without packed-sequence detection (4.51-4.52) is an error
     (training.model.forward.check_packed_masks); it came at the first packed micro-batch, after a whole
     rollout. It now comes when ``rl_train`` starts, before any model is touched or rollout made."""
     import sys
@@ -919,6 +919,52 @@ def test_packing_without_packed_sequence_masks_is_refused_before_the_first_rollo
     from tests.conftest import run_rl
 
     monkeypatch.setitem(sys.modules, "transformers.masking_utils", None)  # the import fails, as on 4.52
-    with pytest.raises(ValueError, match="train.packing needs a transformers"):
-        run_rl(make_cfg("train.packing=true"), None, None, retriever, QUESTIONS, tmp_path)
+    with pytest.raises(ValueError, match="train.optim.packing needs a transformers"):
+        run_rl(make_cfg("train.optim.packing=true"), None, None, retriever, QUESTIONS, tmp_path)
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_every_step_record_times_every_phase(tiny_policy_dir, retriever, tmp_path):
+    """``timing/<phase>_s`` for each phase of each step (eval on the steps that evaluate), in the records
+    logged and in the ones handed to ``on_step``; ``step_s`` spans the rollout through the sync."""
+    from training.infra.monitors import PHASES
+
+    model, tok = load(tiny_policy_dir)
+    seen = []
+    run_rl(make_cfg("train.steps=3", "train.monitoring.eval_every=2"), model, tok, retriever, QUESTIONS, tmp_path,
+           judge=varying_judge, on_step=lambda s, r: seen.append(r), evaluate=lambda m: {"em": 0.5})
+    recs = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3] and [r["timing/update_s"] for r in recs] == [
+        r["timing/update_s"] for r in seen]
+    for r in recs:
+        evaluated = r["step"] in (2, 3)  # every 2 steps and at the last
+        assert {k for k in r if k.startswith("timing/")} == {f"timing/{p}_s" for p in PHASES if p != "eval" or evaluated}
+        assert all(r[f"timing/{p}_s"] >= 0 for p in PHASES if p != "eval" or evaluated)
+        trained = sum(r[f"timing/{p}_s"] for p in ("rollout", "score", "advantages", "update", "sync"))
+        assert trained <= r["step_s"] + 0.01 and r["timing/checkpoint_s"] > 0  # save_every=1: a checkpoint each step
+    assert "rollout_s" not in recs[0]  # now timing/rollout_s
+
+
+def test_a_checkpoint_written_before_its_record_was_logged_gets_the_record_back(tiny_policy_dir, retriever, tmp_path):
+    """The checkpoint of a step is written before its record reaches metrics.jsonl; a run killed in between
+    resumes at that step with nothing to redo, so the record the checkpoint kept is logged then."""
+    from agent.backends.hf import load_model_and_tokenizer
+    from training.infra.checkpoint import latest_checkpoint
+
+    cfg = make_cfg("train.steps=2")
+    model, tok = load(tiny_policy_dir)
+    run_rl(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge, llm_factory=SeededLLM)
+    path = tmp_path / "metrics.jsonl"
+    first, second = path.read_text().splitlines()
+    path.write_text(first + "\n")  # killed after step 2's checkpoint, before its record
+    model, tok = load_model_and_tokenizer(str(latest_checkpoint(tmp_path)), device="cpu")
+    out = run_rl(cfg, model, tok, retriever, QUESTIONS, tmp_path, resume=True, judge=varying_judge,
+                 llm_factory=SeededLLM)
+    assert out["start_step"] == 2
+    lines = path.read_text().splitlines()
+    assert lines[0] == first and len(lines) == 2
+    # the record as it was when the checkpoint was written (the phases after it were not timed yet)
+    after = ("timing/log_s", "timing/checkpoint_s")
+    assert json.loads(lines[1]) == {k: v for k, v in json.loads(second).items() if k not in after}
+    run_rl(cfg, model, tok, retriever, QUESTIONS, tmp_path, resume=True, judge=varying_judge, llm_factory=SeededLLM)
+    assert path.read_text().splitlines() == lines  # logged once

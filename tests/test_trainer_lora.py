@@ -20,7 +20,7 @@ def test_lora_trains_adapters_and_resumes_exactly(tiny_policy_dir, retriever, tm
     from tests.conftest import run_rl
     from training.infra.checkpoint import latest_checkpoint
 
-    lora = ["train.lora=true", "train.lora_rank=4", "train.lora_targets=[q_proj,v_proj]", "train.lr=1e-2"]
+    lora = ["train.optim.lora=true", "train.optim.lora_rank=4", "train.optim.lora_targets=[q_proj,v_proj]", "train.optim.lr=1e-2"]
     model, tok = load(tiny_policy_dir)
     init = {k: v.clone() for k, v in model.state_dict().items()}
     run_rl(make_cfg("train.steps=3", *lora), model, tok, retriever, QUESTIONS, tmp_path / "straight",
@@ -88,7 +88,7 @@ def test_lora_checkpoint_is_committed_only_with_its_base_weights(tiny_policy_dir
         return real(tensors, filename, *a, **kw)
 
     monkeypatch.setattr(safetensors.torch, "save_file", killed_at_second_base)
-    lora = ["train.lora=true", "train.lora_rank=4", "train.lora_targets=[q_proj,v_proj]"]
+    lora = ["train.optim.lora=true", "train.optim.lora_rank=4", "train.optim.lora_targets=[q_proj,v_proj]"]
     model, tok = load(tiny_policy_dir)
     with pytest.raises(KeyboardInterrupt):
         run_rl(make_cfg("train.steps=2", *lora), model, tok, retriever, QUESTIONS, tmp_path,
@@ -131,7 +131,7 @@ def test_a_rollout_backend_with_its_own_weights_gets_the_merged_lora_policy(tiny
         made.append(OwnWeightsLLM(model, tok))
         return made[-1]
 
-    lora = ["train.lora=true", "train.lora_rank=4", "train.lora_targets=[q_proj,v_proj]", "train.lr=1e-2"]
+    lora = ["train.optim.lora=true", "train.optim.lora_rank=4", "train.optim.lora_targets=[q_proj,v_proj]", "train.optim.lr=1e-2"]
     model, tok = load(tiny_policy_dir)
     init = model.state_dict()["model.layers.0.self_attn.q_proj.weight"].clone()
     run_rl(make_cfg("train.steps=2", *lora), model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge,

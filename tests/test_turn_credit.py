@@ -98,17 +98,17 @@ def _inputs(trajs: list[Trajectory]) -> E.AdvantageInputs:
 
 
 def test_registered_gigpo_writes_turn_advantages_on_tokens():
-    tc = TrainConfig(algorithm="gigpo", gigpo_omega=1.0)
+    tc = TrainConfig(algorithm={"adv_estimator": "gigpo", "options": {"omega": 1.0}})
     out = E.compute_advantages(tc, _inputs(GROUP))["advantages"]
     close(out[0], [3.0, 3.0, 2.6547, 2.6547, 1.5, 1.5])
     close(out[3], [-1.0, -1.0, -0.5, -0.5, 0.0, 0.0])
     # a search cost makes the return sum(turn rewards): d (1 search) now beats b (2 searches) by 0.1
     # F_norm = 1 (verl-agent's mean_norm): rewards [1, 0, 0, 0] -> episode [.75, -.25, -.25, -.25]; a's turn 2
     # step group [1, 0, 0] -> 2/3
-    tc = TrainConfig(algorithm="gigpo", gigpo_std_norm=False)
+    tc = TrainConfig(algorithm={"adv_estimator": "gigpo", "options": {"std_norm": False}})
     out = E.compute_advantages(tc, _inputs(GROUP))["advantages"]
     close(out[0], [1.5, 1.5, 0.75 + 2 / 3, 0.75 + 2 / 3, 0.75, 0.75])
-    tc = TrainConfig(algorithm="gigpo", search_cost=0.1)
+    tc = TrainConfig(algorithm={"adv_estimator": "gigpo", "search_cost": 0.1})
     out = E.compute_advantages(tc, _inputs(GROUP))["advantages"]
     assert out[3, 0] > out[1, 0]
 
@@ -116,9 +116,9 @@ def test_registered_gigpo_writes_turn_advantages_on_tokens():
 def test_gigpo_config():
     assert E.ADV_ESTIMATORS.get("gigpo").groups
     with pytest.raises(ValueError, match="group_size"):
-        TrainConfig(algorithm="gigpo", group_size=1)
+        TrainConfig(algorithm={"adv_estimator": "gigpo"}, rollout={"group_size": 1})
     with pytest.raises(ValueError):
-        TrainConfig(algorithm="gigpo", gigpo_omega=-1.0)
+        TrainConfig(algorithm={"adv_estimator": "gigpo", "options": {"omega": -1.0}})
 
 
 def answered(reward: float, observations: list[str], group: int = 0, question: str = "q") -> Trajectory:
@@ -140,10 +140,10 @@ def test_evidence_igpo_hand_computed():
     # unbiased std .534522: 1 -> 1.069045, 0 -> -.801784; accumulated from the last turn (gamma 1)
     group = [answered(1.0, ["Berlin is a city.", "Paris is the capital."]), answered(0.0, ["Paris it is."]),
              answered(0.0, ["Nothing here."])]
-    out = E.compute_advantages(TrainConfig(algorithm="evidence_igpo"), _inputs(group))["advantages"]
+    out = E.compute_advantages(TrainConfig(algorithm={"adv_estimator": "evidence_igpo"}), _inputs(group))["advantages"]
     close(out[0, ::2], [1.336306, 2.138090, 1.069045])
     close(out[1, ::2], [0.267261, -0.801784, 0.0])
     close(out[2, ::2], [-1.603568, -0.801784, 0.0])
     # the probability-free gain needs no gold-answer forward pass
     entry = E.ADV_ESTIMATORS.get("evidence_igpo")
-    assert not entry.gold_probs and entry.groups
+    assert E.gold_probs not in entry.prepare and entry.groups

@@ -15,7 +15,7 @@ from tests.conftest import QUESTIONS, run_rl
 from tests.test_trainer import SeededLLM, load, make_cfg, varying_judge
 
 #: fp32 on the CPU: the same weights give the same probe log-probs to ~1e-6 (vLLM's CPU engine too)
-TIGHT = "train.sync_probe_tol=1e-4"
+TIGHT = "train.rollout.sync_probe_tol=1e-4"
 
 
 def test_check_tensors_names_the_tensor_a_push_skipped(tiny_policy_dir):
@@ -69,7 +69,7 @@ def test_the_in_process_copy_under_fsdp_is_checked_after_each_push(tiny_policy_d
     state = _fsdp_like_state(model)
     with pytest.raises(WeightSyncError, match="q_proj"):
         T.sync_phase(state, worker, tc, True, None, None)
-    assert T.sync_phase(state, worker, tc.model_copy(update={"verify_sync": False}), True, None, None) == {}
+    assert T.sync_phase(state, worker, tc.updated({"rollout.verify_sync": False}), True, None, None) == {}
 
 
 class OwnWeightsEngine(SeededLLM):
@@ -114,7 +114,7 @@ def test_an_engine_that_skipped_one_tensor_fails_the_run_naming_the_probe(tiny_p
                                                                           monkeypatch):
     model, tok = load(tiny_policy_dir)
     monkeypatch.setattr(OwnWeightsEngine, "skip", "model.layers.0.mlp.up_proj.weight")
-    cfg = make_cfg("train.steps=2", "train.lr=1e-2", TIGHT)
+    cfg = make_cfg("train.steps=2", "train.optim.lr=1e-2", TIGHT)
     with pytest.raises(RuntimeError, match="weight-sync probe") as e:
         run_rl(cfg, model, tok, retriever, QUESTIONS, tmp_path, judge=varying_judge,
                llm_factory=lambda m, t: OwnWeightsEngine(tiny_policy_dir, t))
@@ -137,7 +137,7 @@ def test_lora_adapters_not_merged_into_the_push_are_caught(tiny_policy_dir, retr
     unknown names leaves the engine on the base weights; the merged push of the trainer passes."""
     from training.model.lora import base_model
 
-    lora = ["train.lora=true", "train.lora_rank=4", "train.lora_targets=[q_proj,v_proj]", "train.lr=5e-2",
+    lora = ["train.optim.lora=true", "train.optim.lora_rank=4", "train.optim.lora_targets=[q_proj,v_proj]", "train.optim.lr=5e-2",
             "train.steps=2", TIGHT]
     model, tok = load(tiny_policy_dir)
     out = run_rl(make_cfg(*lora), model, tok, retriever, QUESTIONS, tmp_path / "merged", judge=varying_judge,

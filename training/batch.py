@@ -1,14 +1,16 @@
 """The one batch type that joins rollout, reward and trainer (as verl's ``DataProto``, much smaller).
 
 :func:`collate` turns trajectories into right-padded tensors; the trainer's phases then fill in what each
-computes (old and reference log-probs, critic values, advantages, returns) on the same :class:`Batch`, and
-:meth:`Batch.select` cuts micro-batches of all of it at once. :func:`training.model.forward.policy_logprobs`
+computes (old and reference log-probs, the estimator's inputs: critic values, the KL penalty and whatever its
+prepare steps compute, then advantages and returns) on the same :class:`Batch`, and :meth:`Batch.select`
+cuts micro-batches of all of it at once. :func:`training.model.forward.policy_logprobs`
 runs the policy on a batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,7 +36,12 @@ class Batch:
     * ``is_weights``: optional ``[N, T-1]`` float32: the rollout correction's per-token importance weights on
       the policy-gradient term (:func:`training.algos.offpolicy.rollout_correction`);
     * ``token_advantages``, ``returns``, ``old_values``: optional ``[N, T-1]`` float32, aligned with
-      ``loss_mask`` (set by the trainer: per-token advantages, PPO value targets and values);
+      ``loss_mask`` (set by the trainer: per-token advantages, PPO value targets and the critic's values);
+    * ``kl_tokens``: optional ``[N, T-1]`` float32: the per-token KL to the reference when it is a reward
+      penalty (``train.algorithm.kl_mode=reward``; :func:`training.algos.estimators.kl_reward_penalty`);
+    * ``prepared``: what an advantage estimator's own prepare steps computed for the whole batch, by name
+      (IGPO's ``gold_probs``; :class:`training.algos.estimators.PrepareContext`); :meth:`select` leaves it
+      out of micro-batches (the update does not read it);
     * ``packed``: compute strategy for :func:`training.model.forward.policy_logprobs` (set by :meth:`select`):
       run the backbone on the rows' real tokens packed into one row instead of the padded ``[N, T]``. It
       changes no shape: every output stays ``[N, T-1]``; the value model (:mod:`training.model.critic`) packs
@@ -58,8 +65,10 @@ class Batch:
     token_advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
+    kl_tokens: torch.Tensor | None = None
     packed: bool = False
     temperature: float = 1.0
+    prepared: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -70,6 +79,7 @@ class Batch:
         ``packed`` sets the sub-batch's compute strategy (``None`` keeps ``self.packed``)."""
         T = self.input_ids.shape[1]
         sub = {k: (v[idx] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        sub["prepared"] = {}
         if packed is not None:
             sub["packed"] = bool(packed)
         width = int(sub["attention_mask"].sum(-1).max().item()) if len(sub["input_ids"]) else 1

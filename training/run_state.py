@@ -98,26 +98,28 @@ class RunState:
 
 
 def check_resumable(ckpt: Path, tc: Any) -> None:
-    """Raise ``ValueError`` when checkpoint ``ckpt`` was written by another ``train.algorithm`` (GRPO weights
-    resumed as PPO would start a fresh critic without a word) or with another ``train.lora`` (its optimizer
-    state is the adapters' or the full model's; checkpoints before that field tell by their files)."""
+    """Raise ``ValueError`` when checkpoint ``ckpt`` was written by another ``train.algorithm.adv_estimator``
+    (GRPO weights resumed as PPO would start a fresh critic without a word) or with another
+    ``train.optim.lora`` (its optimizer state is the adapters' or the full model's; checkpoints before that
+    field tell by their files)."""
     saved = json.loads((ckpt / "trainer_state.json").read_text())
-    algo = saved.get("algorithm", tc.algorithm)
-    if algo != tc.algorithm:
-        raise ValueError(f"{ckpt} was written by train.algorithm={algo}, not {tc.algorithm}: resume it with "
-                         f"train.algorithm={algo}, or start a new run in another run directory")
+    name = tc.algorithm.adv_estimator
+    algo = saved.get("algorithm", name)
+    if algo != name:
+        raise ValueError(f"{ckpt} was written by train.algorithm.adv_estimator={algo}, not {name}: resume it "
+                         f"with train.algorithm.adv_estimator={algo}, or start a new run in another run directory")
     lora = saved.get("lora")
     if lora is None:
         lora = (ckpt / "base").is_dir() or "lora" in read_extra(ckpt)
-    if lora != tc.lora:
-        raise ValueError(f"{ckpt} was written with train.lora={str(lora).lower()}: resume it with "
-                         f"train.lora={str(lora).lower()}, or start a new run in another run directory")
+    if lora != tc.optim.lora:
+        raise ValueError(f"{ckpt} was written with train.optim.lora={str(lora).lower()}: resume it with "
+                         f"train.optim.lora={str(lora).lower()}, or start a new run in another run directory")
 
 
 def reference_model(model: Any, run_dir: Path, ckpt: Path | None, rank: int) -> Any:
     """The frozen KL reference: the initial policy, saved by every fresh start in ``run_dir/reference`` (a
     reference left by an earlier run that died before its first checkpoint may be of another model), and
-    loaded from there on a resume (``train.kl_coef`` turned on at a resume: the resumed checkpoint stands in,
+    loaded from there on a resume (``train.algorithm.kl_coef`` turned on at a resume: the resumed checkpoint stands in,
     with a warning)."""
     ref_dir = run_dir / "reference"
     ref = copy.deepcopy(model).eval()
@@ -139,10 +141,10 @@ def reference_model(model: Any, run_dir: Path, ckpt: Path | None, rank: int) -> 
 def prepare_policy(model: Any, tc: Any, ckpt: Path | None, saved: dict[str, Any]) -> tuple[Any, dict | None]:
     """``model`` with gradient checkpointing and LoRA as ``tc`` asks (the checkpoint's frozen base weights and
     adapters loaded on a resume); returns ``(policy, LoRA base weights or None)``."""
-    if tc.gradient_checkpointing:
+    if tc.optim.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    if not tc.lora:
+    if not tc.optim.lora:
         return model, None
     if ckpt is not None and (ckpt / "base" / "model.safetensors").exists():
         from safetensors.torch import load_file
@@ -177,29 +179,30 @@ def open_run(tc: Any, model: Any, run_dir: str | Path, train_examples: list[QAEx
         if len(set(seen)) > 1:
             raise ValueError(f"the ranks see different latest checkpoints of {run_dir} (by rank: {seen}); the run "
                              "directory must be on a file system every rank sees")
-    ref = reference_model(model, run_dir, ckpt, rank) if tc.kl_coef > 0 else None
-    critic_needed = ADV_ESTIMATORS.get(tc.algorithm).critic
+    alg, opt = tc.algorithm, tc.optim
+    ref = reference_model(model, run_dir, ckpt, rank) if alg.kl_coef > 0 else None
+    critic_needed = ADV_ESTIMATORS.get(alg.adv_estimator).critic
     # the checkpoint's LoRA adapters and critic, read once and loaded before sharding (plain tensors)
-    saved = read_extra(ckpt) if ckpt is not None and (tc.lora or critic_needed) else {}
+    saved = read_extra(ckpt) if ckpt is not None and (opt.lora or critic_needed) else {}
     policy, base_state = prepare_policy(model, tc, ckpt, saved)
     # rollout side: the same object on one process; a full copy (LoRA wrapper included) when the update side
     # is sharded, refreshed from the gathered full weights after every update
     rollout_model = copy.deepcopy(policy) if W > 1 else None
     critic = None
     if critic_needed:  # from the full policy, before it is sharded; then sharded on its own
-        critic = ValueModel(base_model(policy), shared=tc.critic == "shared")
+        critic = ValueModel(base_model(policy), shared=alg.critic == "shared")
         if "critic" in saved:
             critic.load_state_dict(saved["critic"])
         if W > 1:
             shard_value_model(critic)
     fwd = LogprobModule(policy)
     if W > 1:
-        shard(fwd, mixed_precision=tc.bf16 and torch.cuda.is_available())
-    optimizer = torch.optim.AdamW([p for p in fwd.parameters() if p.requires_grad], lr=tc.lr,
-                                  weight_decay=tc.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / tc.warmup_steps) if tc.warmup_steps else 1.0)
-    critic_opt = torch.optim.AdamW(critic.trainable_parameters(), lr=tc.critic_lr) if critic is not None else None
+        shard(fwd, mixed_precision=opt.bf16 and torch.cuda.is_available())
+    optimizer = torch.optim.AdamW([p for p in fwd.parameters() if p.requires_grad], lr=opt.lr,
+                                  weight_decay=opt.weight_decay)
+    warmup = opt.lr_warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+    critic_opt = torch.optim.AdamW(critic.trainable_parameters(), lr=opt.critic_lr) if critic is not None else None
     state = RunState(run_dir, rank, W, ckpt, policy, fwd, rollout_model, ref, critic, optimizer, scheduler,
                      critic_opt, DataStream(train_examples, seed),
                      Alarms.from_config(tc),
@@ -212,7 +215,7 @@ def open_run(tc: Any, model: Any, run_dir: str | Path, train_examples: list[QAEx
 def restore(state: RunState, tc: Any) -> None:
     """Load the checkpoint's optimizer (the full, name-keyed state: rank 0 reads it and broadcasts; any world
     size), scheduler, data position, best metric, alarm patience, skipped-step count and critic optimizer
-    into ``state``, then the config's learning rates (so ``--resume train.lr=...`` takes effect). The RNG
+    into ``state``, then the config's learning rates (so ``--resume train.optim.lr=...`` takes effect). The RNG
     streams are restored later, once the rollout backend is built (:func:`restore_rng_streams`)."""
     ckpt, rank, W = state.ckpt, state.rank, state.world_size
     if (ckpt / "optimizer.pt").exists():
@@ -234,9 +237,9 @@ def restore(state: RunState, tc: Any) -> None:
     extra = saved["extra"]
     if state.critic is not None and extra.get("critic_optimizer"):
         load_critic_optimizer(state.critic, state.critic_optimizer, extra["critic_optimizer"], rank, W)
-    apply_config_lr(state.optimizer, state.scheduler, tc.lr, "train.lr", rank)
+    apply_config_lr(state.optimizer, state.scheduler, tc.optim.lr, "train.optim.lr", rank)
     if state.critic_optimizer is not None:
-        apply_config_lr(state.critic_optimizer, None, tc.critic_lr, "train.critic_lr", rank)
+        apply_config_lr(state.critic_optimizer, None, tc.optim.critic_lr, "train.optim.critic_lr", rank)
     # the alarm's patience and the skipped-step count run on across the interruption
     state.alarms.restore(saved.get("alarms_below", {}))
     state.alarms.restore_signals(saved.get("alarms_signals", {}))
@@ -254,8 +257,11 @@ def restore_rng_streams(state: RunState, seed: int) -> None:
         random.seed(seed + state.rank)
 
 
-def save_run(state: RunState, step: int, tokenizer: Any, tc: Any, best_metric: float | None = None) -> None:
-    """Checkpoint ``state`` at ``step`` (and copy it to ``best`` when ``best_metric`` is given). Every rank
+def save_run(state: RunState, step: int, tokenizer: Any, tc: Any, best_metric: float | None = None,
+             record: dict[str, Any] | None = None) -> None:
+    """Checkpoint ``state`` at ``step`` (and copy it to ``best`` when ``best_metric`` is given), with the
+    step's metrics ``record`` (JSON; logged after the checkpoint, so a run killed in between gets it back
+    on resume, :func:`relog_saved_record`). Every rank
     calls it (the optimizer state and the RNG states are gathered); rank 0 writes while the others wait
     without the collective timeout (a large checkpoint may take longer;
     :func:`training.infra.distributed.run_on_rank0`), so nobody reads a checkpoint before it is complete and a
@@ -272,7 +278,8 @@ def save_run(state: RunState, step: int, tokenizer: Any, tc: Any, best_metric: f
     def write() -> None:
         src = state.gen_model  # full weights (the synced copy under FSDP)
         extra: dict[str, Any] = {}
-        if tc.lora:
+        lora = tc.optim.lora
+        if lora:
             extra["lora"] = lora_state(src)
         if state.critic is not None:
             extra["critic"], extra["critic_optimizer"] = critic_state, critic_opt_state
@@ -285,17 +292,27 @@ def save_run(state: RunState, step: int, tokenizer: Any, tc: Any, best_metric: f
 
         position = state.frontier() if state.frontier is not None else state.data.position
         trainer_state = {"data_position": position, "best": state.best, "best_step": state.best_step,
-                         "algorithm": tc.algorithm, "lora": tc.lora, "world_size": state.world_size,
+                         "algorithm": tc.algorithm.adv_estimator, "lora": lora, "world_size": state.world_size,
                          "alarms_below": state.alarms.state(),
                          "alarms_signals": state.alarms.signal_state(), "nonfinite": state.nonfinite}
-        path = save_checkpoint(state.run_dir, step, MergedView(src) if tc.lora else src, tokenizer, None,
-                               state.scheduler, trainer_state=trainer_state, keep=tc.keep_checkpoints, extra=extra,
+        if record is not None:
+            trainer_state["record"] = record
+        path = save_checkpoint(state.run_dir, step, MergedView(src) if lora else src, tokenizer, None,
+                               state.scheduler, trainer_state=trainer_state, keep=tc.checkpoints.keep, extra=extra,
                                optimizer_state=opt_state, rng_states=rngs,
-                               write_files=write_base if tc.lora else None)
+                               write_files=write_base if lora else None)
         if best_metric is not None:
             save_best(state.run_dir, path, best_metric)
 
     run_on_rank0(write)
+
+
+def relog_saved_record(state: RunState, logger: Any) -> None:
+    """A resumed run whose checkpoint was written before its step's record reached ``metrics.jsonl`` (a kill
+    between the two): log the record the checkpoint saved (:func:`save_run`), so no step goes missing."""
+    saved = (state.resumed or {}).get("record")
+    if saved is not None and state.start not in logger.steps():
+        logger.log(state.start, saved)
 
 
 def load_critic_optimizer(critic: Any, optimizer: Any, state: dict[str, Any], rank: int, W: int) -> None:
@@ -314,7 +331,7 @@ def load_critic_optimizer(critic: Any, optimizer: Any, state: dict[str, Any], ra
 def apply_config_lr(optimizer: Any, scheduler: Any | None, lr: float, key: str, rank: int) -> None:
     """After a resume: restoring the optimizer/scheduler state brings back the old run's base learning rate;
     set it to the config's ``lr`` (the scheduler's position, e.g. the warm-up, is kept), warning on rank 0
-    when it differs, so ``--resume train.lr=...`` takes effect."""
+    when it differs, so ``--resume train.optim.lr=...`` takes effect."""
     old = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
     if all(o == lr for o in old):
         return

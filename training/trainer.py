@@ -7,14 +7,22 @@ is a function below, and :func:`rl_train`'s loop reads as the algorithm of the G
    question with the current policy; its judge sets the rewards; DAPO's dynamic sampling optionally drops
    flat groups and refills the batch;
 2. **score** (:func:`score`): the old policy's and the reference's log-probs (:mod:`training.model.actor`),
-   the critic's values, IGPO's gold-answer probabilities, the KL penalty when it is a reward;
-3. **advantages** (:mod:`training.algos.estimators`: the estimator registered as ``train.algorithm``);
+   then the registered estimator's own prepare steps (:class:`training.algos.estimators.PrepareContext`:
+   the critic's values, IGPO's gold-answer probabilities, the KL penalty when it is a reward, ...), all
+   written onto the batch;
+3. **advantages** (:mod:`training.algos.estimators`: the estimator ``train.algorithm.adv_estimator``), then
+   the rollout correction (:mod:`training.algos.offpolicy`);
 4. **update** (:func:`training.model.actor.update_policy`): the registered policy loss over policy tokens only
-   (:func:`training.model.kernels.policy_loss`), micro-batched, with PPO's critic stepping beside it;
+   (:func:`training.model.kernels.policy_loss`, its settings one ``LossConfig`` built once), micro-batched,
+   with PPO's critic stepping beside it;
 5. **sync** the new weights to the rollout side (the rollout copy under FSDP2, a vLLM engine);
-6. **log** the step's record (rollout, loss and health stats, :mod:`training.infra.monitors`) and, every
-   ``eval_every`` steps, the held-out evaluation;
-7. **checkpoint** (:mod:`training.run_state`) every ``save_every`` steps, on a new best and at the end.
+6. **eval** every ``monitoring.eval_every`` steps on held-out questions; the step's record (rollout, loss
+   and health stats, :mod:`training.infra.monitors`) and its alarms;
+7. **checkpoint** (:mod:`training.run_state`) every ``checkpoints.save_every`` steps, on a new best and at
+   the end; then the record is **logged**.
+
+Every phase is timed into the step's record as ``timing/<phase>_s``
+(:func:`training.infra.monitors.marked_timer`); ``step_s`` is the time from the rollout through the sync.
 
 ``resume=True`` continues from the last complete checkpoint with the same data order, RNG, optimizer and
 scheduler state, so ``k`` steps + resume + ``N - k`` steps equals ``N`` steps.
@@ -36,11 +44,12 @@ from agent.trajectory import Trajectory, save_trajectories
 from corpora.formats import QAExample
 from retrieval.base import Retriever
 from training.algos import estimators as E
+from training.algos.losses import LossConfig
 from training.algos.offpolicy import rollout_correction
-from training.algos.rewards import kl_penalty
 from training.batch import Batch, collate
 from training.infra.checkpoint import latest_checkpoint, run_dir_lock
 from training.infra.distributed import (
+    all_reduce_max,
     all_reduce_sum,
     full_state_dict,
     gather_objects,
@@ -49,25 +58,25 @@ from training.infra.distributed import (
     sync_rollout_weights,
 )
 from training.infra.gpu_health import check_gpu_memory
-from training.infra.monitors import MetricsLogger, drop_steps_after
+from training.infra.monitors import MetricsLogger, drop_steps_after, marked_timer
 from training.model.actor import score_logprobs, split_micro_batches, update_policy
 from training.model.critic import critic_values
-from training.model.forward import check_packed_masks, gold_answer_probs
+from training.model.forward import check_packed_masks, policy_logprobs
 from training.model.lora import base_model, merged_lora_state
 from training.rollout.faults import FAULT_COUNTS
 from training.rollout.producer import AsyncRollouts, rollout_copy
 from training.rollout.weight_sync import check_tensors, probe_ids, verify_engine
 from training.rollout.worker import RolloutWorker, rollout, rollout_stats
-from training.run_state import RunState, open_run, restore_rng_streams, save_run
+from training.run_state import RunState, open_run, relog_saved_record, restore_rng_streams, save_run
 
 
 # -- the phases of a step -----------------------------------------------------------------------------
 def rollout_phase(state: RunState, worker: RolloutWorker, tc: Any, step: int,
                   producer: AsyncRollouts | None = None) -> tuple[list[Trajectory], dict]:
-    """This rank's share of the step's questions, ``tc.group_size`` episodes each, with the policy (and the
-    critic) in eval mode; ZeroSearch's noise curriculum follows the step. With ``producer``
-    (``train.async_rollouts``) the groups it generated in the background, at most ``tc.max_staleness``
-    updates old (:meth:`training.rollout.producer.AsyncRollouts.take`)."""
+    """This rank's share of the step's questions, ``rollout.group_size`` episodes each, with the policy (and
+    the critic) in eval mode; ZeroSearch's noise curriculum follows the step. With ``producer``
+    (``train.rollout.asynchronous``) the groups it generated in the background, at most
+    ``rollout.max_staleness`` updates old (:meth:`training.rollout.producer.AsyncRollouts.take`)."""
     state.policy.eval()
     if state.critic is not None:  # as verl's critic: values estimated in eval mode, the update in train mode
         state.critic.eval()
@@ -75,61 +84,71 @@ def rollout_phase(state: RunState, worker: RolloutWorker, tc: Any, step: int,
         worker.retriever.set_step(step, tc.steps)
     if producer is not None:
         return producer.take(step)
-    questions = state.data.next(tc.questions_per_step)
+    questions = state.data.next(tc.rollout.questions_per_step)
     W = state.world_size
     per_rank = questions[state.rank :: W] if W > 1 else questions
     return rollout(worker, per_rank, tc, state.data)
 
 
 @torch.no_grad()
-def score(state: RunState, batch: Batch, trajs: list[Trajectory], tc: Any, tokenizer: Any,
-          max_len: int) -> dict[str, Any]:
-    """Fill ``batch.old_logprobs`` / ``batch.ref_logprobs`` and return what the estimator needs beyond the
-    batch: ``values`` (the critic's), ``gold_probs`` (IGPO's) and ``kl_tokens`` (the per-token KL to the
-    reference when ``train.kl_mode=reward``), each ``None`` when not used."""
+def score(state: RunState, batch: Batch, trajs: list[Trajectory], tc: Any, tokenizer: Any, max_len: int,
+          worker: RolloutWorker | None = None, step: int = 0) -> None:
+    """Fill ``batch.old_logprobs`` / ``batch.ref_logprobs``, then run the registered estimator's prepare steps
+    (:func:`training.algos.estimators.prepare_inputs`), which write what it needs onto the batch."""
     score_logprobs(state.fwd, state.ref_model, batch, tc)
-    extra: dict[str, Any] = {"values": None, "gold_probs": None, "kl_tokens": None}
-    if state.ref_model is not None and tc.kl_mode == "reward":
-        extra["kl_tokens"] = kl_penalty(batch.old_logprobs, batch.ref_logprobs, batch.loss_mask, tc.kl_type)
-    if state.critic is not None:
-        idx, micro, _ = split_micro_batches(batch, tc)
-        extra["values"] = critic_values(state.critic, batch, idx, micro)
-    if E.ADV_ESTIMATORS.get(tc.algorithm).gold_probs:
-        extra["gold_probs"] = gold_answer_probs(state.gen_model, tokenizer, trajs, max_len=max_len)
-    return extra
+    E.prepare_inputs(prepare_context(state, batch, trajs, tc, tokenizer, max_len, worker, step))
 
 
-def advantage_phase(tc: Any, batch: Batch, trajs: list[Trajectory], extra: dict[str, Any]) -> None:
-    """Set ``batch.token_advantages`` (and PPO's ``returns`` / ``old_values``) from the registered estimator."""
-    adv = E.compute_advantages(tc, E.advantage_inputs(batch, trajs, **extra))
+def prepare_context(state: RunState, batch: Batch, trajs: list[Trajectory], tc: Any, tokenizer: Any, max_len: int,
+                    worker: RolloutWorker | None, step: int) -> E.PrepareContext:
+    """The :class:`training.algos.estimators.PrepareContext` of a step: the batch, the trajectories, the run's
+    models (the policy's log-probs of any batch, the critic's values on the update's micro-batches), the
+    tokenizer and the rollout worker."""
+    critic = state.critic
+
+    def values(b: Batch) -> torch.Tensor:
+        idx, micro, _ = split_micro_batches(b, tc)
+        return critic_values(critic, b, idx, micro)
+
+    return E.PrepareContext(batch=batch, trajs=trajs, tc=tc, tokenizer=tokenizer, max_len=max_len,
+                            policy=state.gen_model,
+                            logprobs=lambda b: policy_logprobs(state.gen_model, b, with_entropy=False)[0],
+                            ref_model=state.ref_model, critic=critic, values=values if critic is not None else None,
+                            worker=worker, step=step)
+
+
+def advantage_phase(tc: Any, batch: Batch, trajs: list[Trajectory]) -> None:
+    """Set ``batch.token_advantages`` (and PPO's ``returns``) from the registered estimator, on the inputs the
+    score phase prepared."""
+    adv = E.compute_advantages(tc, E.advantage_inputs(batch, trajs))
     batch.token_advantages = adv["advantages"]
     if "returns" in adv:
-        batch.returns, batch.old_values = adv["returns"], extra["values"]
+        batch.returns = adv["returns"]
 
 
-def update_phase(state: RunState, batch: Batch, tc: Any, loss_scale: float, step: int) -> tuple[dict, bool]:
-    """The update in train mode; returns ``(loss stats, whether the weights moved)``. A non-finite loss skips
-    the step with a warning (``{"skipped": 1.0}``; with ``ppo_epochs > 1`` earlier epochs have stepped);
-    after ``train.max_nonfinite_steps`` such steps the run stops with a ``RuntimeError`` naming the last
-    complete checkpoint to resume from."""
+def update_phase(state: RunState, batch: Batch, tc: Any, loss: LossConfig, step: int) -> tuple[dict, bool]:
+    """The update in train mode with the loss settings ``loss``; returns ``(loss stats, whether the weights
+    moved)``. A non-finite loss skips the step with a warning (``{"skipped": 1.0}``; with ``ppo_epochs > 1``
+    earlier epochs have stepped); after ``monitoring.max_nonfinite_steps`` such steps the run stops with a
+    ``RuntimeError`` naming the last complete checkpoint to resume from."""
     state.policy.train()
     if state.critic is not None:
         state.critic.train()
+    limit = tc.monitoring.max_nonfinite_steps
     try:
         stats = update_policy(state.fwd, state.ref_model, state.optimizer, batch, tc, scheduler=state.scheduler,
-                              critic=state.critic, critic_optimizer=state.critic_optimizer, loss_scale=loss_scale)
+                              critic=state.critic, critic_optimizer=state.critic_optimizer, loss=loss)
         return stats, True
     except FloatingPointError as e:  # the same decision on every rank
         state.nonfinite += 1
-        warnings.warn(f"step {step + 1}: {e}; step skipped ({state.nonfinite}/{tc.max_nonfinite_steps})",
-                      stacklevel=2)
-        if state.nonfinite >= tc.max_nonfinite_steps:
+        warnings.warn(f"step {step + 1}: {e}; step skipped ({state.nonfinite}/{limit})", stacklevel=2)
+        if state.nonfinite >= limit:
             last = latest_checkpoint(state.run_dir)
             raise RuntimeError(
                 f"stopping at step {step + 1}: {state.nonfinite} steps skipped for a non-finite loss or gradient "
-                f"norm (train.max_nonfinite_steps={tc.max_nonfinite_steps}; the last: {e}); the last complete "
-                f"checkpoint is {last or 'none yet'}: resume it with --resume and a lower train.lr") from e
-        return {"skipped": 1.0}, tc.ppo_epochs > 1
+                f"norm (train.monitoring.max_nonfinite_steps={limit}; the last: {e}); the last complete "
+                f"checkpoint is {last or 'none yet'}: resume it with --resume and a lower train.optim.lr") from e
+        return {"skipped": 1.0}, tc.algorithm.ppo_epochs > 1
 
 
 def sync_phase(state: RunState, worker: RolloutWorker, tc: Any, moved: bool,
@@ -138,21 +157,22 @@ def sync_phase(state: RunState, worker: RolloutWorker, tc: Any, moved: bool,
     """Push the updated weights to the rollout side: under torchrun the gathered full weights into every
     rank's rollout copy (what checkpoints and evaluation see); to a backend holding its own weights (vLLM)
     under the base model's names, LoRA merged (:func:`training.model.lora.merged_lora_state`). With
-    ``tc.verify_sync`` each push is checked (:mod:`training.rollout.weight_sync`: the copy tensor by tensor,
+    ``rollout.verify_sync`` each push is checked (:mod:`training.rollout.weight_sync`: the copy tensor by tensor,
     the engine on the ``probe`` sequence) and a rollout side that does not run the new weights raises
     :class:`training.rollout.weight_sync.WeightSyncError`; returns the checks' ``sync/...`` statistics."""
     full, stats = None, {}
+    verify, lora = tc.rollout.verify_sync, tc.optim.lora
     if moved and state.world_size > 1:
         gathered = {k.removeprefix("model."): v for k, v in full_state_dict(state.fwd).items()}
         sync_rollout_weights(None, state.rollout_model, gathered)
-        if tc.verify_sync:
+        if verify:
             stats["sync/tensors_checked"] = float(check_tensors(state.rollout_model, gathered))
-        full = merged_lora_state(state.rollout_model) if tc.lora else gathered
+        full = merged_lora_state(state.rollout_model) if lora else gathered
     elif moved and (sync_weights is not None or hasattr(worker.llm, "update_weights")):
-        full = merged_lora_state(state.policy) if tc.lora else full_state_dict(base_model(state.policy))
+        full = merged_lora_state(state.policy) if lora else full_state_dict(base_model(state.policy))
     if full is not None:
         sync_rollout_weights(worker.llm, None, full) if sync_weights is None else sync_weights(worker.llm, full)
-        if tc.verify_sync:
+        if verify:
             stats.update(verify_engine(worker.llm, state.gen_model, full, tc, probe))
     state.policy.eval()
     return stats
@@ -163,14 +183,14 @@ def merge_rank_records(records: list[tuple[dict[str, Any], int]], loss_keys: set
 
     Loss statistics of :func:`update_policy` (``loss_keys``) are each rank's share of the global mean, so
     they are summed (``grad_norm`` and ``lr`` are already global: rank 0's); ``ds_dropped_groups`` and
-    ``ds_kept_groups`` are summed; timings, ``ds_rounds`` and the ``offpolicy/..._max`` drift metrics take the
-    maximum; ``stop/<reason>`` rates are means over every rank's trajectories (a rank without the key had no
+    ``ds_kept_groups`` are summed; timings (``step_s``, ``timing/...``), ``ds_rounds`` and the
+    ``offpolicy/..._max`` drift metrics take the maximum; ``stop/<reason>`` rates are means over every rank's trajectories (a rank without the key had no
     such episode: rate 0); other numbers (rollout and health statistics, the drift's quantiles: an
     approximation) are means weighted by each rank's trajectory count, over the ranks that have the key
     (per-dataset splits are therefore approximate); anything else is rank 0's."""
     summed = {k for k in loss_keys if k not in ("grad_norm", "lr", "skipped")} | {"ds_dropped_groups", "ds_kept_groups",
                                                                                   *FAULT_COUNTS}
-    maxed = {"rollout_s", "step_s", "ds_rounds"}
+    maxed = {"step_s", "ds_rounds"}
     first = {"grad_norm", "lr", "skipped"}
     out: dict[str, Any] = {}
     for k in dict.fromkeys(k for rec, _ in records for k in rec):
@@ -182,7 +202,7 @@ def merge_rank_records(records: list[tuple[dict[str, Any], int]], loss_keys: set
             out[k] = vals[0][0]
         elif k in summed:
             out[k] = float(sum(v for v, _ in vals))
-        elif k in maxed or (k.startswith("offpolicy/") and k.endswith("_max")):
+        elif k in maxed or k.startswith("timing/") or (k.startswith("offpolicy/") and k.endswith("_max")):
             out[k] = float(max(v for v, _ in vals))
         else:
             total = sum(n for _, n in vals)
@@ -207,41 +227,41 @@ def step_record(state: RunState, trajs: list[Trajectory], batch: Batch, stats: d
 
 def log_phase(state: RunState, logger: MetricsLogger | None, step: int, record: dict[str, Any],
               trajs: list[Trajectory], tc: Any) -> None:
-    """Rank 0 appends the record to ``metrics.jsonl`` / TensorBoard and the step's first group of
-    trajectories to ``trajectories.jsonl`` (tagged with the step)."""
+    """Rank 0 appends the step's first group of trajectories to ``trajectories.jsonl`` (tagged with the step)
+    and then the record to ``metrics.jsonl`` / TensorBoard."""
     if logger is None:
         return
-    logger.log(step, record)
-    for t in trajs[: tc.group_size]:
+    group = trajs[: tc.rollout.group_size]
+    for t in group:
         t.metadata["step"] = step
-    save_trajectories(state.run_dir / "trajectories.jsonl", trajs[: tc.group_size], append=True)
+    save_trajectories(state.run_dir / "trajectories.jsonl", group, append=True)
+    logger.log(step, record)
 
 
 def checkpoint_phase(state: RunState, step: int, record: dict[str, Any], tokenizer: Any, tc: Any) -> None:
-    """Checkpoint every ``save_every`` steps, at the last step, when the alarms stop the run, and when the
-    held-out EM improves (then also copied to ``checkpoints/best``). A NaN metric (an empty eval) is no
-    best: once best were NaN, no later metric would beat it."""
+    """Checkpoint every ``checkpoints.save_every`` steps, at the last step, when the alarms stop the run, and
+    when the held-out EM improves (then also copied to ``checkpoints/best``), with the step's ``record``. A NaN
+    metric (an empty eval) is no best: once best were NaN, no later metric would beat it."""
     metric = record.get("eval_em", None)
     improved = metric is not None and math.isfinite(metric) and (state.best is None or metric > state.best)
     if improved:
         state.best, state.best_step = metric, step
-    if step % tc.save_every == 0 or step == tc.steps or improved or state.alarms.should_stop:
-        save_run(state, step, tokenizer, tc, metric if improved else None)
+    if step % tc.checkpoints.save_every == 0 or step == tc.steps or improved or state.alarms.should_stop:
+        save_run(state, step, tokenizer, tc, metric if improved else None, record)
 
 
 def check_setup(tc: Any, agent_cfg: Any) -> None:
-    """Raise ``ValueError`` before anything is built for settings that cannot train: greedy rollouts (log-probs
-    are scored at the rollout temperature), a critic estimator without a critic, packing on a transformers
-    without packed-sequence masks (:func:`training.model.forward.check_packed_masks`), asynchronous rollouts
-    with DAPO's dynamic sampling or an external agent (neither runs in the background producer)."""
-    if tc.async_rollouts and (tc.dynamic_sampling or getattr(agent_cfg, "kind", "builtin") == "external"):
-        raise ValueError("train.async_rollouts runs the built-in agent loop without dynamic sampling: set "
-                         "train.dynamic_sampling=false and agent.kind=builtin, or train.async_rollouts=false")
+    """Raise ``ValueError`` before anything is built for settings that cannot train and that the ``train``
+    section alone does not decide (it validates itself, :mod:`training.config`): greedy rollouts (log-probs
+    are scored at the rollout temperature), packing on a transformers without packed-sequence masks
+    (:func:`training.model.forward.check_packed_masks`), asynchronous rollouts with an external agent (it
+    does not run in the background producer)."""
+    if tc.rollout.asynchronous and getattr(agent_cfg, "kind", "builtin") == "external":
+        raise ValueError("train.rollout.asynchronous runs the built-in agent loop: set agent.kind=builtin, or "
+                         "train.rollout.asynchronous=false")
     if not agent_cfg.temperature > 0:
         raise ValueError(f"RL needs sampled rollouts: agent.temperature must be > 0, got {agent_cfg.temperature}")
-    if E.ADV_ESTIMATORS.get(tc.algorithm).critic and tc.critic == "none":  # the config schema checks it too
-        raise ValueError(f"train.algorithm={tc.algorithm} needs train.critic (separate or shared)")
-    if tc.packing:  # before the first rollout, not at the first packed micro-batch
+    if tc.optim.packing:  # before the first rollout, not at the first packed micro-batch
         check_packed_masks()
 
 
@@ -250,15 +270,16 @@ def check_world(tc: Any, W: int) -> None:
     do not split evenly)."""
     if W == 1:
         return
-    if tc.async_rollouts:
-        raise ValueError("train.async_rollouts is not supported under torchrun (world size > 1)")
-    if E.ADV_ESTIMATORS.get(tc.algorithm).critic and tc.critic == "shared":
-        raise ValueError("train.critic=shared is not supported under torchrun (world size > 1): its value head "
-                         "rides on the sharded policy's backbone; use train.critic=separate (a value model "
-                         "sharded on its own, as verl's critic)")
-    if tc.questions_per_step % W:
-        raise ValueError(f"train.questions_per_step={tc.questions_per_step} must be a multiple of the "
-                         f"world size {W} (every rank rolls out as many questions)")
+    if tc.rollout.asynchronous:
+        raise ValueError("train.rollout.asynchronous is not supported under torchrun (world size > 1)")
+    if E.ADV_ESTIMATORS.get(tc.algorithm.adv_estimator).critic and tc.algorithm.critic == "shared":
+        raise ValueError("train.algorithm.critic=shared is not supported under torchrun (world size > 1): its "
+                         "value head rides on the sharded policy's backbone; use train.algorithm.critic=separate "
+                         "(a value model sharded on its own, as verl's critic)")
+    qps = tc.rollout.questions_per_step
+    if qps % W:
+        raise ValueError(f"train.rollout.questions_per_step={qps} must be a multiple of the world size {W} (every "
+                         "rank rolls out as many questions)")
 
 
 def rollout_side(state: RunState, tc: Any, agent_cfg: Any, tokenizer: Any, retriever: Retriever, top_k: int,
@@ -266,44 +287,92 @@ def rollout_side(state: RunState, tc: Any, agent_cfg: Any, tokenizer: Any, retri
                  stack: contextlib.ExitStack) -> RolloutWorker:
     """The rollout backend and its :class:`training.rollout.worker.RolloutWorker`:
     ``llm_factory(model, tokenizer)``, by default :class:`agent.backends.hf.TransformersLLM` on the trainer's
-    own model, or with ``tc.async_rollouts`` a worker process on a copy
+    own model, or with ``rollout.asynchronous`` a worker process on a copy
     (:class:`agent.backends.process.ProcessLLM`, closed by ``stack``; the backend must hold its own weights:
     ``ValueError`` for one that generates on the parameters being updated)."""
     from agent.backends.hf import TransformersLLM
     from agent.external.runner import runner_for
 
-    if tc.async_rollouts and llm_factory is None:
+    asynchronous = tc.rollout.asynchronous
+    if asynchronous and llm_factory is None:
         from agent.backends.process import ProcessLLM
 
-        llm = ProcessLLM(rollout_copy(state.policy, tc.lora), tokenizer, threads=torch.get_num_threads(),
+        llm = ProcessLLM(rollout_copy(state.policy, tc.optim.lora), tokenizer, threads=torch.get_num_threads(),
                          seed=seed + 1)
         stack.callback(llm.close)
     else:
         llm = (llm_factory or TransformersLLM)(state.gen_model, tokenizer)
-    if tc.async_rollouts and (getattr(llm, "model", None) is state.gen_model or not hasattr(llm, "update_weights")):
-        raise ValueError("train.async_rollouts needs a rollout backend that holds its own weights and takes "
+    if asynchronous and (getattr(llm, "model", None) is state.gen_model or not hasattr(llm, "update_weights")):
+        raise ValueError("train.rollout.asynchronous needs a rollout backend that holds its own weights and takes "
                          "update_weights (vLLM, or the default worker process): this one generates on the "
                          "trainer's parameters, which the update changes under it")
     external = runner_for(llm, agent_cfg, judge)  # agent.kind=external: its proxy serves llm
     stack.callback(lambda: external is not None and external.close())
-    return RolloutWorker(llm, retriever, agent_cfg, top_k, judge, external, tuple(tc.rollout_retry_waits))
+    return RolloutWorker(llm, retriever, agent_cfg, top_k, judge, external, tuple(tc.rollout.retry_waits))
 
 
 def start_rollouts(state: RunState, worker: RolloutWorker, tc: Any, tokenizer: Any,
                    stack: contextlib.ExitStack) -> tuple[list[int] | None, AsyncRollouts | None]:
-    """Before the first step: the weight-sync probe (``None`` without ``tc.verify_sync``), checked on the
+    """Before the first step: the weight-sync probe (``None`` without ``rollout.verify_sync``), checked on the
     rollout backend at once (an engine started from other weights than the trainer's fails here, not after
-    a step), and with ``tc.async_rollouts`` the background producer, started on ``state.data`` (closed by
+    a step), and with ``rollout.asynchronous`` the background producer, started on ``state.data`` (closed by
     ``stack`` before the backend; checkpoints then save its frontier)."""
-    probe = probe_ids(tokenizer) if tc.verify_sync else None
+    probe = probe_ids(tokenizer) if tc.rollout.verify_sync else None
     if probe is not None:
         verify_engine(worker.llm, state.gen_model, None, tc, probe)
     producer = None
-    if tc.async_rollouts:
+    if tc.rollout.asynchronous:
         producer = AsyncRollouts(worker, state.data, tc, version=state.start)
         stack.callback(producer.close)
         state.frontier = producer.frontier
     return probe, producer
+
+
+def train_step(state: RunState, worker: RolloutWorker, tc: Any, agent_cfg: Any, tokenizer: Any, step: int,
+               loss: LossConfig, producer: AsyncRollouts | None, probe: list[int] | None,
+               sync_weights: Callable[[Any, dict[str, torch.Tensor]], None] | None,
+               evaluate: Callable[[Any], dict[str, float]] | None,
+               logger: MetricsLogger | None) -> tuple[dict[str, Any], list[str]]:
+    """One RL step, its phases in order, each timed as ``timing/<phase>_s`` in the step's record (the maximum
+    over ranks under torchrun, so the record stays the same on every rank); returns ``(record, alarms fired)``.
+    The record is logged after the checkpoint, so a checkpoint's step always has its record (the checkpoint
+    keeps a copy for a run killed in between, :func:`training.run_state.relog_saved_record`)."""
+    timing: dict[str, float] = {}
+    t0 = time.time()
+    with marked_timer("rollout", timing):
+        trajs, stats = rollout_phase(state, worker, tc, step, producer)
+    with marked_timer("score", timing):
+        batch = collate(trajs, tokenizer.pad_token_id, agent_cfg.max_total_tokens)
+        batch.temperature = agent_cfg.temperature  # score the distribution the rollout sampled from
+        score(state, batch, trajs, tc, tokenizer, agent_cfg.max_total_tokens, worker, step)
+    with marked_timer("advantages", timing):
+        advantage_phase(tc, batch, trajs)
+        stats.update(rollout_correction(batch, tc))  # drift of the rollout's log-probs; TIS / MIS
+    with marked_timer("update", timing):
+        loss_stats, moved = update_phase(state, batch, tc, loss, step)
+    with marked_timer("sync", timing):
+        stats.update(sync_phase(state, worker, tc, moved, sync_weights, probe))
+        if producer is not None:  # groups started from now on run the weights of this update
+            producer.publish(step + 1)
+    stats.update(timing)
+    stats["step_s"] = time.time() - t0
+    timing.clear()  # the phases below are timed after the record is merged over ranks
+    with marked_timer("log", timing):
+        record = step_record(state, trajs, batch, stats, loss_stats)
+    every = tc.monitoring.eval_every
+    if evaluate is not None and every and ((step + 1) % every == 0 or step + 1 == tc.steps):
+        with marked_timer("eval", timing):
+            scores = run_on_rank0(lambda: evaluate(state.gen_model))  # the others wait without the timeout
+        record.update({f"eval_{k}": v for k, v in scores.items()})
+    with marked_timer("log", timing):
+        fired = state.alarms.check(step + 1, record)
+        if fired:
+            record["alarms"] = fired
+    with marked_timer("checkpoint", timing):
+        checkpoint_phase(state, step + 1, record, tokenizer, tc)
+    record.update({k: all_reduce_max(v) for k, v in timing.items()})
+    log_phase(state, logger, step + 1, record, trajs, tc)
+    return record, fired
 
 
 # -- the loop -----------------------------------------------------------------------------------------
@@ -328,8 +397,8 @@ def rl_train(
     """Train ``model`` in place with multi-turn RL: ``tc`` is the :class:`training.config.TrainConfig`,
     ``agent_cfg`` the :class:`agent.config.AgentConfig` of the rollouts (searching ``top_k`` passages).
 
-    Rolls out ``tc.questions_per_step`` questions x ``tc.group_size`` episodes per step (split over ranks
-    under torchrun), for ``tc.steps`` steps, checkpointing to ``run_dir/checkpoints``. With ``resume=True``
+    Rolls out ``rollout.questions_per_step`` questions x ``rollout.group_size`` episodes per step (split over
+    ranks under torchrun), for ``tc.steps`` steps, checkpointing to ``run_dir/checkpoints``. With ``resume=True``
     it continues from the latest complete checkpoint of ``run_dir`` (the model weights must already be
     loaded from it by the caller; LoRA adapters, critic, optimizer, scheduler, RNG and data position are
     restored here, :mod:`training.run_state`).
@@ -337,13 +406,14 @@ def rl_train(
     ``llm_factory(model, tokenizer)`` builds the rollout backend (default:
     :class:`agent.backends.hf.TransformersLLM` on the same model object, so no weight sync is needed); after
     each update a backend holding its own weights (vLLM) gets them through ``sync_weights(llm, state)`` or
-    ``llm.update_weights``. ``evaluate(model) -> {"em": ...}`` runs every ``tc.eval_every`` steps (logged as
+    ``llm.update_weights``. ``evaluate(model) -> {"em": ...}`` runs every ``monitoring.eval_every`` steps (logged as
     ``eval_*``; the best ``eval_em`` checkpoint is kept in ``checkpoints/best``). ``judge`` overrides the
     agent config's judge. With ``agent.kind: external`` the episodes are the ``agent.entry`` function's, run
     over a training proxy in front of the rollout backend (:func:`agent.external.runner.runner_for`;
     ``proxy_calls`` / ``proxy_splits`` logged per step).
-    A non-finite loss skips the step; after ``tc.max_nonfinite_steps`` such steps the run stops
-    (``RuntimeError``). Health alarms (``train.alarm_*``) warn or stop the run. Returns a summary dict.
+    A non-finite loss skips the step; after ``monitoring.max_nonfinite_steps`` such steps the run stops
+    (``RuntimeError``). Health alarms (``train.monitoring.alarms``) warn or stop the run. Returns a summary
+    dict.
 
     Under ``torchrun`` (``WORLD_SIZE > 1``; the process group is created here with ``tc.dist_timeout_s``
     unless the caller made it, and left for the caller to end with
@@ -352,7 +422,7 @@ def rl_train(
     evaluates (the others wait for it without the collective timeout). One training at a time per ``run_dir``:
     rank 0 holds :func:`training.infra.checkpoint.run_dir_lock` for the whole run (``RuntimeError`` for a
     second one). Raises ``ValueError`` for settings that cannot train (:func:`check_setup`,
-    :func:`check_world`) and for a checkpoint of another algorithm or LoRA setting.
+    :func:`check_world`) and for a checkpoint of another estimator or LoRA setting.
     """
     check_setup(tc, agent_cfg)
     rank, W = init_from_env(timeout_s=tc.dist_timeout_s)  # torchrun: the process group; else a no-op
@@ -369,35 +439,15 @@ def rl_train(
             logger = MetricsLogger(state.run_dir, truncate_after=state.start)
             drop_steps_after(state.run_dir / "trajectories.jsonl", state.start,
                              lambda r: r.get("metadata", {}).get("step", 0))
-        loss_scale = tc.loss_scale_factor or float(agent_cfg.max_total_tokens)  # seq-mean-token-sum-norm's
+            relog_saved_record(state, logger)
+        loss = LossConfig.of(tc.algorithm, loss_scale=float(agent_cfg.max_total_tokens))  # once, for every step
         last: dict[str, Any] = {}
         stopped = None
         for step in range(state.start, tc.steps):
-            t0 = time.time()
-            trajs, stats = rollout_phase(state, worker, tc, step, producer)
-            stats["rollout_s"] = time.time() - t0
-            batch = collate(trajs, tokenizer.pad_token_id, agent_cfg.max_total_tokens)
-            batch.temperature = agent_cfg.temperature  # score the distribution the rollout sampled from
-            extra = score(state, batch, trajs, tc, tokenizer, agent_cfg.max_total_tokens)
-            advantage_phase(tc, batch, trajs, extra)
-            stats.update(rollout_correction(batch, tc))  # drift of the rollout's log-probs; TIS / MIS
-            loss_stats, moved = update_phase(state, batch, tc, loss_scale, step)
-            stats.update(sync_phase(state, worker, tc, moved, sync_weights, probe))
-            if producer is not None:  # groups started from now on run the weights of this update
-                producer.publish(step + 1)
-            stats["step_s"] = time.time() - t0
-            record = step_record(state, trajs, batch, stats, loss_stats)
-            if evaluate is not None and tc.eval_every and ((step + 1) % tc.eval_every == 0 or step + 1 == tc.steps):
-                scores = run_on_rank0(lambda: evaluate(state.gen_model))  # the others wait without the timeout
-                record.update({f"eval_{k}": v for k, v in scores.items()})
-            fired = state.alarms.check(step + 1, record)
-            if fired:
-                record["alarms"] = fired
-            log_phase(state, logger, step + 1, record, trajs, tc)
-            last = record
+            last, fired = train_step(state, worker, tc, agent_cfg, tokenizer, step, loss, producer, probe,
+                                     sync_weights, evaluate, logger)
             if on_step is not None:
-                on_step(step + 1, record)
-            checkpoint_phase(state, step + 1, record, tokenizer, tc)
+                on_step(step + 1, last)
             if state.alarms.should_stop:
                 stopped = fired
                 break

@@ -43,7 +43,7 @@ from agent.llm import (
     run_sync,
     truncate_at_stop,
 )
-from retrieval.client import retry_after_s
+from retrieval.retry import RetriesExhausted, Retry, RetryPolicy, acall, retry_after_s, retryable_status
 
 
 @functools.cache
@@ -83,6 +83,8 @@ class OpenAICompatibleLLM:
         api_key: bearer token (default: ``$OPENAI_API_KEY`` if set).
         timeout_s: per-request timeout, seconds. max_retries: retries after the first attempt.
         max_concurrency: requests in flight at once. backoff_s: first retry delay (doubles each retry).
+        deadline_s: no retry wait of a request ends later than this many seconds after its first attempt
+            (``None``: none); the retries are :func:`retrieval.retry.acall`'s.
 
     ``generate`` may be called from several threads at once (each call runs its own event loop and
     client), so ``concurrent_calls`` is true: the scheduler retries a failed batch's requests concurrently.
@@ -92,15 +94,21 @@ class OpenAICompatibleLLM:
 
     def __init__(self, base_url: str, model: str, tokenizer: Any, api_key: str | None = None,
                  timeout_s: float = 120.0, max_retries: int = 3, max_concurrency: int = 64,
-                 backoff_s: float = 0.5):
+                 backoff_s: float = 0.5, deadline_s: float | None = None):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.tokenizer = tokenizer
         self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
         self.timeout_s, self.max_retries, self.max_concurrency = timeout_s, max_retries, max_concurrency
         self.backoff_s = backoff_s
+        self.deadline_s = deadline_s
         self.eos_ids: set[int] = end_of_turn_ids(tokenizer, getattr(tokenizer, "name_or_path", None))
         self.stats = {"requests": 0, "retries": 0, "backoff_s": 0.0, "inexact": 0}
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """The retry policy of a request (from ``max_retries``, ``backoff_s``, ``deadline_s``)."""
+        return RetryPolicy(self.max_retries, self.backoff_s, deadline_s=self.deadline_s)
 
     # -- LLM protocol ---------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -179,30 +187,31 @@ class OpenAICompatibleLLM:
     async def _one(self, client: httpx2.AsyncClient, sem: asyncio.Semaphore, prompt: list[int],
                    params: SamplingParams, i: int) -> Generation:
         body = self._body(prompt, params, i)
-        delay, last, wait = self.backoff_s, "no attempt", 0.0
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                self.stats["retries"] += 1
-                self.stats["backoff_s"] += max(delay, wait)
-                await asyncio.sleep(max(delay, wait))
-                delay, wait = delay * 2, 0.0  # a Retry-After holds for the retry right after its answer
+
+        async def attempt() -> Generation:
             try:
                 async with sem:
                     self.stats["requests"] += 1
                     r = await client.post("/completions", json=body)
             except (httpx2.TimeoutException, httpx2.TransportError) as e:
-                last = f"{type(e).__name__}: {e or 'timed out'}"
-                continue
-            if r.status_code == 429 or r.status_code >= 500:
-                last = f"HTTP {r.status_code}: {r.text[:200]}"
-                wait = retry_after_s(r.headers.get("retry-after"))
-                continue
+                raise Retry(f"{type(e).__name__}: {e or 'timed out'}") from None
+            if retryable_status(r.status_code):
+                raise Retry(f"HTTP {r.status_code}: {r.text[:200]}", retry_after_s(r.headers.get("retry-after")))
             if r.status_code in (401, 403, 404):
                 raise BackendRefused(f"{self.base_url}/completions answered HTTP {r.status_code}: {r.text[:300]}")
             if r.status_code >= 400:
                 raise BackendError(f"{self.base_url}/completions answered HTTP {r.status_code}: {r.text[:300]}")
             return self._parse(r, params)
-        raise BackendUnreachable(f"{self.base_url}/completions failed after {self.max_retries + 1} attempts ({last})")
+
+        def on_retry(wait: float) -> None:
+            self.stats["retries"] += 1
+            self.stats["backoff_s"] += wait
+
+        try:
+            return await acall(attempt, self.retry, on_retry)
+        except RetriesExhausted as e:
+            raise BackendUnreachable(f"{self.base_url}/completions failed after {e.attempts} attempts "
+                                     f"({e.last.reason})") from None
 
     def _parse(self, r: httpx2.Response, params: SamplingParams) -> Generation:
         try:

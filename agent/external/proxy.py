@@ -29,7 +29,9 @@ With ``ProxySettings.temperature`` / ``top_p`` set (training), every call sample
 request says: the trainer scores the distribution the rollout was drawn from. Each call's new tokens are
 capped by ``max_new_tokens`` and by what is left of ``max_total_tokens`` (one training sequence); a prompt
 that already fills it is refused with 400 ``context_length_exceeded``, as vLLM refuses one over its context.
-Limits: bodies over ``max_body_bytes`` 413, bad JSON 400, bad fields 422 (named), a chat template failing
+Limits (the API key, the body's size and its JSON checked by the shared
+:class:`retrieval.http_guard.RequestGuard`): bodies over ``max_body_bytes`` 413, bad JSON 400 (also nested too
+deeply or an over-long integer), a wrong key 401, bad fields 422 (named), a chat template failing
 on the messages 422, ``n`` other than 1 422, a backend failure 502, a call over ``request_timeout_s`` 504;
 OpenAI's ``{"error": {"message", "type", "code"}}`` body. Binds 127.0.0.1 (:class:`ProxyServer`).
 """
@@ -38,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import socket
 import threading
 import time
@@ -55,6 +56,7 @@ from agent.external.chat_template import CHATML_TOOLS
 from agent.external.stitch import Call, EpisodeLog, parse_tool_calls, render_prompt, turn_action
 from agent.llm import LLM, SamplingParams, decode, encode
 from agent.loop.scheduler import Scheduler
+from retrieval.http_guard import GuardError, RequestGuard
 
 EPISODE_HEADER = "x-sleuth-episode"
 
@@ -108,6 +110,7 @@ class Proxy:
         self.llm, self.tokenizer = llm, llm.tokenizer
         self.settings, self.limits = settings or ProxySettings(), limits or ProxyLimits()
         self.api_key, self.model_name = api_key, model_name
+        self.guard = RequestGuard(api_key, self.limits.max_body_bytes)
         self.scheduler = Scheduler(llm, None, max_batch=max_batch)
         self.episodes: OrderedDict[str, EpisodeLog] = OrderedDict()
         self.locks: dict[str, asyncio.Lock] = {}
@@ -190,6 +193,10 @@ class Proxy:
         async def _proxy_error(request: Request, exc: ProxyError):
             return _error(exc.status, exc.message, exc.kind, exc.code)
 
+        @app.exception_handler(GuardError)
+        async def _guard_error(request: Request, exc: GuardError):
+            return _error(exc.status, exc.message, exc.kind)
+
         @app.exception_handler(StarletteHTTPException)
         async def _route_error(request: Request, exc: StarletteHTTPException):
             return _error(exc.status_code, str(exc.detail))
@@ -224,30 +231,10 @@ class Proxy:
         return app
 
     def _check_auth(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        got = request.headers.get("authorization", "")
-        if not secrets.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
-            raise ProxyError(401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error")
+        self.guard.check_auth(request.headers.get("authorization"))
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
-        limit = self.limits.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise ProxyError(413, f"request body of {declared} bytes exceeds {limit}")
-        data = bytearray()
-        async for chunk in request.stream():
-            data.extend(chunk)
-            if len(data) > limit:
-                raise ProxyError(413, f"request body exceeds {limit} bytes")
-        try:
-            obj = json.loads(data)
-        except ValueError as e:
-            raise ProxyError(400, f"request body is not valid JSON ({e})") from None
-        except RecursionError:
-            raise ProxyError(400, "request body is JSON nested too deeply") from None
-        if not isinstance(obj, dict):
-            raise ProxyError(400, "request body must be a JSON object")
+        obj = await self.guard.read_json(request)  # bounded body, JSON within the nesting and digit limits
         if obj.get("n", 1) != 1:
             raise ProxyError(422, "n must be 1 (one completion per call)")
         return obj

@@ -34,8 +34,8 @@
 
 All requests share one :class:`agent.loop.scheduler.Scheduler` living in the server's event loop, so
 concurrent requests are episodes whose generation and search calls are batched together. Limits: request
-bodies over ``max_body_bytes`` get 413, bodies that are not JSON (or nest too deeply to decode, or hold an
-integer of over 4,300 digits) 400, empty or over-long questions 422 (over ``max_question_chars``, or a prompt
+bodies over ``max_body_bytes`` get 413, bodies that are not JSON (or nest over 64 levels, or hold an integer of
+over 100 digits: the shared :class:`retrieval.http_guard.RequestGuard`) 400, empty or over-long questions 422 (over ``max_question_chars``, or a prompt
 that leaves no token of the agent's ``max_total_tokens`` to generate: the message says by how many tokens),
 text with a lone surrogate 422, more than ``max_inflight`` episodes 503 with ``Retry-After:``
 :data:`BUSY_RETRY_AFTER_S` (streamed or not; the slot is taken in one step with the check and freed however

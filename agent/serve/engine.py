@@ -19,8 +19,10 @@ fleet client (:mod:`agent.backends.fleet`) work against either unchanged. Routes
   ``/finish_weight_update``, ``GET /weight_info``, ``GET /get_world_size``; see
   :mod:`agent.serve.engine_weights`.
 
-Limits: bodies over ``max_body_bytes`` 413, bad JSON 400, bad fields 422 (named), a model name other than
-the served one 404 (as vLLM), a prompt plus ``max_tokens`` over the model's context 400, more than
+Limits (the API key, the body and its JSON are checked by the shared request guard,
+:mod:`retrieval.http_guard`): bodies over ``max_body_bytes`` 413, bad JSON 400 (also nested over 64 levels or
+an integer of over 100 digits), bad fields 422 (named), a model name other than the served one 404 (as
+vLLM), a prompt plus ``max_tokens`` over the model's context 400, more than
 ``max_inflight`` requests 503 with ``Retry-After``, a request over ``request_timeout_s`` 504, weights being
 replaced past the lock timeout or mixed (an abandoned update) 503. Binds 127.0.0.1 unless told otherwise;
 with an API key every route but ``/health`` needs ``Authorization: Bearer <key>``.
@@ -29,8 +31,6 @@ with an API key every route but ``/health`` needs ``Authorization: Bearer <key>`
 from __future__ import annotations
 
 import asyncio
-import json
-import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -44,6 +44,7 @@ from agent.backends.hf import TransformersLLM, sequence_logprobs
 from agent.llm import BackendUnavailable, Generation, SamplingParams, decode, encode
 from agent.loop.scheduler import Scheduler
 from agent.serve.engine_weights import EngineWeights, PartialWeights, UpdateError
+from retrieval.http_guard import GuardError, RequestGuard
 
 
 @dataclass
@@ -104,6 +105,7 @@ class EngineServer:
     def __init__(self, llm: TransformersLLM, name: str, limits: EngineLimits | None = None,
                  weights: EngineWeights | None = None, api_key: str | None = None):
         self.name, self.limits, self.api_key = name, limits or EngineLimits(), api_key
+        self.guard = RequestGuard(api_key, self.limits.max_body_bytes)
         self.tokenizer = llm.tokenizer
         self.weights = weights or EngineWeights(llm.model)
         self.gated = GatedLLM(llm, self.weights)
@@ -117,31 +119,13 @@ class EngineServer:
 
     # -- requests -------------------------------------------------------------------------------------
     def _check_auth(self, request: Request) -> None:
-        if not self.api_key:
-            return
-        got = request.headers.get("authorization", "")
-        if not secrets.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
-            raise HTTPError(401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error")
+        self.guard.check_auth(request.headers.get("authorization"))
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
-        limit = self.limits.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise HTTPError(413, f"request body of {declared} bytes exceeds {limit}")
-        data = bytearray()
-        async for chunk in request.stream():
-            data.extend(chunk)
-            if len(data) > limit:
-                raise HTTPError(413, f"request body exceeds {limit} bytes")
-        if not data:
-            return {}
-        try:
-            obj = json.loads(data)
-        except (ValueError, RecursionError) as e:
-            raise HTTPError(400, f"request body is not valid JSON ({type(e).__name__})") from None
-        if not isinstance(obj, dict):
-            raise HTTPError(400, "request body must be a JSON object")
-        return obj
+        """The request's JSON object (an empty body: ``{}``, as vLLM's routes that take none), bounded and
+        parsed by the shared guard (:class:`retrieval.http_guard.RequestGuard`)."""
+        body = await self.guard.read_body(request.stream(), request.headers.get("content-length"))
+        return self.guard.parse_object(body) if body.strip() else {}
 
     def _prompt(self, body: dict[str, Any]) -> list[int]:
         prompt = body.get("prompt")
@@ -267,6 +251,11 @@ class EngineServer:
             headers = {"Retry-After": "1"} if exc.status == 503 else None
             return JSONResponse({"error": {"message": exc.message, "type": exc.kind, "code": exc.status}},
                                 status_code=exc.status, headers=headers)
+
+        @app.exception_handler(GuardError)
+        async def _guard_error(request: Request, exc: GuardError):
+            return JSONResponse({"error": {"message": exc.message, "type": exc.kind, "code": exc.status}},
+                                status_code=exc.status)
 
         @app.exception_handler(UpdateError)
         async def _update_error(request: Request, exc: UpdateError):

@@ -5,8 +5,6 @@ and the error replies (:class:`HTTPError`)."""
 from __future__ import annotations
 
 import asyncio
-import json
-import secrets
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -26,6 +24,7 @@ from agent.serve.chat_params import MAX_N, ChatParams
 from agent.trajectory import Trajectory
 from corpora.formats import QAExample
 from retrieval.base import Hit, Retriever
+from retrieval.http_guard import GuardError, RequestGuard
 
 
 @dataclass
@@ -126,38 +125,28 @@ class AgentService:
                  api_key: str | None, model_name: str, limits: ServeLimits, judge: Judge | None, external: Any):
         self.state, self.llm, self.agent_cfg, self.limits = state, llm, agent_cfg, limits
         self.temperature, self.api_key, self.model_name, self.external = temperature, api_key, model_name, external
+        self.guard = RequestGuard(api_key, limits.max_body_bytes)
         self.evidence = EvidenceRetriever(retriever)
         self.ctx = make_context(llm, self.evidence, agent_cfg, temperature=temperature, top_k=top_k, judge=judge)
         state.ctx, state.inflight, state.served = self.ctx, 0, 0
 
     # -- request checks -------------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
-        if not self.api_key:  # None or "": no key, open (as `sleuth serve --api-key ""` documents)
-            return
-        got = request.headers.get("authorization", "")
-        if not secrets.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
-            raise HTTPError(401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error")
+        """A 401 :class:`HTTPError` without ``Authorization: Bearer <api_key>`` (none or empty key: open, as
+        ``sleuth serve --api-key ""`` documents); the shared :class:`retrieval.http_guard.RequestGuard`."""
+        try:
+            self.guard.check_auth(request.headers.get("authorization"))
+        except GuardError as e:
+            raise HTTPError(e.status, e.message, e.kind) from None
 
     async def read_json(self, request: Request) -> dict[str, Any]:
-        """The request's JSON object, read within ``max_body_bytes`` (413), or a 400 :class:`HTTPError`."""
-        limit = self.limits.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise HTTPError(413, f"request body of {declared} bytes exceeds {limit}")
-        body = bytearray()
-        async for chunk in request.stream():
-            body.extend(chunk)
-            if len(body) > limit:
-                raise HTTPError(413, f"request body exceeds {limit} bytes")
+        """The request's JSON object, read within ``max_body_bytes`` (413), or a 400 :class:`HTTPError` (not JSON,
+        nested too deeply, an over-long integer, not an object): the shared
+        :class:`retrieval.http_guard.RequestGuard`."""
         try:
-            obj = json.loads(body)
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past the int-string digit limit
-            raise HTTPError(400, f"request body is not valid JSON ({e})") from None
-        except RecursionError:  # valid JSON, but deeper than the decoder's recursion limit
-            raise HTTPError(400, "request body is JSON nested too deeply") from None
-        if not isinstance(obj, dict):
-            raise HTTPError(400, "request body must be a JSON object")
-        return obj
+            return await self.guard.read_json(request)
+        except GuardError as e:
+            raise HTTPError(e.status, e.message, e.kind) from None
 
     def check_question(self, q: Any) -> str:
         """The stripped question, or a 422 :class:`HTTPError` (not text, empty, too long, a lone surrogate, or

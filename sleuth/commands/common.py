@@ -105,7 +105,7 @@ def warn_if_exposed(host: str, api_key: str | None, key_option: str) -> str | No
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", default=None, help="YAML config (default: built-in defaults)")
     p.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="dotted overrides, e.g. train.lr=1e-4")  # default: not listed as required
+                   help="dotted overrides, e.g. train.optim.lr=1e-4")  # default: not listed as required
 
 
 def config_from_args(args: argparse.Namespace) -> Config:

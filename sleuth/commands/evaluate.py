@@ -15,7 +15,9 @@ def add_arguments(p) -> None:
                    "sample's test questions)")
     p.add_argument("--index", help="index directory (default: retrieval.index_dir)")
     p.add_argument("--model", help="model directory (a checkpoint, or its checkpoints/latest) or hub id (default: policy.model, else the untrained tiny policy)")
-    p.add_argument("--method", default="agent", help="agent (default), direct, rag, ircot or search_o1")
+    from eval.methods import EVAL_METHODS
+
+    p.add_argument("--method", default="agent", help=f"the evaluation method: {EVAL_METHODS.help('agent')}")
     p.add_argument("--judge-model", help="LLM-as-judge model directory or hub id, loaded like --model, or 'none' "
                    "for no judge (default: eval.judge_model, else no judge); policy: eval.judge_unparseable")
     p.add_argument("--benchmarks", help="comma-separated benchmark names or 'all' (see eval.datasets)")
@@ -31,6 +33,7 @@ def run(args) -> int:
     from pathlib import Path
 
     import eval.run as run_eval
+    from eval.methods import get_method
     from eval.report import failure_note, format_summary, judge_line
     from sleuth.pipeline import data_paths, load_llm, open_retriever, other_model_config
 
@@ -44,8 +47,9 @@ def run(args) -> int:
     targets = args.benchmarks.split(",") if args.benchmarks else [str(args.qa or data_paths(cfg)["test"])]
     # names, method and questions first: a typo should not wait for the index and the model
     run_eval.check_targets(targets, args.method, args.data_dir, limit, seed)
+    method = get_method(args.method)
     # first: a missing index is the commonest mistake; direct inference retrieves nothing and needs none
-    retriever = None if args.method == "direct" else open_retriever(cfg, args.index)
+    retriever = open_retriever(cfg, args.index) if method.retrieves else None
     llm = load_llm(cfg, args.model)
     judge_model = args.judge_model or cfg.eval.judge_model
     if judge_model and judge_model.strip().lower() == "none":  # --judge-model none turns a configured judge off
@@ -55,7 +59,7 @@ def run(args) -> int:
         judge_llm = llm if judge_model == (args.model or cfg.policy.model) else load_llm(
             other_model_config(cfg), judge_model, episodes=False)  # a judge reads one answer, not an episode
     external = None
-    if args.method == "agent" and cfg.agent.kind == "external":  # its episodes over a proxy of the policy
+    if method.episodes and cfg.agent.kind == "external":  # its episodes over a proxy of the policy
         from agent.external.runner import runner_for
         from sleuth.pipeline import external_agent_env
 
@@ -67,7 +71,7 @@ def run(args) -> int:
             top_k=cfg.retrieval.top_k, temperature=cfg.eval.temperature, index_dir=args.index or cfg.retrieval.index_dir,
             model_dir=args.model or cfg.policy.model or str(Path(cfg.out_dir) / "tiny"), judge_llm=judge_llm,
             judge_options={"unparseable": cfg.eval.judge_unparseable} if judge_llm else None,
-            judge_model_dir=judge_model, keep_trajectories=args.method == "agent",
+            judge_model_dir=judge_model, keep_trajectories=method.episodes,
             **({"run_episodes": external.loop_episodes} if external is not None else {}))
     finally:
         if external is not None:

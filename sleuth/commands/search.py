@@ -1,19 +1,27 @@
-"""``sleuth search``: print the ranked hits of a query against an index (or a retrieval server)."""
+"""``sleuth search``: print the ranked hits of a query from any retriever (an index, a retrieval server, the web,
+an MCP server, a plugin's), opened as every command opens one (:func:`sleuth.pipeline.open_retriever`)."""
 
 from __future__ import annotations
 
 import argparse
 
-HELP = "Search an index: print the top-k passages of a query with their scores."
+HELP = "Search an index (or any retriever): print the top-k passages of a query with their scores."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from retrieval.registry import RETRIEVERS
+
     p.add_argument("query", nargs="+", help="the query (several arguments are joined by spaces)")
     p.add_argument("-k", type=int, default=5, help="number of hits (default 5)")
-    p.add_argument("--index", default="runs/index", help="index directory (default: runs/index)")
-    p.add_argument("--method", default=None, choices=["bm25", "dense", "hybrid", "lucene"],
-                   help="retriever (default bm25; lucene: the part built by `sleuth index --lucene`; with --url "
-                        "the server's own, set by `serve-retrieval --method`)")
+    p.add_argument("--config", "-c", default=None,
+                   help="YAML config whose retrieval section (and plugins) to use (default: built-in defaults)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a dotted config override, e.g. --set retrieval.web_provider=searxng (repeatable)")
+    p.add_argument("--index", default=None, help="index directory (default: retrieval.index_dir, runs/index)")
+    p.add_argument("--method", default=None,
+                   help=f"the retriever: {RETRIEVERS.help()}; default: retrieval.method, bm25 (lucene: the part "
+                        "built by `sleuth index --lucene`; with --url the server's own, set by `serve-retrieval "
+                        "--method`)")
     p.add_argument("--url", default=None, help="query a running `sleuth serve-retrieval` instead of an index")
     p.add_argument("--chars", type=int, default=160, help="characters of each passage to show")
     p.add_argument("--json", action="store_true", help="print hits as JSON lines")
@@ -25,15 +33,19 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from sleuth.commands.common import config_from_args
+    from sleuth.pipeline import open_retriever
+
     query = " ".join(args.query)
     if not query.strip():
         raise ValueError("empty query")
     if args.k < 1:
         raise ValueError(f"-k must be >= 1, got {args.k}")
+    cfg = config_from_args(args)  # (plugins first: a method they register is a valid --method)
     if args.url:
-        from retrieval.client import RemoteRetriever
-
-        retriever = RemoteRetriever(args.url)
+        cfg.retrieval.url = args.url
+    if args.url or (cfg.retrieval.url and args.index is None):
+        retriever = open_retriever(cfg, cache_size=0)
         try:  # Sleuth's server names its method; Search-R1's has no /health
             health = retriever.health()
             method = health.get("method") if isinstance(health, dict) else None
@@ -42,14 +54,17 @@ def run(args: argparse.Namespace) -> int:
         if method is None:
             method = args.method or "server"
         elif args.method and args.method != method:
-            raise ValueError(f"--method {args.method}: the server at {args.url} searches with {method} "
+            raise ValueError(f"--method {args.method}: the server at {cfg.retrieval.url} searches with {method} "
                              "(set by `sleuth serve-retrieval --method`)")
     else:
-        from retrieval.index import load_retriever
-
-        method = args.method or "bm25"
-        retriever = load_retriever(args.index, method)
-    hits = retriever.search([query], args.k)[0]
+        method = args.method or cfg.retrieval.method
+        retriever = open_retriever(cfg, args.index or cfg.retrieval.index_dir, method, cache_size=0)
+    try:
+        hits = retriever.search([query], args.k)[0]
+    finally:
+        close = getattr(retriever, "close", None)
+        if close is not None:  # a web search's cache, an MCP server's process, a server's connections
+            close()
     if args.json:
         for h in hits:
             print(json.dumps(h.to_json(), ensure_ascii=False))

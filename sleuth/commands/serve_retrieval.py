@@ -1,4 +1,7 @@
-"""``sleuth serve-retrieval``: a Search-R1-compatible retrieval server over an index directory."""
+"""``sleuth serve-retrieval``: a Search-R1-compatible retrieval server over any retriever ``retrieval.method`` can
+name (an index directory's BM25, dense, hybrid or Lucene part, a web search API with its on-disk cache and rate
+limit, an MCP server's search tool, a plugin's), opened as every command opens one
+(:func:`sleuth.pipeline.open_retriever`), so an agent of any framework calling ``/retrieve`` gets them."""
 
 from __future__ import annotations
 
@@ -8,7 +11,9 @@ import os
 from retrieval.bm25 import BACKENDS
 from retrieval.client import API_KEY_ENV
 from sleuth.commands.common import (
+    add_config_arguments,
     check_port_free,
+    config_from_args,
     non_negative_int,
     non_negative_number,
     port_number,
@@ -16,13 +21,19 @@ from sleuth.commands.common import (
     warn_if_exposed,
 )
 
-HELP = "Serve an index over HTTP, Search-R1 compatible: POST /retrieve {queries, topk, return_scores}; GET /health."
+HELP = ("Serve an index (or the web, an MCP server, any retriever) over HTTP, Search-R1 compatible: POST /retrieve "
+        "{queries, topk, return_scores}; GET /health.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--index", default="runs/index", help="index directory (default: runs/index)")
-    p.add_argument("--method", default="bm25", choices=["bm25", "dense", "hybrid", "lucene"],
-                   help="retriever (lucene: the part built by `sleuth index --lucene`)")
+    from retrieval.registry import RETRIEVERS
+
+    add_config_arguments(p)  # the retrieval section (web_*, mcp_*) and plugins of a config
+    p.add_argument("--index", default=None, help="index directory (default: retrieval.index_dir, runs/index)")
+    p.add_argument("--method", default=None,
+                   help=f"the retriever: {RETRIEVERS.help()}; default: retrieval.method, bm25 (lucene: the part "
+                        "built by `sleuth index --lucene`; web: retrieval.web_provider, web_url, its cache in "
+                        "web_cache_dir and rate limit web_rate_per_s; mcp: retrieval.mcp_server)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 exposes it)")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000)")
     p.add_argument("--topk", type=positive_int, default=3, help="topk when a request gives none (Search-R1: 3)")
@@ -52,42 +63,92 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-wait-ms", type=non_negative_number, default=0.0,
                    help="extra wait to gather a batch, in milliseconds (a finite number >= 0; default 0)")
     p.add_argument("--mmap", action="store_true", help="memory-map the index instead of loading it")
-    p.add_argument("--bm25-backend", default="maxscore", choices=BACKENDS,
-                   help="BM25 top-k: maxscore (exact, pruned; default) or bm25s's exhaustive numpy/numba")
+    p.add_argument("--bm25-backend", default=None, choices=BACKENDS,
+                   help="BM25 top-k: maxscore (exact, pruned) or bm25s's exhaustive numpy/numba (default: "
+                        "retrieval.bm25_backend, maxscore)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from retrieval.index import load_retriever, read_manifest
-    from retrieval.server import ServerLimits, create_app, serve
+    from retrieval.server import serve
+
+    server_limits(args)
+    _choice(args)  # a bad limit or an unknown method before the port is taken
+    warn_if_exposed(args.host, args.api_key, f"--api-key or ${API_KEY_ENV}")
+    check_port_free(args.host, args.port)  # before the index loads (minutes for a large one)
+    app, retriever, what = make_app(args)
+    try:
+        print(f"serving {what} at http://{args.host}:{args.port}/retrieve")
+        serve(app, args.host, args.port)
+    finally:
+        close = getattr(retriever, "close", None)
+        if close is not None:  # a web search's on-disk cache, an MCP server's process
+            close()
+    return 0
+
+
+def make_app(args: argparse.Namespace):
+    """``(app, retriever, what)``: the server's app over the retriever the arguments and config name, opened
+    by :func:`sleuth.pipeline.open_retriever` (the index given, never ``retrieval.url``: this server is what a
+    client's url names), and what it serves in words. The caller serves the app and closes the retriever."""
+    from retrieval.server import create_app
+    from sleuth.pipeline import open_retriever
+
+    limits = server_limits(args)
+    cfg, method, entry, index = _choice(args)
+    retriever = open_retriever(cfg, index, method, cache_size=args.cache_size, mmap=args.mmap)
+    info, what = _info(retriever, method, entry, index)
+    app = create_app(retriever, limits, info, max_wait_ms=args.max_wait_ms, api_key=args.api_key)
+    return app, retriever, f"{method} over {what}"
+
+
+def server_limits(args: argparse.Namespace):
+    """The :class:`retrieval.server.ServerLimits` of the arguments; ``ValueError`` for limits that refuse
+    every request."""
+    from retrieval.server import ServerLimits
 
     if args.topk > args.max_topk:  # every request without a topk would be refused
         raise ValueError(f"--topk ({args.topk}) must not exceed --max-topk ({args.max_topk})")
     if args.max_pending_queries < args.max_queries:  # a full-size request would be refused forever
         raise ValueError(f"--max-pending-queries ({args.max_pending_queries}) must be at least --max-queries "
                          f"({args.max_queries})")
-    limits = ServerLimits(
-        max_queries=args.max_queries,
-        max_query_chars=args.max_query_chars,
-        max_topk=args.max_topk,
-        max_hits=args.max_hits,
-        default_topk=args.topk,
-        allow_empty_queries=args.allow_empty_queries,
-        max_body_bytes=args.max_body_bytes,
-        max_pending_queries=args.max_pending_queries,
-        max_reply_bytes=args.max_reply_bytes,
-    )
-    warn_if_exposed(args.host, args.api_key, f"--api-key or ${API_KEY_ENV}")
-    check_port_free(args.host, args.port)  # before the index loads (minutes for a large one)
-    retriever = load_retriever(args.index, args.method, cache_size=args.cache_size, mmap=args.mmap,
-                               bm25_backend=args.bm25_backend)
-    man = read_manifest(args.index)
-    info = {"index": str(args.index), "method": args.method, "num_passages": man["num_passages"]}
-    bm25 = getattr(retriever, "bm25", None)
-    if bm25 is not None:
-        info["bm25_backend"] = bm25.backend
-    app = create_app(retriever, limits, info, max_wait_ms=args.max_wait_ms, api_key=args.api_key)
-    print(
-        f"serving {args.method} over {man['num_passages']} passages at http://{args.host}:{args.port}/retrieve"
-    )
-    serve(app, args.host, args.port)
-    return 0
+    return ServerLimits(max_queries=args.max_queries, max_query_chars=args.max_query_chars, max_topk=args.max_topk,
+                        max_hits=args.max_hits, default_topk=args.topk, allow_empty_queries=args.allow_empty_queries,
+                        max_body_bytes=args.max_body_bytes, max_pending_queries=args.max_pending_queries,
+                        max_reply_bytes=args.max_reply_bytes)
+
+
+def _choice(args: argparse.Namespace):
+    """``(config, method, its registry entry, index directory)`` of the arguments (plugins imported first, so
+    a method they register is a valid ``--method``)."""
+    from retrieval.registry import RETRIEVERS
+
+    cfg = config_from_args(args)
+    method = args.method or cfg.retrieval.method
+    entry = RETRIEVERS.get(method)
+    if args.bm25_backend:
+        cfg.retrieval.bm25_backend = args.bm25_backend
+    return cfg, method, entry, args.index or cfg.retrieval.index_dir
+
+
+def _info(retriever, method: str, entry, index: str) -> tuple[dict, str]:
+    """``/health``'s description of what is served, and the same in words for the start-up line: the index and
+    its passages for an index method, the provider for web search, the server for MCP."""
+    from retrieval.index import read_manifest
+
+    info: dict = {"method": method}
+    if entry.needs_index:
+        man = read_manifest(index)
+        info |= {"index": str(index), "num_passages": man["num_passages"]}
+        bm25 = getattr(retriever, "bm25", None)
+        if bm25 is not None:
+            info["bm25_backend"] = bm25.backend
+        return info, f"{man['num_passages']} passages"
+    # (a query cache in front hands these attributes on)
+    provider, target = getattr(retriever, "provider", None), getattr(retriever, "target", None)
+    if provider is not None:
+        info["provider"] = provider
+        return info, f"{provider} web search"
+    if target is not None:
+        info["mcp_server"] = str(target)
+        return info, f"the MCP server {target}"
+    return info, f"the {method} retriever"

@@ -61,13 +61,14 @@ def simulator_examples(examples: list[Any], retriever: Any, k: int, titles_by_id
 def run(args) -> int:
     from corpora import read_qa
     from corpora.formats import iter_corpus
+    from retrieval.registry import RETRIEVERS
     from sleuth.pipeline import data_paths, open_retriever
 
     cfg = config_from_args(args)
-    if cfg.retrieval.method == "simulated":  # the training config's: the simulator would label its own documents
+    if RETRIEVERS.get(cfg.retrieval.method).generative:  # (a training config's) the simulator would label its own
         raise ValueError("sleuth simulator-data builds the simulator's data from a real retriever, and "
-                         "retrieval.method=simulated is the simulator itself: give a real one, e.g. "
-                         "retrieval.method=bm25 (with --index or retrieval.index_dir), or retrieval.url=...")
+                         f"retrieval.method={cfg.retrieval.method} writes its documents with an LLM: give a real "
+                         "one, e.g. retrieval.method=bm25 (with --index or retrieval.index_dir), or retrieval.url=...")
     paths = data_paths(cfg)
     qa_path = args.qa or paths["train"]
     examples = read_qa(qa_path)[: args.limit]

@@ -1,5 +1,5 @@
-"""``sleuth train``: SFT warm start (if enabled) then multi-turn RL (``train.algorithm``: GRPO,
-PPO, RLOO, ...) with tool-token masking, into ``<out_dir>/<algorithm>``.
+"""``sleuth train``: SFT warm start (if enabled) then multi-turn RL (``train.algorithm.adv_estimator``: GRPO,
+PPO, RLOO, ...) with tool-token masking, into ``<out_dir>/<estimator>``.
 
 Under ``torchrun --nproc_per_node N -m sleuth.cli train ...`` rank 0 alone writes the run config, builds
 the index and the tiny policy and runs the SFT warm start while the other ranks wait (a failure there
@@ -18,8 +18,8 @@ import contextlib
 
 from sleuth.commands.common import add_config_arguments, config_from_args
 
-HELP = ("train the policy: SFT warm start, then multi-turn RL (train.algorithm; metrics, checkpoints, --resume; "
-        "torchrun)")
+HELP = ("train the policy: SFT warm start, then multi-turn RL (train.algorithm.adv_estimator; metrics, "
+        "checkpoints, --resume; torchrun)")
 
 
 def add_arguments(p) -> None:

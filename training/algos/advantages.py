@@ -59,7 +59,7 @@ def dr_grpo_advantages(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Ten
     """Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training"): ``A_i = r_i - mean_g``.
 
     No division by the group std (which over-weights easy and hard prompts); the matching loss drops the
-    per-sequence length normalisation too: use ``train.loss_agg=seq-mean-token-sum-norm`` (the paper's
+    per-sequence length normalisation too: use ``train.algorithm.loss_agg_mode=seq-mean-token-sum-norm`` (the paper's
     constant normaliser) or ``seq-mean-token-sum``.
     """
     return grpo_advantages(rewards, groups, norm_std=False)
@@ -77,7 +77,7 @@ def rloo_advantages(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor
 
 def reinforce_pp_advantages(rewards: torch.Tensor, groups: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """REINFORCE++ (Hu, 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning LLMs"): no critic,
-    no per-prompt baseline; the return (the reward, minus a per-token KL penalty when ``train.kl_mode=reward``)
+    no per-prompt baseline; the return (the reward, minus a per-token KL penalty when ``train.algorithm.kl_mode=reward``)
     is normalised over the *whole batch*: ``A_i = (r_i - mean_batch) / (std_batch + eps)``.
 
     ``groups`` is ignored (kept for a uniform signature). One trajectory, or all rewards equal, gives 0.

@@ -2,7 +2,7 @@
 rollout and advantage attribution.
 
 ARPO's observation: the policy's token entropy rises right after a tool result enters the context. Its rollout
-spends one budget of ``M`` trajectories per question (``train.group_size``) in two ways:
+spends one budget of ``M`` trajectories per question (``train.rollout.group_size``) in two ways:
 
 1. *global samples*: ``N <= M`` trajectories sampled from the question, as GRPO does;
 2. *step-level branches*: after each tool call, the first ``k`` tokens the policy writes are scored by their

@@ -1,25 +1,40 @@
 """The advantage-estimator registry and the built-in estimators' registrations.
 
-Each estimator is registered in :data:`ADV_ESTIMATORS` under the name ``train.algorithm`` takes (verl's
-``register_adv_est`` pattern; :mod:`training.registry`); its math lives in :mod:`training.algos.advantages`
-and :mod:`training.algos.turn_credit`. Two ways in:
+Each estimator is one registration in :data:`ADV_ESTIMATORS`, under the name ``train.algorithm.adv_estimator``
+takes (verl's ``register_adv_est`` pattern, :mod:`training.registry`), in this file or a plugin module named
+in the config's ``plugins``; its math lives in :mod:`training.algos.advantages` and
+:mod:`training.algos.turn_credit`. A registration carries everything the estimator needs, so neither the
+trainer nor the config schema names it:
 
-* :func:`register_outcome_adv_est`: an outcome-level estimator ``fn(rewards [N], groups [N],
-  search_calls [N], tc) -> [N]``. The wrapper subtracts the KL penalty (``train.kl_mode=reward``), runs it on
-  the whole batch under torchrun (every rank's rows gathered), broadcasts the result to the policy tokens
-  and adds the per-turn search cost. GRPO, Dr. GRPO, RLOO, REINFORCE++ and Stratified GRPO are such.
-* :func:`register_adv_est`: a token-level estimator ``fn(inp: AdvantageInputs, tc) -> {"advantages":
-  [N, T-1], "returns"?: [N, T-1]}`` (PPO with GAE, IGPO's turn-level information gain, GiGPO,
-  evidence-gain IGPO), declaring what it needs (a critic, group structure, per-turn gold-answer
-  probabilities) so the trainer provides it.
+* ``fn``: the estimator itself;
+* ``options``: its own settings, a frozen dataclass subclassing :class:`training.registry.Options` (ranges
+  checked in ``__post_init__``), that the config nests as ``train.algorithm.options`` and validates when it is
+  loaded (unknown keys are errors; values converted to the field types);
+* ``prepare``: the steps that compute its inputs beyond the batch (:class:`PrepareContext`: the batch, the
+  trajectories, the models, the tokenizer, the rollout worker), run by the trainer's score phase, each
+  writing onto the :class:`training.batch.Batch`: the KL penalty when it is a reward
+  (:func:`kl_reward_penalty`), the critic's values (:func:`critic_values`), IGPO's gold-answer
+  probabilities (:func:`gold_probs`), or anything a new estimator needs (``batch.prepared[name]``);
+* ``critic`` / ``groups``: it needs a value model (``train.algorithm.critic``) / group structure
+  (``train.rollout.group_size >= 2``), checked when the config is validated.
 
-``tc`` is the :class:`training.config.TrainConfig`.
+Two ways in:
+
+* :func:`register_outcome_adv_est`: an outcome-level estimator ``fn(rewards [N], groups [N], search_calls [N],
+  opts) -> [N]``. The wrapper subtracts the KL penalty (``kl_mode=reward``), runs it on the whole batch under
+  torchrun (every rank's rows gathered), broadcasts the result to the policy tokens and adds the per-turn
+  search cost. GRPO, Dr. GRPO, RLOO, REINFORCE++ and Stratified GRPO are such.
+* :func:`register_adv_est`: a token-level estimator ``fn(inp: AdvantageInputs, opts, alg) -> {"advantages":
+  [N, T-1], "returns"?: [N, T-1]}`` (PPO with GAE, IGPO's turn-level information gain, GiGPO, evidence-gain
+  IGPO); ``alg`` is the ``train.algorithm`` section (``gamma``, ``lam``, ``kl_coef``, ``search_cost``).
+
+``opts`` is the estimator's options (``train.algorithm.options``), an instance of its ``options`` model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,15 +53,18 @@ from training.algos.advantages import (
     to_token_advantages,
     turns_to_tokens,
 )
-from training.algos.rewards import information_gain_rewards, turn_table
+from training.algos.options import check_range
+from training.algos.rewards import gold_answer_probs, information_gain_rewards, kl_penalty, turn_table
 from training.algos.turn_credit import anchor_states, evidence_gain, gigpo_advantages
+from training.batch import Batch
 from training.infra.distributed import gather_objects, world
-from training.registry import Registry
+from training.registry import Options, Registry, options_class
 
 
 @dataclass
 class AdvantageInputs:
-    """What the trainer hands an estimator for one batch (this rank's rows under torchrun).
+    """What an estimator reads for one batch (this rank's rows under torchrun), built from the
+    :class:`training.batch.Batch` and its trajectories by :func:`advantage_inputs`.
 
     * ``rewards`` ``[N]`` float32: the judge's outcome rewards; ``groups`` ``[N]`` int64;
     * ``mask`` ``[N, T-1]`` float32: the loss mask; ``token_turns`` ``[N, T-1]`` int64: the turn of each
@@ -54,11 +72,11 @@ class AdvantageInputs:
     * ``turn_valid``, ``is_search`` ``[N, K]`` bool: which turns exist, and which searched
       (:func:`training.algos.rewards.turn_table`); ``search_calls`` ``[N]`` int64;
     * ``trajs``: the trajectories themselves (anything else an estimator wants to read);
-    * ``values`` ``[N, T-1]``: the critic's values (estimators registered with ``critic=True``);
-    * ``gold_probs``: per-turn gold-answer probabilities (``gold_probs=True``,
-      :func:`training.model.forward.gold_answer_probs`);
+    * ``values`` ``[N, T-1]``: the critic's values (``Batch.old_values``, :func:`critic_values`);
     * ``kl_tokens`` ``[N, T-1]``: the per-token KL to the reference when it is a reward penalty
-      (``train.kl_mode=reward``), else ``None``; :meth:`kl_seq` is its per-trajectory sum.
+      (``Batch.kl_tokens``, :func:`kl_reward_penalty`), else ``None``; :meth:`kl_seq` is its per-trajectory
+      sum;
+    * ``prepared``: what the estimator's own prepare steps put in ``Batch.prepared`` (IGPO: ``gold_probs``).
     """
 
     rewards: torch.Tensor
@@ -70,8 +88,8 @@ class AdvantageInputs:
     search_calls: torch.Tensor
     trajs: list[Any]
     values: torch.Tensor | None = None
-    gold_probs: list[list[float]] | None = None
     kl_tokens: torch.Tensor | None = None
+    prepared: dict[str, Any] = field(default_factory=dict)
 
     def kl_seq(self) -> torch.Tensor:
         """``[N]``: each trajectory's summed per-token KL penalty (zeros without one)."""
@@ -80,71 +98,154 @@ class AdvantageInputs:
         return (self.kl_tokens * self.mask).sum(-1)
 
 
-def advantage_inputs(batch: Any, trajs: list[Any], **extra: Any) -> AdvantageInputs:
-    """:class:`AdvantageInputs` of a :class:`training.batch.Batch` and its trajectories, plus ``extra``
-    (``values``, ``gold_probs``, ``kl_tokens``)."""
+def advantage_inputs(batch: Batch, trajs: list[Any]) -> AdvantageInputs:
+    """:class:`AdvantageInputs` of a scored :class:`training.batch.Batch` (its prepare steps run) and its
+    trajectories."""
     valid, is_search = turn_table(trajs)
     return AdvantageInputs(
         rewards=batch.rewards.float(), groups=batch.groups, mask=batch.loss_mask,
         token_turns=batch.turn_ids[:, 1:], turn_valid=valid, is_search=is_search,
-        search_calls=torch.tensor([t.num_search_calls for t in trajs], dtype=torch.long), trajs=trajs, **extra)
+        search_calls=torch.tensor([t.num_search_calls for t in trajs], dtype=torch.long), trajs=trajs,
+        values=batch.old_values, kl_tokens=batch.kl_tokens, prepared=batch.prepared)
 
 
+# -- preparing an estimator's inputs ------------------------------------------------------------------
+@dataclass
+class PrepareContext:
+    """What an estimator's prepare steps may read, once per training step (built by the trainer's score
+    phase, after the old and reference log-probs; everything of this rank under torchrun).
+
+    * ``batch``: the step's :class:`training.batch.Batch`, ``old_logprobs`` (and ``ref_logprobs`` with a
+      reference) scored; a step writes what it computes onto it: a typed field (``old_values``,
+      ``kl_tokens``; or changes ``rewards``, ``loss_mask``, ``old_logprobs``) or ``batch.prepared[name]``;
+    * ``trajs``: the batch's trajectories, row for row (tokens, roles, turns, verdicts, metadata);
+    * ``tc``: the :class:`training.config.TrainConfig` (:attr:`options`: the estimator's options);
+    * ``tokenizer``; ``max_len``: the episode budget (``agent.max_total_tokens``, tokens);
+    * ``policy``: the full policy model the rollouts ran (a Hugging Face causal LM, in eval mode);
+      ``ref_model``: the KL reference or ``None``; ``critic``: the value model or ``None``;
+    * ``logprobs(batch) -> [N, T-1]`` float32: the policy's log-probs of a batch's loss-mask tokens (at
+      ``batch.temperature``), for any batch a step builds (:func:`training.model.forward.policy_logprobs`);
+    * ``values(batch) -> [N, T-1]`` float32: the critic's values on the update's micro-batches (``None``
+      without a critic);
+    * ``worker``: the rollout worker (its LLM, retriever, agent config and judge), for steps that sample more
+      episodes or read the corpus (``None`` outside a training run); ``step``: the step (0-based).
+    """
+
+    batch: Batch
+    trajs: list[Any]
+    tc: Any
+    tokenizer: Any
+    max_len: int
+    policy: Any
+    logprobs: Callable[[Batch], torch.Tensor]
+    ref_model: Any | None = None
+    critic: Any | None = None
+    values: Callable[[Batch], torch.Tensor] | None = None
+    worker: Any | None = None
+    step: int = 0
+
+    @property
+    def options(self) -> Options:
+        """The estimator's options (``train.algorithm.options``)."""
+        return self.tc.algorithm.options
+
+
+PrepareStep = Callable[[PrepareContext], None]
+
+
+def kl_reward_penalty(ctx: PrepareContext) -> None:
+    """``batch.kl_tokens`` ``[N, T-1]``: the per-token KL to the reference (``train.algorithm.kl_type``) when
+    it is a reward penalty (``kl_mode=reward``, with a reference); left ``None`` otherwise. Every built-in
+    estimator runs it (the default ``prepare``)."""
+    b, alg = ctx.batch, ctx.tc.algorithm
+    if b.ref_logprobs is not None and alg.kl_mode == "reward":
+        b.kl_tokens = kl_penalty(b.old_logprobs, b.ref_logprobs, b.loss_mask, alg.kl_type)
+
+
+def critic_values(ctx: PrepareContext) -> None:
+    """``batch.old_values`` ``[N, T-1]``: the critic's values of the rollout (PPO's ``V_old``, for GAE and
+    the clipped value loss). Raises ``ValueError`` without a critic."""
+    if ctx.values is None:
+        raise ValueError(f"{ctx.tc.algorithm.adv_estimator} needs a value model: set train.algorithm.critic")
+    ctx.batch.old_values = ctx.values(ctx.batch)
+
+
+def gold_probs(ctx: PrepareContext) -> None:
+    """``batch.prepared["gold_probs"]``: per trajectory, the policy's probability of the gold answer after
+    each turn (:func:`training.algos.rewards.gold_answer_probs`), IGPO's information gain's input."""
+    ctx.batch.prepared["gold_probs"] = gold_answer_probs(ctx.logprobs, ctx.tokenizer, ctx.trajs, max_len=ctx.max_len)
+
+
+def prepare_inputs(ctx: PrepareContext) -> None:
+    """Run the prepare steps of the estimator ``ctx.tc.algorithm.adv_estimator``, in their order."""
+    for prepare in ADV_ESTIMATORS.get(ctx.tc.algorithm.adv_estimator).prepare:
+        prepare(ctx)
+
+
+# -- the registry -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AdvEstimator:
-    """A registered estimator: ``fn(inp, tc) -> {"advantages", "returns"?}`` and what it needs: a value
-    model (``critic``: ``train.critic`` must be set), group structure (``groups``: ``train.group_size >= 2``),
-    per-turn gold-answer probabilities (``gold_probs``)."""
+    """A registered estimator: ``fn(inp, opts, alg) -> {"advantages", "returns"?}``, its ``options`` model,
+    its ``prepare`` steps (run in order before it, :class:`PrepareContext`) and what the config must provide:
+    a value model (``critic``: ``train.algorithm.critic`` must be set), group structure (``groups``:
+    ``train.rollout.group_size >= 2``)."""
 
     name: str
-    fn: Callable[[AdvantageInputs, Any], dict[str, torch.Tensor]]
+    fn: Callable[[AdvantageInputs, Any, Any], dict[str, torch.Tensor]]
     critic: bool = False
     groups: bool = False
-    gold_probs: bool = False
+    options: type[Options] = Options
+    prepare: tuple[PrepareStep, ...] = (kl_reward_penalty,)
 
 
-ADV_ESTIMATORS: Registry[AdvEstimator] = Registry("advantage estimator", "train.algorithm")
+ADV_ESTIMATORS: Registry[AdvEstimator] = Registry("advantage estimator", "train.algorithm.adv_estimator")
 
 
-def register_adv_est(name: str, *, critic: bool = False, groups: bool = False, gold_probs: bool = False,
-                     replace: bool = False):
-    """Decorator: register ``fn(inp: AdvantageInputs, tc) -> {"advantages": [N, T-1], "returns"?: [N, T-1]}``
-    as ``train.algorithm=<name>`` (advantages zero off the loss mask; ``returns`` are the critic's targets)."""
+def register_adv_est(name: str, *, critic: bool = False, groups: bool = False, options: type[Options] = Options,
+                     prepare: tuple[PrepareStep, ...] = (kl_reward_penalty,), replace: bool = False):
+    """Decorator: register ``fn(inp: AdvantageInputs, opts, alg) -> {"advantages": [N, T-1], "returns"?:
+    [N, T-1]}`` as ``train.algorithm.adv_estimator=<name>`` (advantages zero off the loss mask; ``returns``
+    are the critic's targets), with its options class and prepare steps (see :class:`AdvEstimator`). Raises
+    ``TypeError`` for options that are not a frozen dataclass of :class:`training.registry.Options`."""
+    opts_cls = options_class(options, f"advantage estimator {name!r}")
 
     def wrap(fn):
-        ADV_ESTIMATORS.add(name, AdvEstimator(name, fn, critic, groups, gold_probs), replace=replace)
+        ADV_ESTIMATORS.add(name, AdvEstimator(name, fn, critic, groups, opts_cls, tuple(prepare)), replace=replace)
         return fn
 
     return wrap
 
 
-def register_outcome_adv_est(name: str, *, groups: bool = True, replace: bool = False):
-    """Decorator: register an outcome-level ``fn(rewards [N], groups [N], search_calls [N], tc) -> [N]`` as
-    ``train.algorithm=<name>``. The trainer calls it on ``rewards - kl_coef * KL`` (with
-    ``train.kl_mode=reward``) of the whole batch (gathered over ranks under torchrun, so batch statistics are
+def register_outcome_adv_est(name: str, *, groups: bool = True, options: type[Options] = Options,
+                             prepare: tuple[PrepareStep, ...] = (kl_reward_penalty,), replace: bool = False):
+    """Decorator: register an outcome-level ``fn(rewards [N], groups [N], search_calls [N], opts) -> [N]`` as
+    ``train.algorithm.adv_estimator=<name>``. The trainer calls it on ``rewards - kl_coef * KL`` (with
+    ``kl_mode=reward``) of the whole batch (gathered over ranks under torchrun, so batch statistics are
     those of one process; an episode split into several training sequences once, :func:`episode_rows`),
     broadcasts the result to every policy token of the trajectory and adds the per-turn search cost-to-go
-    (``train.search_cost``). ``groups``: the estimator compares trajectories of a
-    group, so ``train.group_size`` must be >= 2."""
+    (``train.algorithm.search_cost``). ``groups``: the estimator compares trajectories of a group, so
+    ``train.rollout.group_size`` must be >= 2; ``options`` and ``prepare`` as :func:`register_adv_est`."""
+    opts_cls = options_class(options, f"advantage estimator {name!r}")
 
     def wrap(fn):
-        def estimate(inp: AdvantageInputs, tc: Any) -> dict[str, torch.Tensor]:
-            rewards = inp.rewards - tc.kl_coef * inp.kl_seq()
+        def estimate(inp: AdvantageInputs, opts: Options, alg: Any) -> dict[str, torch.Tensor]:
+            rewards = inp.rewards - alg.kl_coef * inp.kl_seq()
             split = episode_rows(inp.trajs)
             if split is None:
-                adv = gathered_outcome(fn, rewards, inp.groups, inp.search_calls, tc)
+                adv = gathered_outcome(fn, rewards, inp.groups, inp.search_calls, opts)
             else:  # an episode split into several training sequences counts once in its group's statistics
                 inverse, first = split
                 per_ep = torch.zeros(len(first)).index_add_(0, inverse, rewards - inp.rewards) + inp.rewards[first]
                 calls = torch.zeros(len(first), dtype=torch.long).index_add_(0, inverse, inp.search_calls)
-                adv = gathered_outcome(fn, per_ep, inp.groups[first], calls, tc)[inverse]
+                adv = gathered_outcome(fn, per_ep, inp.groups[first], calls, opts)[inverse]
             tok = to_token_advantages(adv, inp.mask)
-            if tc.search_cost > 0:
-                cost = search_cost_to_go(inp.is_search, inp.turn_valid, tc.search_cost)
+            if alg.search_cost > 0:
+                cost = search_cost_to_go(inp.is_search, inp.turn_valid, alg.search_cost)
                 tok = tok + turns_to_tokens(cost, inp.token_turns, inp.mask)
             return {"advantages": tok}
 
-        ADV_ESTIMATORS.add(name, AdvEstimator(name, estimate, groups=groups), replace=replace)
+        ADV_ESTIMATORS.add(name, AdvEstimator(name, estimate, groups=groups, options=opts_cls, prepare=tuple(prepare)),
+                           replace=replace)
         return fn
 
     return wrap
@@ -174,14 +275,14 @@ def episode_rows(trajs: list[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def gathered_outcome(fn: Callable[..., torch.Tensor], rewards: torch.Tensor, groups: torch.Tensor,
-                     search_calls: torch.Tensor, tc: Any) -> torch.Tensor:
+                     search_calls: torch.Tensor, opts: Options) -> torch.Tensor:
     """``fn`` over the whole batch: under torchrun every rank's ``[N_r]`` rewards, groups and search calls are
     gathered (each rank's group ids moved past the previous ranks'), so batch statistics (REINFORCE++'s
     normalisation, Stratified GRPO's global term) are those of one process on the whole batch; returns this
     rank's ``[N_r]`` rows. One process: ``fn`` itself. A collective under torchrun."""
     rank, W = world()
     if W == 1:
-        return fn(rewards, groups, search_calls, tc)
+        return fn(rewards, groups, search_calls, opts)
     R: list[float] = []
     G: list[int] = []
     S: list[int] = []
@@ -192,108 +293,149 @@ def gathered_outcome(fn: Callable[..., torch.Tensor], rewards: torch.Tensor, gro
         R.extend(r)
         G.extend(base + x for x in g)
         S.extend(s)
-    adv = fn(torch.tensor(R, dtype=torch.float32), torch.tensor(G), torch.tensor(S), tc)
+    adv = fn(torch.tensor(R, dtype=torch.float32), torch.tensor(G), torch.tensor(S), opts)
     return adv[start : start + len(rewards)]
 
 
 def compute_advantages(tc: Any, inp: AdvantageInputs) -> dict[str, torch.Tensor]:
     """Per-token advantages ``[N, T-1]`` (aligned with the loss mask) of the registered estimator
-    ``tc.algorithm``: ``{"advantages"}``, plus ``{"returns"}`` for a critic's targets. Raises ``ValueError``
-    for an unknown estimator or when an input it declared (values, gold probabilities) is missing. A
-    collective under torchrun for estimators with batch statistics: every rank must call it."""
-    entry = ADV_ESTIMATORS.get(tc.algorithm)
+    ``tc.algorithm.adv_estimator`` with its options ``tc.algorithm.options``: ``{"advantages"}``, plus
+    ``{"returns"}`` for a critic's targets. Raises ``ValueError`` for an unknown estimator or without the
+    critic values it declared (its prepare steps did not run). A collective under torchrun for estimators with
+    batch statistics: every rank must call it."""
+    alg = tc.algorithm
+    entry = ADV_ESTIMATORS.get(alg.adv_estimator)
     if entry.critic and inp.values is None:
-        raise ValueError(f"{entry.name} needs critic values")
-    if entry.gold_probs and inp.gold_probs is None:
-        raise ValueError(f"{entry.name} needs the per-turn gold-answer probabilities")
-    return entry.fn(inp, tc)
+        raise ValueError(f"{entry.name} needs critic values (its prepare step critic_values)")
+    return entry.fn(inp, alg.options, alg)
 
 
 # -- registrations ------------------------------------------------------------------------------------
 @register_outcome_adv_est("grpo")
-def _grpo(rewards: torch.Tensor, groups: torch.Tensor, search_calls: torch.Tensor, tc: Any) -> torch.Tensor:
+def _grpo(rewards: torch.Tensor, groups: torch.Tensor, search_calls: torch.Tensor,
+          opts: Options) -> torch.Tensor:
     return grpo_advantages(rewards, groups)
 
 
 @register_outcome_adv_est("dr_grpo")
-def _dr_grpo(rewards: torch.Tensor, groups: torch.Tensor, search_calls: torch.Tensor, tc: Any) -> torch.Tensor:
+def _dr_grpo(rewards: torch.Tensor, groups: torch.Tensor, search_calls: torch.Tensor,
+             opts: Options) -> torch.Tensor:
     return dr_grpo_advantages(rewards, groups)
 
 
 @register_outcome_adv_est("rloo")
-def _rloo(rewards: torch.Tensor, groups: torch.Tensor, search_calls: torch.Tensor, tc: Any) -> torch.Tensor:
+def _rloo(rewards: torch.Tensor, groups: torch.Tensor, search_calls: torch.Tensor,
+          opts: Options) -> torch.Tensor:
     return rloo_advantages(rewards, groups)
 
 
 @register_outcome_adv_est("reinforce_pp", groups=False)
-def _reinforce_pp(rewards: torch.Tensor, groups: torch.Tensor, search_calls: torch.Tensor, tc: Any) -> torch.Tensor:
+def _reinforce_pp(rewards: torch.Tensor, groups: torch.Tensor, search_calls: torch.Tensor,
+                  opts: Options) -> torch.Tensor:
     return reinforce_pp_advantages(rewards, groups)
 
 
-@register_outcome_adv_est("stratified_grpo")
+@dataclass(frozen=True)
+class StratifiedOptions(Options):
+    """Stratified GRPO's setting: ``alpha`` in ``[0, 1]``, the weight of the stratified (SAN) advantage against
+    the global one."""
+
+    alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        check_range("stratified_grpo's alpha", self.alpha, 0.0, 1.0)
+
+
+@register_outcome_adv_est("stratified_grpo", options=StratifiedOptions)
 def _stratified_grpo(rewards: torch.Tensor, groups: torch.Tensor, search_calls: torch.Tensor,
-                     tc: Any) -> torch.Tensor:
-    """Strata: the number of search calls of each trajectory; ``train.stratified_alpha`` blends SAN in."""
-    return stratified_grpo_advantages(rewards, groups, search_calls, tc.stratified_alpha)
+                     opts: StratifiedOptions) -> torch.Tensor:
+    """Strata: the number of search calls of each trajectory; the option ``alpha`` blends SAN in."""
+    return stratified_grpo_advantages(rewards, groups, search_calls, opts.alpha)
 
 
-@register_adv_est("ppo", critic=True)
-def _ppo(inp: AdvantageInputs, tc: Any) -> dict[str, torch.Tensor]:
-    """GAE over policy tokens on the outcome reward at the last policy token (minus the search cost, and the
-    per-token KL penalty with ``train.kl_mode=reward``), whitened over the whole batch."""
-    costs = inp.rewards - tc.search_cost * inp.is_search.float().sum(-1)
+@register_adv_est("ppo", critic=True, prepare=(kl_reward_penalty, critic_values))
+def _ppo(inp: AdvantageInputs, opts: Options, alg: Any) -> dict[str, torch.Tensor]:
+    """GAE (``alg.gamma``, ``alg.lam``) over policy tokens on the outcome reward at the last policy token
+    (minus the search cost, and the per-token KL penalty with ``kl_mode=reward``), whitened over the whole
+    batch."""
+    costs = inp.rewards - alg.search_cost * inp.is_search.float().sum(-1)
     token_r = last_token_rewards(costs, inp.mask)
     if inp.kl_tokens is not None:
-        token_r = token_r - tc.kl_coef * inp.kl_tokens * inp.mask
-    adv, ret = gae_advantages(token_r, inp.values, inp.mask, tc.gamma, tc.lam, whiten=False)
+        token_r = token_r - alg.kl_coef * inp.kl_tokens * inp.mask
+    adv, ret = gae_advantages(token_r, inp.values, inp.mask, alg.gamma, alg.lam, whiten=False)
     return {"advantages": batch_masked_whiten(adv, inp.mask), "returns": ret}
 
 
-@register_adv_est("igpo", groups=True, gold_probs=True)
-def _igpo(inp: AdvantageInputs, tc: Any) -> dict[str, torch.Tensor]:
-    """IGPO: each search turn earns ``ig_coef`` times its information gain, the last turn the outcome reward
-    (minus the KL penalty); every search turn pays the search cost; :func:`igpo_turn_advantages` then
-    folds onto the turns' tokens."""
+@dataclass(frozen=True)
+class IGPOOptions(Options):
+    """IGPO's (and evidence-gain IGPO's) setting: ``ig_coef`` >= 0, the weight of the information-gain turn
+    reward."""
+
+    ig_coef: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_range("IGPO's ig_coef", self.ig_coef, 0.0)
+
+
+@register_adv_est("igpo", groups=True, options=IGPOOptions, prepare=(kl_reward_penalty, gold_probs))
+def _igpo(inp: AdvantageInputs, opts: IGPOOptions, alg: Any) -> dict[str, torch.Tensor]:
+    """IGPO: each search turn earns ``ig_coef`` times its information gain (from the prepared
+    ``gold_probs``), the last turn the outcome reward (minus the KL penalty); every search turn pays the
+    search cost; :func:`igpo_turn_advantages` (``alg.gamma``) then folds onto the turns' tokens."""
     valid, is_search = inp.turn_valid, inp.is_search
-    turn_r = tc.ig_coef * information_gain_rewards(inp.gold_probs, valid) - tc.search_cost * is_search.float()
+    gain = information_gain_rewards(inp.prepared["gold_probs"], valid)
+    turn_r = opts.ig_coef * gain - alg.search_cost * is_search.float()
     last = valid.long().cumsum(-1).argmax(-1)  # column of each trajectory's last valid turn
     rows = torch.arange(len(inp.rewards))
-    turn_r[rows, last] = (inp.rewards - tc.kl_coef * inp.kl_seq()) - tc.search_cost * is_search[rows, last].float()
-    turn_adv = igpo_turn_advantages(turn_r, valid, inp.groups, tc.gamma)
+    turn_r[rows, last] = (inp.rewards - alg.kl_coef * inp.kl_seq()) - alg.search_cost * is_search[rows, last].float()
+    turn_adv = igpo_turn_advantages(turn_r, valid, inp.groups, alg.gamma)
     return {"advantages": turns_to_tokens(turn_adv, inp.token_turns, inp.mask)}
 
 
 # -- turn-level credit ---------------------------------------------------------------------------------
-def outcome_turn_rewards(inp: AdvantageInputs, tc: Any) -> torch.Tensor:
+def outcome_turn_rewards(inp: AdvantageInputs, alg: Any) -> torch.Tensor:
     """``[N, K]`` turn rewards of an outcome episode: the outcome (minus the KL penalty with
-    ``train.kl_mode=reward``) on each trajectory's last valid turn and ``-train.search_cost`` on every search
-    turn; their sum over turns is the episode's return."""
+    ``kl_mode=reward``) on each trajectory's last valid turn and ``-alg.search_cost`` on every search turn;
+    their sum over turns is the episode's return."""
     valid = inp.turn_valid
-    turn_r = -tc.search_cost * inp.is_search.float() * valid.float()
+    turn_r = -alg.search_cost * inp.is_search.float() * valid.float()
     last = valid.long().cumsum(-1).argmax(-1)  # column of each trajectory's last valid turn
     rows = torch.arange(len(inp.rewards))
-    turn_r[rows, last] += inp.rewards.float() - tc.kl_coef * inp.kl_seq()
+    turn_r[rows, last] += inp.rewards.float() - alg.kl_coef * inp.kl_seq()
     return turn_r
 
 
-@register_adv_est("gigpo", groups=True)
-def _gigpo(inp: AdvantageInputs, tc: Any) -> dict[str, torch.Tensor]:
-    """GiGPO over the observation-history anchor states, ``train.gigpo_omega``, ``train.gamma`` and
-    ``train.gigpo_std_norm``."""
-    turn_r = outcome_turn_rewards(inp, tc)
+@dataclass(frozen=True)
+class GiGPOOptions(Options):
+    """GiGPO's settings: ``omega`` >= 0, the weight of the step-level (anchor-state) advantage; ``std_norm``:
+    divide both levels by the group's std (the paper's F_norm = std), or not (F_norm = 1, verl-agent's default
+    mode ``mean_norm``)."""
+
+    omega: float = 1.0
+    std_norm: bool = True
+
+    def __post_init__(self) -> None:
+        check_range("GiGPO's omega", self.omega, 0.0)
+
+
+@register_adv_est("gigpo", groups=True, options=GiGPOOptions)
+def _gigpo(inp: AdvantageInputs, opts: GiGPOOptions, alg: Any) -> dict[str, torch.Tensor]:
+    """GiGPO over the observation-history anchor states, with the options ``omega`` and ``std_norm`` and
+    ``alg.gamma``."""
+    turn_r = outcome_turn_rewards(inp, alg)
     states = anchor_states(inp.trajs, inp.turn_valid.shape[1])
-    adv = gigpo_advantages(turn_r.sum(-1), inp.groups, turn_r, inp.turn_valid, states, tc.gamma, tc.gigpo_omega,
-                           tc.gigpo_std_norm)
+    adv = gigpo_advantages(turn_r.sum(-1), inp.groups, turn_r, inp.turn_valid, states, alg.gamma, opts.omega,
+                           opts.std_norm)
     return {"advantages": turns_to_tokens(adv, inp.token_turns, inp.mask)}
 
 
-@register_adv_est("evidence_igpo", groups=True)
-def _evidence_igpo(inp: AdvantageInputs, tc: Any) -> dict[str, torch.Tensor]:
+@register_adv_est("evidence_igpo", groups=True, options=IGPOOptions)
+def _evidence_igpo(inp: AdvantageInputs, opts: IGPOOptions, alg: Any) -> dict[str, torch.Tensor]:
     """IGPO's turn rewards and advantages (:func:`training.algos.advantages.igpo_turn_advantages`:
-    z-normalised over the group's turns, accumulated with ``train.gamma``) with the evidence gain
-    (:func:`training.algos.turn_credit.evidence_gain`, weight ``train.ig_coef``) in place of the probability
-    gain: the outcome (minus the KL penalty) on the last turn, ``-train.search_cost`` on every search turn."""
+    z-normalised over the group's turns, accumulated with ``alg.gamma``) with the evidence gain
+    (:func:`training.algos.turn_credit.evidence_gain`, weight ``ig_coef``) in place of the probability gain:
+    the outcome (minus the KL penalty) on the last turn, ``-alg.search_cost`` on every search turn."""
     gain = evidence_gain(inp.trajs, inp.turn_valid.shape[1]) * inp.turn_valid.float()
-    turn_r = tc.ig_coef * gain + outcome_turn_rewards(inp, tc)
-    adv = igpo_turn_advantages(turn_r, inp.turn_valid, inp.groups, tc.gamma)
+    turn_r = opts.ig_coef * gain + outcome_turn_rewards(inp, alg)
+    adv = igpo_turn_advantages(turn_r, inp.turn_valid, inp.groups, alg.gamma)
     return {"advantages": turns_to_tokens(adv, inp.token_turns, inp.mask)}

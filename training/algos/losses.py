@@ -5,30 +5,32 @@ Shapes: ``B`` sequences of ``T`` tokens; every per-token tensor is ``[B, T]`` an
 at the policy's own tokens (tool and prompt tokens get no gradient, as in Search-R1). Log-probabilities are
 float32 natural logs. Three registries (:mod:`training.registry`), each filled below and open to plugins:
 
-* :data:`POLICY_LOSSES` (``train.policy_loss``): the per-token policy-gradient term. ``ppo_clip``: PPO
+* :data:`POLICY_LOSSES` (``train.algorithm.policy_loss``): the per-token policy-gradient term. ``ppo_clip``: PPO
   (Schulman et al., 2017) with DAPO's clip-higher (Yu et al., 2025) and optional dual-clip (Ye et al., 2020);
   ``gspo``: GSPO's sequence-level ratio and clipping (Zheng et al., 2025); ``cispo``: CISPO's clipped,
   stop-gradient importance weights (MiniMax-M1, 2025);
-* :data:`KL_ESTIMATORS` (``train.kl_type``): per-token KL(pi || pi_ref) from sampled tokens, after
+* :data:`KL_ESTIMATORS` (``train.algorithm.kl_type``): per-token KL(pi || pi_ref) from sampled tokens, after
   Schulman's "Approximating KL divergence" note and verl's ``core_algos.kl_penalty`` (k1, k2, k3, abs);
-* :data:`LOSS_AGGS` (``train.loss_agg``): how a ``[B, T]`` loss becomes a scalar, verl's ``agg_loss`` modes
+* :data:`LOSS_AGGS` (``train.algorithm.loss_agg_mode``): how a ``[B, T]`` loss becomes a scalar, verl's ``agg_loss`` modes
   (token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm).
 
-:func:`policy_loss` composes them (policy term + KL-to-reference loss - entropy bonus);
-:func:`training.model.kernels.policy_loss` runs the fused kernel for the combinations it implements and this
-reference otherwise.
+:func:`policy_loss` composes them (policy term + KL-to-reference loss - entropy bonus) with the settings of
+one :class:`LossConfig` (built once from the config's ``train.algorithm`` section, :meth:`LossConfig.of`);
+:func:`training.model.kernels.policy_loss` takes the same arguments, runs the fused kernel for the
+combinations it implements and this reference otherwise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from training.registry import Registry, decorator
+from training.algos.options import check_range
+from training.registry import Options, Registry, decorator, options_class
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,7 +127,7 @@ class LossAgg:
     kernel_mode: int | None = None
 
 
-LOSS_AGGS: Registry[LossAgg] = Registry("loss aggregation", "train.loss_agg")
+LOSS_AGGS: Registry[LossAgg] = Registry("loss aggregation", "train.algorithm.loss_agg_mode")
 
 
 def register_loss_agg(name: str, unit: str, kernel_mode: int | None = None, replace: bool = False):
@@ -166,7 +168,7 @@ def _seq_mean_token_mean(kept: torch.Tensor, mask: torch.Tensor, scale: float | 
 @register_loss_agg("seq-mean-token-sum-norm", "rows")
 def _seq_mean_token_sum_norm(kept: torch.Tensor, mask: torch.Tensor, scale: float | None) -> torch.Tensor:
     """Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training"): each row's token sum divided by a
-    constant ``scale`` (the generation budget: the trainer passes ``train.loss_scale_factor``, else
+    constant ``scale`` (the generation budget: the trainer passes ``train.algorithm.loss_scale_factor``, else
     ``agent.max_total_tokens``), averaged over the rows that hold policy tokens, so neither a response's
     length nor the batch's longest row changes a token's weight. verl's mode of the same name sums the rows
     instead of averaging them (its per-row scale then comes from the global batch size): the two differ by
@@ -197,7 +199,7 @@ class KLEstimator:
     kernel_id: int | None = None
 
 
-KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator", "train.kl_type")
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator", "train.algorithm.kl_type")
 
 
 def register_kl(name: str, kernel_id: int | None = None, replace: bool = False):
@@ -245,38 +247,90 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
 
 # -- policy losses ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class LossConfig:
+    """The actor loss's settings, built once from the config (:meth:`of`) and given to every
+    :func:`policy_loss` (this reference, :func:`training.model.kernels.policy_loss` and the fused loss alike).
+
+    ``loss``: the registered policy term (:data:`POLICY_LOSSES`); ``clip_low`` / ``clip_high``: PPO's ratio
+    clip range ``[1 - clip_low, 1 + clip_high]`` (DAPO's clip-higher when ``clip_high > clip_low``);
+    ``clip_ratio_c``: the dual-clip bound (> 1) or ``None``; ``loss_agg``: the registered aggregation
+    (:data:`LOSS_AGGS`) and ``loss_scale`` its constant (``seq-mean-token-sum-norm``, tokens); ``kl_coef`` /
+    ``kl_type``: the KL-to-reference loss (applied when reference log-probs are given and ``kl_coef > 0``);
+    ``entropy_coef``: the entropy bonus; ``options``: the policy term's own settings (an instance of its
+    registered :class:`training.registry.Options` class; ``None``: its defaults)."""
+
+    loss: str = "ppo_clip"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_ratio_c: float | None = None
+    loss_agg: str = "token-mean"
+    loss_scale: float | None = None
+    kl_coef: float = 0.0
+    kl_type: str = "k3"
+    entropy_coef: float = 0.0
+    options: Options | None = field(default=None, compare=False)
+
+    @classmethod
+    def of(cls, alg: Any, loss_scale: float | None = None) -> LossConfig:
+        """The settings of a ``train.algorithm`` section (:class:`training.config.AlgorithmConfig`);
+        ``loss_scale``: ``seq-mean-token-sum-norm``'s constant when ``alg.loss_scale_factor`` is unset."""
+        return cls(loss=alg.policy_loss, clip_low=alg.clip_ratio_low, clip_high=alg.clip_ratio_high,
+                   clip_ratio_c=alg.clip_ratio_c, loss_agg=alg.loss_agg_mode,
+                   loss_scale=alg.loss_scale_factor or loss_scale, kl_coef=alg.kl_coef,
+                   kl_type=alg.kl_type, entropy_coef=alg.entropy_coeff, options=alg.loss_options)
+
+    def resolved(self) -> LossConfig:
+        """Itself with ``options`` set (the registered loss's defaults when ``None``). Raises ``ValueError``
+        for an unknown loss, ``TypeError`` for options of another loss's model."""
+        term = POLICY_LOSSES.get(self.loss)
+        if self.options is None:
+            return replace(self, options=term.options())
+        if not isinstance(self.options, term.options):
+            raise TypeError(f"policy loss {self.loss!r} takes {term.options.__name__}, got "
+                             f"{type(self.options).__name__}")
+        return self
+
+
+#: the default settings (PPO-clip, clip range 0.2, token-mean, no KL or entropy term)
+DEFAULT_LOSS = LossConfig()
+
+
+@dataclass(frozen=True)
 class PolicyLossFn:
-    """A policy-gradient term ``fn(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high,
-    clip_ratio_c, options) -> (pg [B, T], stats)``: the per-token loss (aggregated by the loss aggregation,
-    so a sequence-level loss writes its value on each of the sequence's tokens) and its own statistics
-    (floats). ``kernel``: the fused CUDA loss kernel implements it (``ppo_clip`` only)."""
+    """A policy-gradient term ``fn(logprobs, old_logprobs, advantages, mask, cfg: LossConfig) -> (pg [B, T],
+    stats)``: the per-token loss (aggregated by the loss aggregation, so a sequence-level loss writes its value
+    on each of the sequence's tokens) and its own statistics (floats); it reads its clip range and its own
+    ``cfg.options`` (an instance of ``options``, its :class:`training.registry.Options` class). ``kernel``: the
+    fused CUDA loss kernel implements it (``ppo_clip`` only)."""
 
     name: str
     fn: Callable[..., tuple[torch.Tensor, dict[str, float]]]
     kernel: bool = False
+    options: type[Options] = Options
 
 
-POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "train.policy_loss")
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "train.algorithm.policy_loss")
 
 
-def register_policy_loss(name: str, kernel: bool = False, replace: bool = False):
-    """Register a policy-gradient term (see :class:`PolicyLossFn`) as ``name``."""
-    return decorator(POLICY_LOSSES, name, lambda fn: PolicyLossFn(name, fn, kernel), replace)
+def register_policy_loss(name: str, kernel: bool = False, options: type[Options] = Options, replace: bool = False):
+    """Register a policy-gradient term (see :class:`PolicyLossFn`) as ``name``, with its options class."""
+    opts = options_class(options, f"policy loss {name!r}")
+    return decorator(POLICY_LOSSES, name, lambda fn: PolicyLossFn(name, fn, kernel, opts), replace)
 
 
 @register_policy_loss("ppo_clip", kernel=True)
-def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-             clip_low: float = 0.2, clip_high: float = 0.2, clip_ratio_c: float | None = None,
-             options: dict[str, Any] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+             cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip with DAPO clip-higher and optional dual-clip. Per token: ``r = exp(logp - old_logp)``;
     ``pg = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; with ``clip_ratio_c`` (> 1; dual-clip PPO,
     Ye et al. 2020, verl's ``clip_ratio_c``) a token with ``A < 0`` has ``pg = min(pg, -A c)``, so a large
     ratio on a negative advantage cannot grow the loss without bound. Stats: ``clip_frac`` and, with
     dual-clip, ``clip_frac_lower`` (the share of tokens the bound caps). Raises ``ValueError`` for
     ``clip_ratio_c <= 1``."""
+    clip_ratio_c = cfg.clip_ratio_c
     ratio = torch.exp((logprobs - old_logprobs).clamp(-20.0, 20.0))
     pg1 = -advantages * ratio
-    pg2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg2 = -advantages * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     pg = torch.maximum(pg1, pg2)
     stats = {"clip_frac": token_mean((pg2 > pg1).to(mask.dtype), mask)}
     if clip_ratio_c is not None:
@@ -297,9 +351,8 @@ def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask:
 
 
 @register_policy_loss("gspo")
-def gspo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-         clip_low: float = 3e-4, clip_high: float = 4e-4, clip_ratio_c: float | None = None,
-         options: dict[str, Any] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def gspo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+         cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"; verl's ``compute_policy_loss_gspo``):
     the importance ratio and its clipping are per *sequence*, not per token.
 
@@ -311,21 +364,34 @@ def gspo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.T
     a whole (every token of a far-off-policy sequence drops out), where PPO clips token by token. The loss
     writes the sequence value on each token: aggregate it ``seq-mean-token-mean`` (the paper's
     ``1/G sum_i``); ``token-mean`` would weight long sequences more. The paper's clip range is tiny
-    (3e-4 / 4e-4) because a sequence ratio moves far less than a token's. ``clip_ratio_c`` is not used.
+    (3e-4 / 4e-4: set ``train.algorithm.clip_ratio_low`` / ``clip_ratio_high``) because a sequence ratio moves
+    far less than a token's. ``clip_ratio_c`` is not used.
     Stats: ``clip_frac`` (the share of policy tokens whose sequence was clipped)."""
     seq = sequence_log_ratio(logprobs, old_logprobs, mask).detach()  # [B]
     log_ratio = (seq.unsqueeze(-1) + logprobs - logprobs.detach()).clamp(max=10.0)
     ratio = torch.exp(log_ratio)
     pg1 = -advantages * ratio
-    pg2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg2 = -advantages * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     pg = torch.maximum(pg1, pg2)
     return pg, {"clip_frac": token_mean((pg2 > pg1).to(mask.dtype), mask)}
 
 
-@register_policy_loss("cispo")
-def cispo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-          clip_low: float = 0.2, clip_high: float = 0.2, clip_ratio_c: float | None = None,
-          options: dict[str, Any] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+@dataclass(frozen=True)
+class CISPOOptions(Options):
+    """CISPO's own setting (``train.algorithm.loss_options`` with ``policy_loss: cispo``): ``clip_low`` in
+    ``[0, 1]`` bounds the importance weight below at ``1 - clip_low`` (``None``: no lower bound, as the
+    paper)."""
+
+    clip_low: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.clip_low is not None:
+            check_range("CISPO's clip_low", self.clip_low, 0.0, 1.0)
+
+
+@register_policy_loss("cispo", options=CISPOOptions)
+def cispo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+          cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO (MiniMax, 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention",
     Sec. 3.1; verl's ``compute_policy_loss_cispo``): REINFORCE with a clipped, stop-gradient importance
     weight, ``J = sum_t sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_t * log pi(y_t)``.
@@ -335,13 +401,13 @@ def cispo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.
     CISPO clips the *weight* instead, so every token keeps its gradient ``A_t * r_hat_t * grad log pi``.
     Written as ``pg = -A * sg(r_hat) * pi / sg(pi)``, whose value is ``-A * r_hat`` (comparable to PPO's
     loss) and whose gradient is the paper's. The upper bound is ``1 + clip_high``; like the paper (which
-    sets eps_low large), there is no lower bound unless ``options["cispo_clip_low"]`` gives one (the
-    weight is then at least ``1 - cispo_clip_low``); ``clip_low`` and ``clip_ratio_c`` are not used.
+    sets eps_low large), there is no lower bound unless its option ``clip_low`` (:class:`CISPOOptions`) gives
+    one (the weight is then at least ``1 - clip_low``); ``cfg.clip_low`` and ``clip_ratio_c`` are not used.
     Aggregate ``token-mean`` (the paper's ``1 / sum_i |o_i|``). Stats: ``clip_frac`` (the share of policy
     tokens whose weight was clipped)."""
-    low = (options or {}).get("cispo_clip_low")
+    low = cfg.options.clip_low if isinstance(cfg.options, CISPOOptions) else None
     ratio = torch.exp((logprobs - old_logprobs).clamp(-20.0, 20.0)).detach()
-    weight = ratio.clamp(max=1.0 + clip_high)
+    weight = ratio.clamp(max=1.0 + cfg.clip_high)
     if low is not None:
         weight = weight.clamp(min=1.0 - float(low))
     pg = -advantages * weight * torch.exp(logprobs - logprobs.detach())
@@ -353,51 +419,41 @@ def policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    cfg: LossConfig = DEFAULT_LOSS,
     *,
-    loss: str = "ppo_clip",
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    loss_agg: str = "token-mean",
     ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_type: str = "k3",
     entropy: torch.Tensor | None = None,
-    entropy_coef: float = 0.0,
-    clip_ratio_c: float | None = None,
-    loss_scale: float | None = None,
-    options: dict[str, Any] | None = None,
     is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The masked actor loss (reference): the registered policy term ``loss`` aggregated by ``loss_agg``,
-    plus ``kl_coef`` times the aggregated KL estimate ``kl_type`` when ``ref_logprobs`` is given and minus
-    ``entropy_coef`` times the aggregated entropy when ``entropy`` is given. All inputs ``[B, T]`` float;
-    ``loss_scale`` is the constant of ``seq-mean-token-sum-norm``; ``options`` go to the policy term;
-    ``is_weights`` (``[B, T]``, non-negative constants: the rollout correction's truncated importance
-    weights, :mod:`training.algos.offpolicy`) multiply the policy term per token before aggregation, as verl's
-    ``rollout_is_weights`` (the KL and entropy terms are not weighted). Returns ``(loss, stats)`` with
-    ``stats`` = pg_loss, the term's own stats (``ppo_clip``: clip_frac), approx_kl (vs. the old policy),
-    ratio_mean, kl (vs. the reference) and entropy. Raises ``ValueError`` for an
-    unknown loss, aggregation or KL kind."""
+    """The masked actor loss (reference): the registered policy term ``cfg.loss`` aggregated by
+    ``cfg.loss_agg``, plus ``cfg.kl_coef`` times the aggregated KL estimate ``cfg.kl_type`` when
+    ``ref_logprobs`` is given and minus ``cfg.entropy_coef`` times the aggregated entropy when ``entropy`` is
+    given. All inputs ``[B, T]`` float; ``is_weights`` (``[B, T]``, non-negative constants: the rollout
+    correction's truncated importance weights, :mod:`training.algos.offpolicy`) multiply the policy term per
+    token before aggregation, as verl's ``rollout_is_weights`` (the KL and entropy terms are not weighted).
+    Returns ``(loss, stats)`` with ``stats`` = pg_loss, the term's own stats (``ppo_clip``: clip_frac),
+    approx_kl (vs. the old policy), ratio_mean, kl (vs. the reference) and entropy. Raises ``ValueError`` for
+    an unknown loss, aggregation or KL kind; ``TypeError`` for options of another loss's model."""
+    cfg = cfg.resolved()
     mask = mask.to(logprobs.dtype)
-    term = POLICY_LOSSES.get(loss)
-    agg = LOSS_AGGS.get(loss_agg)
-    pg, own = term.fn(logprobs, old_logprobs, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                      clip_ratio_c=clip_ratio_c, options=options or {})
+    term = POLICY_LOSSES.get(cfg.loss)
+    agg = LOSS_AGGS.get(cfg.loss_agg)
+    pg, own = term.fn(logprobs, old_logprobs, advantages, mask, cfg)
     if is_weights is not None:
         pg = pg * is_weights.detach().to(pg.dtype)
-    pg_loss = agg.fn(_masked(pg, mask), mask, loss_scale)
+    pg_loss = agg.fn(_masked(pg, mask), mask, cfg.loss_scale)
     out = pg_loss
     log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)
     stats: dict[str, float] = {"pg_loss": float(pg_loss.detach()), **own,
                                "approx_kl": token_mean(-log_ratio, mask),
                                "ratio_mean": token_mean(torch.exp(log_ratio), mask)}
-    if ref_logprobs is not None and kl_coef > 0:
-        kl = agg.fn(_masked(kl_estimate(logprobs, ref_logprobs, kl_type), mask), mask, loss_scale)
-        out = out + kl_coef * kl
+    if ref_logprobs is not None and cfg.kl_coef > 0:
+        kl = agg.fn(_masked(kl_estimate(logprobs, ref_logprobs, cfg.kl_type), mask), mask, cfg.loss_scale)
+        out = out + cfg.kl_coef * kl
         stats["kl"] = float(kl.detach())
     if entropy is not None:
-        ent = agg.fn(_masked(entropy, mask), mask, loss_scale)
+        ent = agg.fn(_masked(entropy, mask), mask, cfg.loss_scale)
         stats["entropy"] = float(ent.detach())
-        if entropy_coef != 0:
-            out = out - entropy_coef * ent
+        if cfg.entropy_coef != 0:
+            out = out - cfg.entropy_coef * ent
     return out, stats

@@ -13,12 +13,12 @@ pi_rollout(y_t)`` on each policy token, from the log-probs the backend reported 
 * **drift metrics** (always, when the backend reports log-probs): mean and max ``|log pi_old - log
   pi_rollout|``, quantiles of ``rho``, the k3 estimate of KL(pi_rollout || pi_old), the share of tokens
   past the TIS cap and of episodes outside the MIS band; logged under ``offpolicy/`` each step;
-* **truncated importance sampling** (TIS, ``train.tis_cap = C``, Yao et al.): each token's policy-gradient
+* **truncated importance sampling** (TIS, ``train.algorithm.tis_cap = C``, Yao et al.): each token's policy-gradient
   term is weighted by ``min(rho_t, C)`` (a constant: no gradient flows through it), so the update estimates
   the gradient under the distribution actually sampled, with the variance bounded by ``C``;
-* **masked importance sampling** (MIS, ``train.mis_band = [low, high]``, the sequence-level rejection of
+* **masked importance sampling** (MIS, ``train.algorithm.mis_band = [low, high]``, the sequence-level rejection of
   Liu, Li et al. and verl's ``rollout_rs``): an episode whose sequence ratio ``prod_t rho_t`` (or its
-  geometric mean with ``train.mis_level=geometric``) leaves the band is dropped from the update (its loss
+  geometric mean with ``mis_level=geometric``) leaves the band is dropped from the update (its loss
   mask is zeroed after the advantages were computed, so it still counts in its group's baseline).
 
 verl implements the same pair as ``algorithm.rollout_correction`` (``rollout_is=token`` with
@@ -92,7 +92,7 @@ def sequence_keep(log_rho: torch.Tensor, known: torch.Tensor, band: tuple[float,
     elif level == "geometric":
         seq = total / n.clamp(min=1)
     else:
-        raise ValueError(f"train.mis_level is 'sequence' or 'geometric', got {level!r}")
+        raise ValueError(f"train.algorithm.mis_level is 'sequence' or 'geometric', got {level!r}")
     ratio = seq.exp()
     return (n == 0) | ((ratio >= band[0]) & (ratio <= band[1]))
 
@@ -100,21 +100,22 @@ def sequence_keep(log_rho: torch.Tensor, known: torch.Tensor, band: tuple[float,
 def rollout_correction(batch: Any, tc: Any) -> dict[str, float]:
     """Compare ``batch.rollout_logprobs`` with ``batch.old_logprobs`` (both ``[N, T-1]``; call it after
     :func:`training.model.actor.score_logprobs` and after the advantages) and apply the configured correction:
-    ``batch.is_weights`` ``[N, T-1]`` = ``min(rho, tc.tis_cap)`` on the known policy tokens and 1 elsewhere
-    (``None`` with ``tc.tis_cap=None``), and with ``tc.mis_band`` the rows outside the band get a zero
-    ``loss_mask`` (``offpolicy/mis_rejected``: the share of rows with known tokens dropped). ``tc``: a
-    :class:`training.config.TrainConfig`. Returns the drift metrics of :func:`drift_stats` (empty, and no
+    ``batch.is_weights`` ``[N, T-1]`` = ``min(rho, tis_cap)`` on the known policy tokens and 1 elsewhere
+    (``None`` with ``tis_cap=None``), and with ``mis_band`` the rows outside the band get a zero
+    ``loss_mask`` (``offpolicy/mis_rejected``: the share of rows with known tokens dropped); the settings are
+    ``tc.algorithm``'s (``tc``: a :class:`training.config.TrainConfig`). Returns the drift metrics of :func:`drift_stats` (empty, and no
     correction, when the backend reported no log-probs)."""
     got = log_ratios(batch)
     if got is None:
         return {}
     log_rho, known = got
-    stats = drift_stats(log_rho, known, tc.tis_cap)
-    if tc.tis_cap is not None:
-        weights = torch.where(known, log_rho.exp().clamp(max=tc.tis_cap), 1.0)
+    alg = tc.algorithm
+    stats = drift_stats(log_rho, known, alg.tis_cap)
+    if alg.tis_cap is not None:
+        weights = torch.where(known, log_rho.exp().clamp(max=alg.tis_cap), 1.0)
         batch.is_weights = weights.to(batch.loss_mask.dtype).to(batch.loss_mask.device)
-    if tc.mis_band is not None:
-        keep = sequence_keep(log_rho, known, tuple(tc.mis_band), tc.mis_level).to(batch.loss_mask.device)
+    if alg.mis_band is not None:
+        keep = sequence_keep(log_rho, known, tuple(alg.mis_band), alg.mis_level).to(batch.loss_mask.device)
         judged = known.any(-1).to(keep.device)
         stats["offpolicy/mis_rejected"] = float((~keep & judged).sum() / judged.sum().clamp(min=1))
         batch.loss_mask = batch.loss_mask * keep.unsqueeze(-1).to(batch.loss_mask.dtype)

@@ -2,14 +2,16 @@
 
 * :func:`turn_table`: which turns each trajectory has and which of them searched (``[N, K]`` bool);
 * :func:`turn_boundaries`, :func:`answer_ids`: where each turn ends and how the gold answer is written, for
-  :func:`training.model.forward.gold_answer_probs` (the policy's probability of the gold answer after each
-  turn) and :func:`information_gain_rewards`, IGPO's information-gain turn reward (Wang et al., 2025);
+  :func:`gold_answer_probs` (the policy's probability of the gold answer after each turn) and
+  :func:`information_gain_rewards`, IGPO's information-gain turn reward (Wang et al., 2025);
 * :func:`kl_penalty`: per-token KL to the reference as a reward penalty (InstructGPT / verl's
   ``apply_kl_penalty``; REINFORCE++ folds it into the return).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,6 +19,7 @@ import torch
 from agent.llm import encode
 from agent.trajectory import Trajectory
 from training.algos.losses import kl_estimate
+from training.batch import Batch
 
 
 def turn_table(trajs: list[Trajectory], max_turns: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +65,50 @@ def answer_ids(tokenizer: Any, gold: str) -> tuple[list[int], int, int]:
     return head + body + encode(tokenizer, " </answer>"), len(head), len(head) + len(body)
 
 
+def gold_answer_probs(logprobs: Callable[[Batch], torch.Tensor], tokenizer: Any, trajs: list[Trajectory],
+                      batch_rows: int = 32, max_len: int | None = None) -> list[list[float]]:
+    """For each trajectory, ``[p_0, ..., p_K]``: the policy's probability of the gold answer given the
+    episode up to each turn boundary (:func:`turn_boundaries`), as IGPO's information gain uses it.
+
+    The answer ``<answer> gold </answer>`` is teacher-forced after the prefix (tokenised as the policy would
+    write it, :func:`answer_ids`) and ``p`` is the geometric mean of the gold tokens' probabilities
+    (length-normalised, so answers of different lengths compare). The first gold answer is used. ``max_len``
+    keeps the last ``max_len`` tokens of a long prefix. ``logprobs(batch) -> [n, T-1]`` scores a batch whose
+    loss mask marks the gold positions (the policy's forward,
+    :func:`training.model.forward.policy_logprobs`: its LM head runs there only), ``batch_rows`` rows at a
+    time."""
+    rows: list[tuple[int, list[int], int, int]] = []  # (traj index, ids, gold start, gold end)
+    for i, tr in enumerate(trajs):
+        answer, g0, g1 = answer_ids(tokenizer, tr.golden_answers[0] if tr.golden_answers else "")
+        for b in turn_boundaries(tr):
+            prefix = tr.token_ids[:b]
+            if max_len is not None:
+                prefix = prefix[-max(max_len - len(answer), 1):]
+            rows.append((i, prefix + answer, len(prefix) + g0, len(prefix) + g1))
+    out: list[list[float]] = [[] for _ in trajs]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    for c in range(0, len(rows), batch_rows):
+        chunk = rows[c : c + batch_rows]
+        T = max(len(r[1]) for r in chunk)
+        ids = torch.full((len(chunk), T), pad, dtype=torch.long)
+        attn = torch.zeros((len(chunk), T), dtype=torch.long)
+        for j, (_, seq, _, _) in enumerate(chunk):
+            ids[j, : len(seq)] = torch.tensor(seq)
+            attn[j, : len(seq)] = 1
+        at_gold = torch.zeros((len(chunk), T - 1))  # positions predicting a gold token: the "loss mask"
+        for j, (_, _, s, e) in enumerate(chunk):
+            at_gold[j, s - 1 : e - 1] = 1.0
+        zeros = torch.zeros(len(chunk), T, dtype=torch.long)
+        batch = Batch(ids, attn, zeros, at_gold, zeros, torch.zeros(len(chunk)), torch.zeros(len(chunk), dtype=torch.long))
+        lp = logprobs(batch).cpu()
+        for j, (i, _, s, e) in enumerate(chunk):
+            if e > s:
+                out[i].append(math.exp(float(lp[j, s - 1 : e - 1].mean())))
+            else:
+                out[i].append(0.0)
+    return out
+
+
 def information_gain_rewards(probs: list[list[float]], valid: torch.Tensor) -> torch.Tensor:
     """``[N, K]`` information gain of each turn, ``p_k - p_{k-1}`` (IGPO), 0 at invalid turns."""
     N, K = valid.shape
@@ -74,5 +121,5 @@ def information_gain_rewards(probs: list[list[float]], valid: torch.Tensor) -> t
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kind: str = "k1") -> torch.Tensor:
     """``[N, T]`` per-token KL(pi || pi_ref) estimates at policy tokens (0 elsewhere), to subtract from the
-    reward with coefficient ``train.kl_coef`` (``train.kl_mode=reward``)."""
+    reward with coefficient ``train.algorithm.kl_coef`` (``kl_mode=reward``)."""
     return kl_estimate(logprobs, ref_logprobs, kind) * mask.float()

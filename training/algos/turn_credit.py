@@ -13,7 +13,7 @@ found the missing document and the one that wasted a turn are credited alike. Th
   matter when it retrieved the same documents). The actions taken from one anchor state form a step group;
   each action's discounted return is normalised within it.
 * ``evidence_igpo``: Sleuth's variant of IGPO (Wang et al., 2025) whose information gain is read from the
-  documents instead of the policy: a search turn earns ``train.ig_coef`` when the gold answer enters the
+  documents instead of the policy: a search turn earns ``train.algorithm.options.ig_coef`` when the gold answer enters the
   episode's context for the first time in its result. IGPO's gain (the policy's probability of the gold
   answer after the turn) is blind where the policy cannot yet *read* the answer from the evidence it
   retrieved (a tiny policy that never learnt to copy a kind of token gives p(gold) ~ 0 with the right

@@ -115,7 +115,7 @@ def pad_micro_batches(parts: list[Any]) -> tuple[list[Any], int]:
     """``(parts padded to the most micro-batches any rank has, number of real ones)``.
 
     FSDP2 all-gathers parameters in every forward and reduce-scatters gradients in every backward, so all
-    ranks must run as many micro-batches; token-budget splits (``train.micro_batch_tokens``) differ by rank.
+    ranks must run as many micro-batches; token-budget splits (``train.optim.micro_batch_tokens``) differ by rank.
     The padding repeats the last micro-batch; the caller gives it zero loss weight. A collective under
     torchrun; ``(parts, len(parts))`` on one process."""
     n = len(parts)

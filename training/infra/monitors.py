@@ -9,7 +9,8 @@ dataset and by hop count, and response length (entropy, clip fraction and KL com
 flat across hop classes while their EM differs (a search-depth plateau), and when a held-out metric falls
 more than a margin below its best (a collapse); :func:`plot_dashboard` draws a
 run's ``metrics.jsonl`` as one PNG (``sleuth dashboard RUN_DIR``). :class:`MetricsLogger` writes that file
-(and TensorBoard) one record per step.
+(and TensorBoard) one record per step; :func:`marked_timer` times the phases of a step into it
+(``timing/<phase>_s``, as verl's ``marked_timer``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import json
 import math
 import os
 import re
+import time
 import warnings
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,10 +142,9 @@ class Alarms:
 
     @classmethod
     def from_config(cls, tc: Any) -> Alarms:
-        """The alarms of a :class:`training.config.TrainConfig` (its ``alarm_*`` fields)."""
-        return cls(tc.alarm_min_format_ok, tc.alarm_min_entropy, tc.alarm_patience, tc.alarm_action,
-                   tc.alarm_search_flat, tc.alarm_em_gap, tc.alarm_window, tc.alarm_collapse_drop,
-                   tc.alarm_collapse_metric)
+        """The alarms of a :class:`training.config.TrainConfig` (its ``monitoring.alarms`` section, whose
+        fields have this class's names)."""
+        return cls(**tc.monitoring.alarms.model_dump())
 
     def _fire(self, msg: str, fired: list[str]) -> None:
         warnings.warn(f"training-health alarm: {msg}", RuntimeWarning, stacklevel=3)
@@ -221,6 +223,23 @@ class Alarms:
 
 
 # -- the metrics log ----------------------------------------------------------------------------------
+#: the phases of a training step in the order they run; each is timed as ``timing/<phase>_s`` in the step's
+#: record (:func:`marked_timer`; ``eval`` only on the steps that evaluate)
+PHASES = ("rollout", "score", "advantages", "update", "sync", "eval", "log", "checkpoint")
+
+
+@contextmanager
+def marked_timer(phase: str, timing: dict[str, float]) -> Iterator[None]:
+    """Add the wall time of the ``with`` block to ``timing["timing/<phase>_s"]`` (seconds; a phase timed in
+    several blocks adds up), as verl's ``marked_timer``; the time is added however the block ends."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        key = f"timing/{phase}_s"
+        timing[key] = timing.get(key, 0.0) + time.perf_counter() - t0
+
+
 def drop_steps_after(path: Path, step: int, step_of: Callable[[dict], int]) -> None:
     """Keep only the records of ``path`` (JSONL) whose ``step_of(record)`` is at most ``step``: a resumed run
     rewrites the steps after its checkpoint, so their records from before the interruption must go. Records
@@ -262,6 +281,12 @@ class MetricsLogger:
             except Exception:  # noqa: BLE001 - TensorBoard is optional at run time
                 self.tb = None
 
+    def steps(self) -> set[int]:
+        """The steps ``metrics.jsonl`` holds a record of."""
+        if not self.path.exists():
+            return set()
+        return {int(rec.get("step", 0)) for _, rec in json_records(self.path)}
+
     def log(self, step: int, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **record}) + "\n")
@@ -300,6 +325,7 @@ DASHBOARD_PANELS = (
     ("policy entropy", ("entropy",)),
     ("clip fraction", ("clip_frac",)),
     ("KL", ("kl", "approx_kl")),
+    ("time per phase (s)", tuple(f"timing/{p}_s" for p in PHASES)),
 )
 #: alarm kinds by the word after "step N: " of their message, and the colour that marks them on every panel
 ALARM_COLOURS = {"search plateau": "orange", "collapse": "red"}
@@ -315,7 +341,8 @@ def plot_dashboard(run_dir: str | Path, out: str | Path | None = None, collapse_
     """Draw a run's health metrics as one PNG (matplotlib, Agg): reward/EM, validity, degeneracy, searches
     and EM per hop class, the plateau signal (spread of searches and of EM across hop classes), the held-out
     metric ``collapse_metric`` with its best so far (the collapse signal), response length, entropy, clip
-    fraction, KL, and the list of alarms; each alarm is a vertical line on every panel (orange: search
+    fraction, KL, the time of each phase of a step (``timing/<phase>_s``) and the list of alarms; each alarm is
+    a vertical line on every panel (orange: search
     plateau, red: collapse, grey: thresholds). Returns the PNG path (default ``run_dir/dashboard.png``)."""
     import matplotlib
 
@@ -325,7 +352,7 @@ def plot_dashboard(run_dir: str | Path, out: str | Path | None = None, collapse_
     recs = read_metrics(run_dir)
     out = Path(out) if out else Path(run_dir) / "dashboard.png"
     keys = sorted({k for r in recs for k in r})
-    fig, axes = plt.subplots(3, 4, figsize=(20, 11))
+    fig, axes = plt.subplots(3, 5, figsize=(24, 11))
     alarms = [(r["step"], m) for r in recs for m in r.get("alarms") or []]
     for ax, (title, patterns) in zip(axes.flat, DASHBOARD_PANELS, strict=False):
         for pat in patterns:
@@ -348,7 +375,8 @@ def plot_dashboard(run_dir: str | Path, out: str | Path | None = None, collapse_
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     text_ax = axes.flat[len(DASHBOARD_PANELS)]
-    text_ax.axis("off")
+    for ax in axes.flat[len(DASHBOARD_PANELS):]:
+        ax.axis("off")
     lines = [m for _, m in alarms]
     shown = lines[:14] + ([f"... and {len(lines) - 14} more"] if len(lines) > 14 else [])
     text_ax.text(0, 1, "alarms:\n" + ("\n".join(m[:90] for m in shown) if shown else "none"), va="top", fontsize=7,

@@ -1,6 +1,6 @@
 """The value model (critic) for PPO: a scalar value per token position, read at policy tokens only.
 
-Two layouts (``train.critic``), as in verl / OpenRLHF:
+Two layouts (``train.algorithm.critic``), as in verl / OpenRLHF:
 
 * ``separate``: a copy of the policy's backbone (initialised from the current policy, as verl initialises
   the critic from the actor) with a linear value head, trained by its own optimizer;
@@ -44,7 +44,7 @@ class ValueModel(nn.Module):
             # separate: FSDP refuses deepcopy; shared: the backbone run outside its root FSDP unit meets a
             # DTensor embedding at the first value forward (after a whole rollout). Neither layout gets its
             # gradients reduced over ranks, so build the critic before sharding and shard it on its own.
-            raise ValueError("the value model cannot be built on an FSDP-sharded policy (train.algorithm=ppo "
+            raise ValueError("the value model cannot be built on an FSDP-sharded policy (PPO "
                              "under torchrun): build it before the policy is sharded")
         self.shared = shared
         if shared:
@@ -61,7 +61,7 @@ class ValueModel(nn.Module):
         return self._backbone if self.shared else self.backbone
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        """Values ``[N, T-1]`` float32 of ``batch``; a packed batch (``batch.packed``, ``train.packing``) runs
+        """Values ``[N, T-1]`` float32 of ``batch``; a packed batch (``batch.packed``, ``optim.packing``) runs
         its rows' real tokens as one row, as the policy's log-probs do
         (:func:`training.model.forward.packed_hidden`), with the same values; raises ``ValueError`` for a
         batch that cannot be packed (left padding)."""
@@ -112,7 +112,7 @@ def critic_values(critic: ValueModel, batch: Batch, idx: list[torch.Tensor], mic
 def critic_grads(critic: ValueModel, micro: list[Batch], n_real: int, cfg: Any, total_tokens: float,
                  stats: dict[str, float]) -> None:
     """Accumulate the value loss's gradients over the micro-batches (token-mean over the global policy
-    tokens ``total_tokens``, times ``cfg.vf_coef``), clip them at ``cfg.max_grad_norm`` and add the value
+    tokens ``total_tokens``, times ``algorithm.vf_coef``), clip them at ``optim.grad_clip`` and add the value
     statistics to ``stats``. Under torchrun every rank runs every (padded, zero-weight) micro-batch, as FSDP2
     needs, and a NaN is caught at the gradient norm, which the reduction makes the same on every rank.
     Raises ``FloatingPointError`` for a non-finite value loss (one process) or gradient norm."""
@@ -121,15 +121,15 @@ def critic_grads(critic: ValueModel, micro: list[Batch], n_real: int, cfg: Any, 
     for j, mb in enumerate(micro if W > 1 else micro[:n_real]):
         v = critic(mb)
         vl, vs = value_loss(v, mb.old_values.to(v.device), mb.returns.to(v.device), mb.loss_mask.to(v.device),
-                            cfg.vf_clip)
+                            cfg.algorithm.cliprange_value)
         share = float(mb.loss_mask.sum()) / max(total_tokens, 1.0) if j < n_real else 0.0
         if not torch.isfinite(vl) and W == 1:
             break
-        (cfg.vf_coef * vl * share * W).backward()
+        (cfg.algorithm.vf_coef * vl * share * W).backward()
         for k, val in vs.items():
             stats[k] = stats.get(k, 0.0) + val * share
     else:
-        vf_norm = clipped_grad_norm(critic.trainable_parameters(), cfg.max_grad_norm)
+        vf_norm = clipped_grad_norm(critic.trainable_parameters(), cfg.optim.grad_clip)
     # under torchrun the norm alone decides: a rank's own loss would let the ranks decide apart
     if (W == 1 and not torch.isfinite(vl)) or not torch.isfinite(vf_norm):
         raise FloatingPointError(f"non-finite value loss ({float(vl.detach())}) or value-model gradient norm "

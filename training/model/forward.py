@@ -5,21 +5,16 @@ fused kernels.
   log-probs and entropies, tool and prompt tokens compacted away before the LM head
   (:func:`training.model.kernels.masked_logprobs`: the kernel or its reference, by device and switch);
   :class:`LogprobModule` wraps it as the unit FSDP2 shards; :func:`packed_hidden` runs the backbone on
-  sequences packed into one row (also the critic's);
-* :func:`gold_answer_probs`: the policy's probability of the gold answer after each turn, for IGPO's
-  information-gain turn reward (Wang et al., 2025).
+  sequences packed into one row (also the critic's).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
-from agent.trajectory import Trajectory
-from training.algos.rewards import answer_ids, turn_boundaries
 from training.batch import Batch
 from training.model.kernels import masked_logprobs
 from training.model.lora import base_model
@@ -60,10 +55,10 @@ def check_packed_masks() -> None:
     if not found:
         import transformers
 
-        raise ValueError(f"train.packing needs a transformers that detects packed sequences (masking_utils."
+        raise ValueError(f"train.optim.packing needs a transformers that detects packed sequences (masking_utils."
                          f"find_packed_sequence_indices: 4.55 has it, 4.51-4.52 do not), installed "
                          f"{transformers.__version__}: without it packed episodes attend to each other; upgrade "
-                         "transformers or set train.packing=false")
+                         "transformers or set train.optim.packing=false")
 
 
 def packed_hidden(backbone, batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +110,7 @@ def policy_logprobs(
     builds it); raises ``ValueError`` otherwise. Cost: with flash-attention (varlen) the attention is
     ``sum(n_i^2)`` and no padding is computed; with sdpa/eager transformers builds a dense ``[L, L]`` mask
     (``L = sum(lengths)``), so attention costs ``L^2`` -- on CPU the tiny policy ran 2-2.5x slower packed
-    than padded with length-sorted micro-batches (hence ``train.packing`` defaults to False).
+    than padded with length-sorted micro-batches (hence ``train.optim.packing`` defaults to False).
     """
     backbone, weight = backbone_and_head(base_model(model))
     device = weight.device
@@ -160,53 +155,7 @@ class LogprobModule(nn.Module):
 
 
 def autocast(device: torch.device, enabled: bool):
-    """bf16 autocast on a CUDA device when ``enabled`` (``train.bf16``); a no-op context on the CPU."""
+    """bf16 autocast on a CUDA device when ``enabled`` (``train.optim.bf16``); a no-op context on the CPU."""
     if enabled and device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return torch.autocast("cpu", enabled=False)
-
-
-@torch.no_grad()
-def gold_answer_probs(model: Any, tokenizer: Any, trajs: list[Trajectory], batch_rows: int = 32,
-                      max_len: int | None = None) -> list[list[float]]:
-    """For each trajectory, ``[p_0, ..., p_K]``: the policy's probability of the gold answer given the
-    episode up to each turn boundary (:func:`training.algos.rewards.turn_boundaries`), as IGPO's information
-    gain uses it.
-
-    The answer ``<answer> gold </answer>`` is teacher-forced after the prefix (tokenised as the policy would
-    write it, :func:`training.algos.rewards.answer_ids`) and ``p`` is the geometric mean of the gold tokens'
-    probabilities (length-normalised, so answers of different lengths compare).
-    The first gold answer is used. ``max_len`` keeps the last ``max_len`` tokens of a long prefix. The LM
-    head runs on the gold positions only (:func:`training.model.kernels.masked_logprobs`).
-    """
-    rows: list[tuple[int, list[int], int, int]] = []  # (traj index, ids, gold start, gold end)
-    for i, tr in enumerate(trajs):
-        answer, g0, g1 = answer_ids(tokenizer, tr.golden_answers[0] if tr.golden_answers else "")
-        for b in turn_boundaries(tr):
-            prefix = tr.token_ids[:b]
-            if max_len is not None:
-                prefix = prefix[-max(max_len - len(answer), 1):]
-            rows.append((i, prefix + answer, len(prefix) + g0, len(prefix) + g1))
-    out: list[list[float]] = [[] for _ in trajs]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    for c in range(0, len(rows), batch_rows):
-        chunk = rows[c : c + batch_rows]
-        T = max(len(r[1]) for r in chunk)
-        ids = torch.full((len(chunk), T), pad, dtype=torch.long)
-        attn = torch.zeros((len(chunk), T), dtype=torch.long)
-        for j, (_, seq, _, _) in enumerate(chunk):
-            ids[j, : len(seq)] = torch.tensor(seq)
-            attn[j, : len(seq)] = 1
-        at_gold = torch.zeros((len(chunk), T - 1))  # positions predicting a gold token: the "loss mask"
-        for j, (_, _, s, e) in enumerate(chunk):
-            at_gold[j, s - 1 : e - 1] = 1.0
-        # the actor forward with the gold positions as its mask: the LM head runs there only
-        zeros = torch.zeros(len(chunk), T, dtype=torch.long)
-        batch = Batch(ids, attn, zeros, at_gold, zeros, torch.zeros(len(chunk)), torch.zeros(len(chunk), dtype=torch.long))
-        lp = policy_logprobs(model, batch, with_entropy=False)[0].cpu()
-        for j, (i, _, s, e) in enumerate(chunk):
-            if e > s:
-                out[i].append(math.exp(float(lp[j, s - 1 : e - 1].mean())))
-            else:
-                out[i].append(0.0)
-    return out

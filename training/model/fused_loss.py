@@ -239,59 +239,57 @@ def aggregation_weights(mask: torch.Tensor, loss_agg: str, loss_scale: float | N
     return torch.zeros_like(v) if c is None else c.detach()
 
 
-def policy_token_loss(old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-                      loss: str = "ppo_clip", clip_low: float = 0.2, clip_high: float = 0.2,
-                      clip_ratio_c: float | None = None, loss_agg: str = "token-mean",
-                      ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0, kl_type: str = "k3",
-                      entropy_coef: float = 0.0, loss_scale: float | None = None, options: dict | None = None,
+def policy_token_loss(old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                      cfg: L.LossConfig = L.DEFAULT_LOSS, *, ref_logprobs: torch.Tensor | None = None,
                       is_weights: torch.Tensor | None = None) -> TokenLoss:
-    """The per-token term of :func:`training.algos.losses.policy_loss` (same arguments; ``[B, T]`` tensors):
-    ``c_t (w_t pg_t + kl_coef kl_t - entropy_coef H_t)`` with ``c`` the aggregation's weights
+    """The per-token term of :func:`training.algos.losses.policy_loss` (same settings ``cfg``; ``[B, T]``
+    tensors): ``c_t (w_t pg_t + kl_coef kl_t - entropy_coef H_t)`` with ``c`` the aggregation's weights
     (:func:`aggregation_weights`), ``pg`` the registered policy term, ``kl`` the registered estimator and
     ``w`` the rollout correction's weights. Its sum over the policy tokens is the reference loss. The policy
     term is evaluated on each block's ``[1, r]`` slice (its statistics are dropped: one host sync per block).
     Raises ``ValueError`` for a policy loss that is not token-local (:data:`TOKEN_LOCAL_LOSSES`) and for the
     registries' unknown names."""
-    if loss not in TOKEN_LOCAL_LOSSES:
-        L.POLICY_LOSSES.get(loss)  # an unknown name: the registry's error
-        raise ValueError(f"the fused loss takes token-local policy losses {TOKEN_LOCAL_LOSSES}, not {loss!r}")
-    term, kl = L.POLICY_LOSSES.get(loss), L.KL_ESTIMATORS.get(kl_type)
+    if cfg.loss not in TOKEN_LOCAL_LOSSES:
+        L.POLICY_LOSSES.get(cfg.loss)  # an unknown name: the registry's error
+        raise ValueError(f"the fused loss takes token-local policy losses {TOKEN_LOCAL_LOSSES}, not {cfg.loss!r}")
+    cfg = cfg.resolved()
+    term, kl = L.POLICY_LOSSES.get(cfg.loss), L.KL_ESTIMATORS.get(cfg.kl_type)
     flat = lambda t: None if t is None else t.reshape(-1)
-    c = flat(aggregation_weights(mask, loss_agg, loss_scale))
+    c = flat(aggregation_weights(mask, cfg.loss_agg, cfg.loss_scale))
     old, adv, ref, w = flat(old_logprobs), flat(advantages), flat(ref_logprobs), flat(is_weights)
-    use_kl = ref is not None and kl_coef > 0
+    use_kl = ref is not None and cfg.kl_coef > 0
 
     def token_loss(lp: torch.Tensor, ent: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         one = torch.ones_like(lp)[None]
-        pg, _ = term.fn(lp[None], old[rows][None], adv[rows][None], one, clip_low=clip_low, clip_high=clip_high,
-                        clip_ratio_c=clip_ratio_c, options=options or {})
+        pg, _ = term.fn(lp[None], old[rows][None], adv[rows][None], one, cfg)
         val = pg[0] if w is None else pg[0] * w[rows]
         if use_kl:
-            val = val + kl_coef * kl.fn(lp, ref[rows])
-        if entropy_coef != 0:
-            val = val - entropy_coef * ent
+            val = val + cfg.kl_coef * kl.fn(lp, ref[rows])
+        if cfg.entropy_coef != 0:
+            val = val - cfg.entropy_coef * ent
         return c[rows] * val
 
     return token_loss
 
 
 def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
-                      old_logprobs: torch.Tensor, advantages: torch.Tensor, *, row_block: int | None = None,
-                      chunk_size: int = 8192, impl: str | None = None,
-                      **loss_kw) -> tuple[torch.Tensor, dict[str, float], torch.Tensor, torch.Tensor]:
+                      old_logprobs: torch.Tensor, advantages: torch.Tensor, cfg: L.LossConfig = L.DEFAULT_LOSS, *,
+                      ref_logprobs: torch.Tensor | None = None, is_weights: torch.Tensor | None = None,
+                      row_block: int | None = None, chunk_size: int = 8192,
+                      impl: str | None = None) -> tuple[torch.Tensor, dict[str, float], torch.Tensor, torch.Tensor]:
     """:func:`training.algos.losses.policy_loss` on the masked LM head's log-probs and entropies, in one fused pass
     (:func:`fused_token_loss` with :func:`policy_token_loss`). ``hidden`` ``[B, T, H]``; ``targets``,
-    ``mask``, ``old_logprobs``, ``advantages`` (and ``ref_logprobs`` / ``is_weights`` in ``loss_kw``)
-    ``[B, T]``; ``loss_kw`` are :func:`policy_token_loss`'s keywords. Returns ``(loss, stats, logprobs,
-    entropy)``: the loss differentiable w.r.t. ``hidden`` and ``weight``, the reference's statistics
-    (computed once from the detached log-probs), and the ``[B, T]`` float32 values."""
+    ``mask``, ``old_logprobs``, ``advantages``, ``ref_logprobs`` and ``is_weights`` ``[B, T]``; ``cfg`` the
+    loss's settings. Returns ``(loss, stats, logprobs, entropy)``: the loss differentiable w.r.t. ``hidden``
+    and ``weight``, the reference's statistics (computed once from the detached log-probs), and the
+    ``[B, T]`` float32 values."""
     if targets.dim() != 2:
         raise ValueError(f"fused_policy_loss takes [B, T] targets, got {tuple(targets.shape)}")
-    token_loss = policy_token_loss(old_logprobs, advantages, mask, **loss_kw)
+    token_loss = policy_token_loss(old_logprobs, advantages, mask, cfg, ref_logprobs=ref_logprobs,
+                                   is_weights=is_weights)
     loss, lp, ent = fused_token_loss(hidden, weight, targets, mask, token_loss, row_block=row_block,
                                      chunk_size=chunk_size, impl=impl)
     with torch.no_grad():
-        kw = {k: v for k, v in loss_kw.items() if k != "entropy_coef"}
-        _, stats = L.policy_loss(lp, old_logprobs.to(lp.dtype), advantages.to(lp.dtype), mask.to(lp.dtype),
-                                 entropy=ent, entropy_coef=loss_kw.get("entropy_coef", 0.0), **kw)
+        _, stats = L.policy_loss(lp, old_logprobs.to(lp.dtype), advantages.to(lp.dtype), mask.to(lp.dtype), cfg,
+                                 ref_logprobs=ref_logprobs, entropy=ent, is_weights=is_weights)
     return loss, stats, lp, ent

@@ -403,24 +403,15 @@ def policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    cfg: L.LossConfig = L.DEFAULT_LOSS,
     *,
-    loss: str = "ppo_clip",
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    loss_agg: str = "token-mean",
     ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_type: str = "k3",
     entropy: torch.Tensor | None = None,
-    entropy_coef: float = 0.0,
-    clip_ratio_c: float | None = None,
-    loss_scale: float | None = None,
-    options: dict | None = None,
-    impl: str | None = None,
     is_weights: torch.Tensor | None = None,
+    impl: str | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The masked actor loss; same signature, semantics and stats as
-    :func:`training.algos.losses.policy_loss`.
+    """The masked actor loss; the arguments, semantics and stats of :func:`training.algos.losses.policy_loss`
+    (one :class:`training.algos.losses.LossConfig` for every setting), plus ``impl``.
 
     The fused kernel runs the combinations it implements: the ``ppo_clip`` term (dual-clip included) with
     an aggregation and a KL estimator that have kernel ids (token-mean, seq-mean-token-sum,
@@ -436,33 +427,32 @@ def policy_loss(
     max(-A r, -A clip(r))`` for ``w >= 0``, and so is the dual-clip bound), so the loss and its gradient are
     the reference's ``w * pg`` (``tests/test_offpolicy.py`` checks the emulated kernel against it).
     """
-    term, agg, kl = L.POLICY_LOSSES.get(loss), L.LOSS_AGGS.get(loss_agg), L.KL_ESTIMATORS.get(kl_type)
+    term, agg, kl = L.POLICY_LOSSES.get(cfg.loss), L.LOSS_AGGS.get(cfg.loss_agg), L.KL_ESTIMATORS.get(cfg.kl_type)
     shape = logprobs.shape
     _check_shapes(shape, old_logprobs=old_logprobs, advantages=advantages, mask=mask, ref_logprobs=ref_logprobs,
                   entropy=entropy, is_weights=is_weights)
-    ref_kw = {"loss": loss, "clip_low": clip_low, "clip_high": clip_high, "loss_agg": loss_agg,
-              "ref_logprobs": ref_logprobs, "kl_coef": kl_coef, "kl_type": kl_type, "entropy": entropy,
-              "entropy_coef": entropy_coef, "clip_ratio_c": clip_ratio_c, "loss_scale": loss_scale,
-              "options": options, "is_weights": is_weights}
     tensors = [t for t in (logprobs, old_logprobs, advantages, mask, ref_logprobs, entropy, is_weights) if t is not None]
     const_grad = any(t is not None and t.requires_grad for t in (old_logprobs, advantages, ref_logprobs))
-    use_kl = ref_logprobs is not None and kl_coef > 0
+    use_kl = ref_logprobs is not None and cfg.kl_coef > 0
     unsupported = [f"{key}={val}" for key, val, ok in (
-        ("train.policy_loss", loss, term.kernel), ("train.loss_agg", loss_agg, agg.kernel_mode is not None),
-        ("train.kl_type", kl_type, kl.kernel_id is not None or not use_kl)) if not ok]
+        ("train.algorithm.policy_loss", cfg.loss, term.kernel),
+        ("train.algorithm.loss_agg_mode", cfg.loss_agg, agg.kernel_mode is not None),
+        ("train.algorithm.kl_type", cfg.kl_type, kl.kernel_id is not None or not use_kl)) if not ok]
     mode = _impl(impl)
     if mode == "cuda" and const_grad:
         raise RuntimeError("the policy-loss kernel treats old_logprobs/advantages/ref_logprobs as constants")
     if mode == "cuda" and unsupported:
         raise ValueError(f"the policy-loss kernel does not implement {', '.join(unsupported)}; use "
                          "SLEUTH_KERNELS=auto (the reference runs them)")
+    clip_ratio_c = cfg.clip_ratio_c
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"dual-clip needs clip_ratio_c > 1, got {clip_ratio_c}")
     no_kernel = logprobs.dim() != 2 or shape[0] == 0 or const_grad or bool(unsupported)
     if no_kernel or not _use_cuda(impl, *tensors):
         if mode == "cuda" and (logprobs.dim() != 2 or shape[0] == 0):
             raise ValueError(f"the policy-loss kernel needs [B, T] inputs with B > 0, got {tuple(shape)}")
-        return L.policy_loss(logprobs, old_logprobs, advantages, mask, **ref_kw)
+        return L.policy_loss(logprobs, old_logprobs, advantages, mask, cfg, ref_logprobs=ref_logprobs,
+                             entropy=entropy, is_weights=is_weights)
 
     def f32(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.float().contiguous()
@@ -477,12 +467,12 @@ def policy_loss(
         f32(advantages).detach(),
         f32(mask).detach(),
         f32(ref_logprobs).detach() if use_kl else None,
-        float(clip_low),
-        float(clip_high),
+        float(cfg.clip_low),
+        float(cfg.clip_high),
         0.0 if clip_ratio_c is None else float(clip_ratio_c),
-        float(kl_coef) if use_kl else 0.0,
+        float(cfg.kl_coef) if use_kl else 0.0,
         kl.kernel_id if use_kl else 3,
-        float(entropy_coef),
+        float(cfg.entropy_coef),
         agg.kernel_mode,
     )
     vals = dict(zip(_STAT_NAMES, out.tolist(), strict=True))

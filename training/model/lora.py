@@ -15,15 +15,16 @@ def base_model(model: Any) -> Any:
 
 
 def apply_lora(model: Any, tc: Any) -> Any:
-    """Wrap ``model`` with LoRA adapters of ``tc.lora_rank``, ``lora_alpha``, ``lora_dropout`` on
-    ``lora_targets`` (a :class:`training.config.TrainConfig`); only the adapters are trainable. Raises
+    """Wrap ``model`` with LoRA adapters of ``tc.optim.lora_rank``, ``lora_alpha``, ``lora_dropout`` on
+    ``lora_targets`` (``tc``: a :class:`training.config.TrainConfig`); only the adapters are trainable. Raises
     ``ImportError`` with the install hint when peft is missing."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("train.lora=true needs peft: pip install 'sleuth[lora]'") from e
-    conf = LoraConfig(r=tc.lora_rank, lora_alpha=tc.lora_alpha, lora_dropout=tc.lora_dropout,
-                      target_modules=list(tc.lora_targets), task_type="CAUSAL_LM")
+        raise ImportError("train.optim.lora=true needs peft: pip install 'sleuth[lora]'") from e
+    opt = tc.optim
+    conf = LoraConfig(r=opt.lora_rank, lora_alpha=opt.lora_alpha, lora_dropout=opt.lora_dropout,
+                      target_modules=list(opt.lora_targets), task_type="CAUSAL_LM")
     return get_peft_model(model, conf)
 
 

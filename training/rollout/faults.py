@@ -4,7 +4,7 @@ An episode whose search or generation call failed ends with ``stop_reason == "er
 (:func:`agent.loop.episode.run_episode`); its tokens stop where the call failed and its reward is 0. Trained
 on, such an episode would teach the policy that the action it took just before the outage (usually a search)
 earns nothing. So the trainer's rollout goes through :func:`run_episodes_retrying`, which runs the failed
-episodes again (after a growing wait when the service was down: ``train.rollout_retry_waits``, by default
+episodes again (after a growing wait when the service was down: ``train.rollout.retry_waits``, by default
 :data:`RETRY_WAITS_S`; at once, and once only, when the failure was the request's own), and
 :func:`drop_failed`, which leaves the episodes that still failed out of the update and counts both in the
 step's metrics (:data:`FAULT_COUNTS`).

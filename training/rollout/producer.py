@@ -3,7 +3,7 @@
 In the synchronous loop the rollout of step ``t+1`` waits for the update of step ``t`` and the update waits for
 the rollout. :class:`AsyncRollouts` runs the agent loop in a background thread (the generation itself in the
 rollout backend: a worker process, :class:`agent.backends.process.ProcessLLM`, or a vLLM engine), on the
-weights last pushed to it, one group (``train.group_size`` episodes of a question) at a time, many groups
+weights last pushed to it, one group (``train.rollout.group_size`` episodes of a question) at a time, many groups
 batched together by the agent's scheduler. The trainer takes a step's groups from it
 (:meth:`AsyncRollouts.take`) and publishes each new weight version after its push
 (:meth:`AsyncRollouts.publish`).
@@ -65,14 +65,15 @@ class AsyncRollouts:
 
     ``worker``: a :class:`training.rollout.worker.RolloutWorker` whose backend does not share the trainer's
     parameters (a worker process or an engine with ``update_weights``); ``data``: the question stream (read by
-    this producer only while it runs); ``tc``: a :class:`training.config.TrainConfig` (``questions_per_step``,
-    ``group_size``, ``max_staleness``); ``version``: the weight version the backend runs now (the step the run
+    this producer only while it runs); ``tc``: a :class:`training.config.TrainConfig` (its ``rollout``
+    section's ``questions_per_step``, ``group_size``, ``max_staleness``); ``version``: the weight version the backend runs now (the step the run
     starts at). :meth:`close` stops it. An error in the producer (a prompt that cannot be built) is raised by
     the next :meth:`take`."""
 
     def __init__(self, worker: Any, data: Any, tc: Any, version: int):
         self.worker, self.data = worker, data
-        self.qps, self.group_size, self.bound = tc.questions_per_step, tc.group_size, tc.max_staleness
+        rc = tc.rollout
+        self.qps, self.group_size, self.bound = rc.questions_per_step, rc.group_size, rc.max_staleness
         self.capacity = self.qps * self.bound
         self.version = version
         self._queue: deque[Group] = deque()  # re-queued groups, started before any new question

@@ -12,7 +12,7 @@ off-policy drift or plain staleness and is hard to tell from either. So each pus
 * an **engine** that holds its own weights (vLLM, a rollout process) scores a fixed probe sequence
   (:data:`PROBE_TEXT`) through its ``probe_logprobs(ids)`` and the trainer scores it with its own model
   (:func:`check_engine`): when the mean ``|log-prob difference|`` over the probe's tokens exceeds
-  ``train.sync_probe_tol``, the error names the probe and the difference. The tolerance allows for an engine
+  ``train.rollout.sync_probe_tol``, the error names the probe and the difference. The tolerance allows for an engine
   that computes in another precision (vLLM in bf16 against an fp32 trainer differs by ~1e-2 nats per token
   in typical reports; on CPU in fp32 both agree to ~1e-6); a weight that was not loaded shows once the
   training moved it further than that. The difference is logged each step (``sync/probe_lp_diff_mean``).
@@ -82,7 +82,7 @@ def check_engine(llm: Any, model: Any, ids: list[int], tol: float, want: list[fl
         raise WeightSyncError(
             f"{what} does not run the trainer's weights: its log-probs of the weight-sync probe "
             f"({len(ids)} tokens of {PROBE_TEXT[:40]!r}...) differ from the trainer's by {mean:.4g} nats per token "
-            f"on average (at most {mx:.4g}, token {int(diff.argmax()) + 1}), over train.sync_probe_tol={tol:g}: a "
+            f"on average (at most {mx:.4g}, token {int(diff.argmax()) + 1}), over train.rollout.sync_probe_tol={tol:g}: a "
             "weight the engine did not load, LoRA adapters not merged into the push, or another model. (An "
             "engine in lower precision than the trainer differs a little anyway: raise the tolerance if the "
             "difference logged as sync/probe_lp_diff_mean was this large from the start.)")
@@ -93,7 +93,8 @@ def verify_engine(llm: Any, model: Any, pushed: dict[str, torch.Tensor] | None, 
                   probe: list[int] | None) -> dict[str, float]:
     """Check the rollout backend ``llm`` against the trainer's full ``model`` after a push of ``pushed`` (the
     state dict sent; ``None`` for the check before the first step): its shared in-process copy, when it has one
-    (``llm.shared_model``), tensor by tensor; its ``probe_logprobs`` on ``probe`` within ``tc.sync_probe_tol``
+    (``llm.shared_model``), tensor by tensor; its ``probe_logprobs`` on ``probe`` within
+    ``tc.rollout.sync_probe_tol``
     (:func:`check_engine`). A backend on ``model`` itself has nothing to check. Returns the ``sync/...``
     statistics; raises :class:`WeightSyncError`."""
     stats: dict[str, float] = {}
@@ -103,5 +104,5 @@ def verify_engine(llm: Any, model: Any, pushed: dict[str, torch.Tensor] | None, 
     if shared is not None and pushed is not None:
         stats["sync/tensors_checked"] = float(check_tensors(shared, pushed, "the rollout process's shared copy"))
     if probe is not None and callable(getattr(llm, "probe_logprobs", None)):
-        stats.update(check_engine(llm, model, probe, tc.sync_probe_tol))
+        stats.update(check_engine(llm, model, probe, tc.rollout.sync_probe_tol))
     return stats

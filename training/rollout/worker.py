@@ -4,7 +4,7 @@ questions arrive from a checkpointed stream.
 * :class:`DataStream`: an endless, seeded, epoch-shuffled stream of training questions;
 * :class:`RolloutWorker`: the rollout backend, retriever, agent settings and judge, one call per group of
   episodes (:func:`agent.loop.batch.run_episodes`);
-* :func:`rollout`: ``train.group_size`` episodes per question, with DAPO's dynamic sampling (Yu et al., 2025)
+* :func:`rollout`: ``train.rollout.group_size`` episodes per question, with DAPO's dynamic sampling (Yu et al., 2025)
   dropping groups whose rewards are all equal and refilling the batch from the stream;
 * :func:`rollout_stats`: the episode-level means logged each step.
 """
@@ -54,7 +54,7 @@ class RolloutWorker:
     """What rolls out episodes: the backend ``llm`` (an :class:`agent.llm.LLM` over the current policy), the
     ``retriever``, the agent's settings (:class:`agent.config.AgentConfig`), the search top-k, the judge
     (``None``: the agent config's own) and the waits in seconds before rerunning episodes that a service
-    outage failed (``None``: :data:`training.rollout.faults.RETRY_WAITS_S`; ``train.rollout_retry_waits``)."""
+    outage failed (``None``: :data:`training.rollout.faults.RETRY_WAITS_S`; ``train.rollout.retry_waits``)."""
 
     llm: Any
     retriever: Retriever
@@ -88,17 +88,17 @@ def flat_groups(trajs: list[Trajectory]) -> set[int]:
 
 def rollout(worker: RolloutWorker, questions: list[QAExample], tc: Any,
             data: DataStream | None = None) -> tuple[list[Trajectory], dict[str, float]]:
-    """Sample ``tc.group_size`` episodes per question (``tc``: a :class:`training.config.TrainConfig`). With
-    ``tc.dynamic_sampling`` (DAPO), groups whose rewards are all equal are dropped and up to
-    ``tc.dynamic_sampling_max_tries`` extra rounds of fresh questions from ``data`` refill the batch to
+    """Sample ``tc.rollout.group_size`` episodes per question (``tc``: a :class:`training.config.TrainConfig`).
+    With ``rollout.dynamic_sampling`` (DAPO), groups whose rewards are all equal are dropped and up to
+    ``rollout.dynamic_sampling_max_tries`` extra rounds of fresh questions from ``data`` refill the batch to
     ``len(questions)`` groups (:func:`dynamic_sampling`). Episodes that still failed on a service outage
     after their reruns are left out of the update (:mod:`training.rollout.faults`; counted in ``stats``'
     ``rollout_errors`` and ``rollout_dropped``; ``RuntimeError`` when every episode failed). Returns
     ``(trajectories, stats)``; group ids are renumbered 0..G-1."""
     before = dict(worker.external.stats) if worker.external is not None else None
-    trajs = worker.episodes(questions, tc.group_size)
+    trajs = worker.episodes(questions, tc.rollout.group_size)
     stats: dict[str, float] = {}
-    if tc.dynamic_sampling and data is not None:
+    if tc.rollout.dynamic_sampling and data is not None:
         trajs, stats = dynamic_sampling(worker, trajs, len(questions), tc, data)
     trajs, fault_stats = drop_failed(trajs)  # episodes that still failed: left out of the update, counted
     stats.update(fault_stats)
@@ -114,7 +114,7 @@ def rollout(worker: RolloutWorker, questions: list[QAExample], tc: Any,
 def dynamic_sampling(worker: RolloutWorker, trajs: list[Trajectory], want: int, tc: Any,
                      data: DataStream) -> tuple[list[Trajectory], dict[str, float]]:
     """DAPO's dynamic sampling on a first round ``trajs`` of ``want`` groups: drop the flat groups, refill
-    from ``data`` for up to ``tc.dynamic_sampling_max_tries`` rounds, keep at most ``want`` groups (all of the
+    from ``data`` for up to ``tc.rollout.dynamic_sampling_max_tries`` rounds, keep at most ``want`` groups (all of the
     first round's when none has a signal: their advantages are all 0). Returns the kept trajectories and
     ``ds_dropped_groups``, ``ds_rounds``, ``ds_kept_groups``.
 
@@ -128,7 +128,7 @@ def dynamic_sampling(worker: RolloutWorker, trajs: list[Trajectory], want: int, 
     flat = flat_groups(trajs)
     dropped, rounds, offset = len(flat), 0, want
     kept = [t for t in trajs if t.group not in flat]
-    while rounds < tc.dynamic_sampling_max_tries:
+    while rounds < tc.rollout.dynamic_sampling_max_tries:
         need = want - len({t.group for t in kept})
         need_all = int(all_reduce_max(need))  # the same on every rank: the rounds stay in step
         if need_all <= 0:
@@ -137,7 +137,7 @@ def dynamic_sampling(worker: RolloutWorker, trajs: list[Trajectory], want: int, 
         fresh = data.next(need_all * W)[rank::W][:need]
         if not fresh:
             continue
-        more = worker.episodes(fresh, tc.group_size)
+        more = worker.episodes(fresh, tc.rollout.group_size)
         for t in more:
             t.group += offset
         offset = max(offset, *(t.group + 1 for t in more))  # an external episode may be several sequences
