@@ -46,6 +46,7 @@ class EpisodeState(TypedDict, total=False):
     hits: list
     finish: str  # "" while running; else the stop reason
     episode: str  # this episode's id within the process (SamplingParams.episode: routes its turns to one engine)
+    weight_version: Any  # the weights that generated the current turn, as the backend reported them (or None)
 
 
 
@@ -93,7 +94,8 @@ async def generate(state: EpisodeState, config: RunnableConfig) -> EpisodeState:
     gen = await ctx.scheduler.generate(traj.token_ids, params)
     traj.append(gen.token_ids, Role.POLICY, state["turn"], gen.logprobs)
     eos = bool(gen.token_ids) and gen.token_ids[-1] in ctx.eos_ids
-    return {"text": gen.text, "finish_reason": gen.finish_reason, "eos": eos}
+    return {"text": gen.text, "finish_reason": gen.finish_reason, "eos": eos,
+            "weight_version": gen.meta.get("weight_version")}
 
 
 def parse(state: EpisodeState, config: RunnableConfig) -> EpisodeState:
@@ -118,6 +120,7 @@ def parse(state: EpisodeState, config: RunnableConfig) -> EpisodeState:
             error=action.error,
             n_policy_tokens=n_policy,
             judgement=judgement,
+            weight_version=state.get("weight_version"),
         )
     )
     if action.kind == "answer":

@@ -33,7 +33,7 @@ import concurrent.futures
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,9 +164,10 @@ class FleetSync:
 
     # -- the whole step ---------------------------------------------------------------------------------
     def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, probe: list[int] | None,
-             want: list[float] | None, tol: float) -> dict[str, float]:
+             want: list[float] | Callable[[], list[float] | None] | None, tol: float) -> dict[str, float]:
         """Push ``named_tensors`` (e.g. a :class:`FullState`) as weight ``version`` to every engine in rotation
-        and every candidate, then verify each on ``probe`` against the trainer's log-probs ``want``
+        and every candidate, then verify each on ``probe`` against the trainer's log-probs ``want`` (or
+        ``want()``, called on rank 0 after the push)
         (:func:`training.rollout.weight_sync.check_engine`; no probe check when ``probe`` is ``None``). Every
         trainer rank calls it (the others only iterate ``named_tensors``); the rotation is then rank 0's on
         all ranks. Returns ``sync/...`` statistics (rank 0). Raises
@@ -180,6 +181,8 @@ class FleetSync:
             try:
                 targets = self.fleet.in_rotation() + self.fleet.candidates()
                 pushed = self.push(stream, version, targets)
+                if callable(want):  # the trainer's log-probs, scored once the stream has run (a refreshed copy)
+                    want = want()
                 stats = {**self.last, **self.verify(pushed, version, probe, want, tol)}
             except BaseException as e:  # noqa: BLE001 - the other ranks still get the rotation, then it is raised
                 error = e
