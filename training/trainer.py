@@ -15,7 +15,8 @@ is a function below, and :func:`rl_train`'s loop reads as the algorithm of the G
 4. **update** (:func:`training.model.actor.update_policy`): the registered policy loss over policy tokens only
    (:func:`training.model.kernels.policy_loss`, its settings one ``LossConfig`` built once), micro-batched,
    with PPO's critic stepping beside it;
-5. **sync** the new weights to the rollout side (the rollout copy under FSDP2, a vLLM engine);
+5. **sync** the new weights to the rollout side (the rollout copy under FSDP2, a vLLM engine, or every engine
+   of a fleet: ``train.rollout.engines``, :mod:`training.rollout.fleet_run`, each verified);
 6. **eval** every ``monitoring.eval_every`` steps on held-out questions; the step's record (rollout, loss
    and health stats, :mod:`training.infra.monitors`) and its alarms;
 7. **checkpoint** (:mod:`training.run_state`) every ``checkpoints.save_every`` steps, on a new best and at
@@ -450,7 +451,8 @@ def rl_train(
     Under ``torchrun`` (``WORLD_SIZE > 1``; the process group is created here with ``tc.dist_timeout_s``
     unless the caller made it, and left for the caller to end with
     :func:`training.infra.distributed.shutdown`) every rank updates an FSDP2 shard of the policy and rolls out
-    on a full copy refreshed after each update; rank 0 alone writes metrics, trajectories and checkpoints, and
+    on a full copy refreshed after each update (in fleet mode, ``train.rollout.engines``, on the engines: rank 0
+    alone keeps a copy); rank 0 alone writes metrics, trajectories and checkpoints, and
     evaluates (the others wait for it without the collective timeout). One training at a time per ``run_dir``:
     rank 0 holds :func:`training.infra.checkpoint.run_dir_lock` for the whole run (``RuntimeError`` for a
     second one). Raises ``ValueError`` for settings that cannot train (:func:`check_setup`,
