@@ -80,6 +80,17 @@ class LLMJudgeConfig(Section):
     max_new_tokens: int = Field(16, ge=1)
 
 
+EXTERNAL_TIMEOUT_S = 120.0
+"""Default seconds of one external agent episode (``agent.external_timeout_s``). An episode is a handful of
+model calls (the built-in loop's ``max_turns`` is 4; the shipped ReAct example makes at most 5, within
+LangGraph's recursion limit of 9 steps) of at most
+``max_new_tokens`` (64) new tokens each, plus its searches: seconds on a GPU and well under a minute for the
+tiny policy on a loaded 2-core CPU, so 120 s leaves several times that, and is the per-episode limit of
+``sleuth serve --timeout`` too. Ten minutes (the earlier default) let one hung agent hold a training step for
+twenty with its rerun; now the rerun shares the episode's deadline. Raise it for long agents (many calls,
+slow tools, a large model generating thousands of tokens per call)."""
+
+
 class AgentConfig(Section):
     """The agent loop: turn and token budgets (tokens), observation formatting, sampling, protocol, judging."""
     max_turns: int = Field(4, ge=1)
@@ -105,9 +116,22 @@ class AgentConfig(Section):
     kind: Literal["builtin", "external"] = Field(
         "builtin", description="builtin: Sleuth's LangGraph loop; external: the agent.entry function, its model "
                                "calls served and recorded by the training proxy (agent.external)")
-    entry: str | None = Field(None, description="the external agent, 'module:function': an async function "
-                                                "(question, OpenAI base URL) -> answer")
-    external_timeout_s: float = Field(600.0, gt=0, description="seconds an external agent's episode may take")
+    entry: str | None = Field(None, description="the external agent, 'module:function' or "
+                                                "'path/to/file.py:function': an async function (question, OpenAI "
+                                                "base URL) -> answer")
+    external_timeout_s: float = Field(
+        EXTERNAL_TIMEOUT_S, gt=0, description="seconds an external agent's episode may take, its rerun included; "
+                                              "then it is stopped and left out of the update (see EXTERNAL_TIMEOUT_S)")
+
+    @field_validator("entry")
+    @classmethod
+    def _entry_form(cls, v):  # the form only: the module or file is loaded when the agent first runs
+        if v is None:
+            return v
+        source, sep, name = v.strip().rpartition(":")
+        if not sep or not source or not name.isidentifier():
+            raise ValueError(f"must be 'module:function' or 'path/to/file.py:function', got {v!r}")
+        return v.strip()
 
     @field_validator("protocol")
     @classmethod

@@ -179,6 +179,7 @@ class Encoder:
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = device  # where the passages are embedded ("cpu", "cuda", "cuda:1", ...)
         if (path / "modules.json").exists():
             self.model = SentenceTransformer(str(path), device=device, local_files_only=True)
             self.normalized = any(type(m).__name__ == "Normalize" for m in self.model)
@@ -269,6 +270,7 @@ def encode_to_memmap(
     chunk: int = 4096,
     fingerprint: str = "",
     show_progress: bool = True,
+    on_start: Callable[[int], None] | None = None,
 ) -> np.ndarray:
     """Encode ``n`` texts into a memory-mapped ``[n, dim]`` float32 ``.npy`` file, resumably.
 
@@ -277,8 +279,9 @@ def encode_to_memmap(
     progress file from another corpus or model is not reused). Put everything the vectors depend on in
     ``fingerprint``: corpus, prefixes and :attr:`Encoder.fingerprint` (the model and its weight files).
     Whenever the file is started afresh the old progress file is deleted first; an unreadable progress file
-    is logged and encoding starts over. Returns the read-only memmap. Raises ``ValueError`` when
-    ``texts`` yields other than ``n`` texts.
+    is logged and encoding starts over. ``on_start(todo)`` is called once before the first text is encoded
+    with the number of texts left to encode (not at all when an earlier run finished them). Returns the
+    read-only memmap. Raises ``ValueError`` when ``texts`` yields other than ``n`` texts.
     """
     path = Path(path)
     prog = path.with_suffix(".progress.json")
@@ -294,6 +297,8 @@ def encode_to_memmap(
         arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n, dim))
     else:
         arr = np.lib.format.open_memmap(path, mode="r+")
+    if on_start is not None and done < n:
+        on_start(n - done)
     bar = tqdm(total=n, initial=done, desc="embed passages", unit="psg", disable=not show_progress)
     row = done
     for batch in _batched(texts(done), chunk):

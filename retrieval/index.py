@@ -150,6 +150,7 @@ def build_index(
     device: str | None = None,
     build_lucene: bool = False,
     lucene_threads: int = 2,
+    on_embed: Callable[[int, str, str], None] | None = None,
 ) -> dict:
     """Build the BM25 (and, unless ``build_dense=False``, dense) index of a corpus JSONL under ``out_dir``.
 
@@ -161,7 +162,9 @@ def build_index(
     IVF-PQ take long to train and fill), so adding ``--lucene`` to a finished index rebuilds nothing else.
     Lucene (``build_lucene=True``, the ``lucene`` extra): :func:`build_lucene_part` indexes the same passages
     with Anserini into ``out_dir/lucene`` (``lucene_threads`` indexing threads), searched with BM25 of the
-    ``bm25_params`` k1/b. A part built for the same corpus is kept, also when rebuilding without it. Before
+    ``bm25_params`` k1/b. ``on_embed(passages, model, device)`` is called once before passages are
+    embedded (the number left to embed, ``dense_model``, the encoder's device; not when none is left), so a
+    caller can say what the long step is before it starts. A part built for the same corpus is kept, also when rebuilding without it. Before
     a part's files are overwritten the manifest on disk marks it absent, so a rebuild that dies half-way
     leaves that part missing (``load_retriever`` raises :class:`IndexNotFoundError`), never the old part's
     description over mixed files. Returns the manifest (also written to ``out_dir/manifest.json``).
@@ -209,8 +212,9 @@ def build_index(
         built = True
     if build_dense:
         enc = Encoder(dense_model, device=device, query_prefix=query_prefix, passage_prefix=passage_prefix)
+        announce = None if on_embed is None else (lambda todo: on_embed(todo, dense_model, enc.device))
         built |= _dense_part(out, store, manifest, same.get("dense") or {}, enc, _model_ref(dense_model),
-                             dense_spec, batch_size, show_progress)
+                             dense_spec, batch_size, show_progress, announce)
     if build_lucene:
         if not manifest["lucene"]:
             _mark_rebuilding(out, manifest, "lucene")
@@ -229,11 +233,13 @@ def build_index(
 
 
 def _dense_part(out: Path, store: DocStore, manifest: dict, kept: dict, enc: Encoder, model: str,
-                dense_spec: DenseIndexSpec, batch_size: int, show_progress: bool) -> bool:
+                dense_spec: DenseIndexSpec, batch_size: int, show_progress: bool,
+                on_start: Callable[[int], None] | None = None) -> bool:
     """Build ``out/dense`` for :func:`build_index`: embed the store's passages with ``enc`` into the resumable
     memmap, then the FAISS shards of ``dense_spec``, unless ``kept`` (the manifest's dense part of the same
     corpus) describes the same vectors in the same kind of index with its shards on disk. Records the part in
-    ``manifest`` (written) and returns whether shards were built. Raises what :func:`check_dense_spec` raises
+    ``manifest`` (written) and returns whether shards were built. ``on_start(todo)`` is called before the
+    first passage is embedded (:func:`encode_to_memmap`). Raises what :func:`check_dense_spec` raises
     before the encoding pass."""
     n = manifest["num_passages"]
     check_dense_spec(dense_spec, n, enc.dim)  # before the encoding pass, not after it
@@ -251,6 +257,7 @@ def _dense_part(out: Path, store: DocStore, manifest: dict, kept: dict, enc: Enc
         chunk=max(batch_size * 16, 1024),
         fingerprint=vectors,
         show_progress=show_progress,
+        on_start=on_start,
     )
     desc = {
         "model": model,

@@ -14,6 +14,7 @@ from agent.trajectory import save_trajectories
 from corpora import read_corpus, read_qa, sample_paths
 from corpora.formats import QAExample
 from sleuth.config import Config, dump_config
+from sleuth.trained_settings import save_trained_settings
 
 
 def data_paths(cfg: Config) -> dict[str, Path]:
@@ -304,6 +305,7 @@ def run_sft_stage(cfg: Config, retriever, log=print) -> Path:
     llm.model.save_pretrained(tmp)
     llm.tokenizer.save_pretrained(tmp)
     (tmp / "sft_history.json").write_text(json.dumps(history, indent=1))
+    save_trained_settings(cfg, tmp)  # the agent settings it learned under, for ask/eval/serve --model
     return commit_directory(tmp, out)  # flushed: later runs reuse it, so no empty files after a power loss
 
 
@@ -408,6 +410,8 @@ def run_rl_stage(cfg: Config, init_path: str | Path, retriever, resume: bool = F
     if ckpt is not None and not resume:
         raise ValueError(f"{run_dir} already has checkpoints (latest {ckpt.name}); pass --resume to continue "
                          "it, or set out_dir=... for a new run")
+    if rank == 0:  # the agent settings of this run: every checkpoint gets a copy (training.run_state.save_run)
+        save_trained_settings(cfg, run_dir)
     if ckpt is not None:  # a damaged checkpoint (cut short by a crash or a full disk): refused, the previous offered
         check_checkpoint(ckpt)
     start_from = ckpt if ckpt is not None else Path(init_path)
@@ -441,8 +445,8 @@ def run_rl_stage(cfg: Config, init_path: str | Path, retriever, resume: bool = F
                  top_k=cfg.retrieval.top_k, resume=ckpt is not None, on_step=on_step, llm_factory=llm_factory,
                  evaluate=held_out_evaluator(cfg, llm.tokenizer, retriever), judge=answer_judge(cfg))
     finally:
+        bar.close()  # ends the bar's line, so a stop message prints on a line of its own
         for engine in engines:  # its process and memory now, not at interpreter exit
             engine.close()
-    bar.close()
     final = latest_checkpoint(run_dir)
     return final if final is not None else start_from

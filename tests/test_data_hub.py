@@ -333,9 +333,9 @@ def test_the_command_line_downloads_lists_and_honours_offline(hub, tmp_path):
 
 
 def test_nothing_a_user_reads_names_the_development_mirror():
-    """README, help texts, defaults and configs never point at the mirror beside the checkout."""
+    """README, docs, help texts, defaults and configs never point at the mirror beside the checkout."""
     code = ("sleuth", "eval", "corpora", "retrieval", "agent", "training")
     texts = [ROOT / "README.md", ROOT / "Makefile", ROOT / "corpora" / "sample" / "README.md",
-             *ROOT.glob("configs/*.yaml"), *(p for d in code for p in (ROOT / d).rglob("*.py"))]
+             *ROOT.glob("docs/*.md"), *ROOT.glob("configs/*.yaml"), *(p for d in code for p in (ROOT / d).rglob("*.py"))]
     found = [str(p.relative_to(ROOT)) for p in texts if "shared/data" in p.read_text(encoding="utf-8")]
     assert found == []

@@ -61,33 +61,40 @@ def test_failing_hanging_and_silent_agents_fail_their_own_episodes(tiny_llm, cfg
     from openai import AsyncOpenAI
 
     tiny_llm.tokenizer.chat_template = CHATML_TOOLS
+    cfg = cfg.model_copy(update={"max_new_tokens": 16})
 
     async def agent(question: str, base_url: str) -> str:
+        if "river" in question:
+            await asyncio.sleep(3600)  # hangs without blocking: cancelled at the timeout
         client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
         r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": question}])
         if "Germany" in question:
             raise RuntimeError("the agent's own bug")
-        if "river" in question:
-            await asyncio.sleep(30)
         return r.choices[0].message.content
 
     async def silent(question: str, base_url: str) -> str:
         return "Paris"
 
+    with ExternalRunner(tiny_llm, agent, cfg, timeout_s=120, reruns=1, name="mine:agent") as runner:
+        ok, bug = runner.run_episodes([FRANCE, QAExample("q2", "Capital of Germany?", ["Berlin"])])
+        assert runner.stats["episodes"] == 3  # the one that raised was run again, and failed again
     river = QAExample("q3", "Which river flows through the Netherlands?", ["Rhine"])
-    with ExternalRunner(tiny_llm, agent, cfg, timeout_s=3, reruns=1) as runner:
-        ok, bug, hang = runner.run_episodes([FRANCE, QAExample("q2", "Capital of Germany?", ["Berlin"]), river])
-        assert runner.stats["episodes"] == 5  # the two failed ones were run again, and failed again
+    with ExternalRunner(tiny_llm, agent, cfg, timeout_s=1, reruns=1, name="mine:agent") as runner:
+        (hang,) = runner.run_episodes([river])
+        assert runner.stats["timeouts"] == 1  # not run again: a rerun would double the stall
     assert ok.stop_reason in ("answer", "max_turns") and len(ok) > 0
-    assert [t.metadata["failed_attempts"] for t in (ok, bug, hang)] == [0, 2, 2]
+    assert [t.metadata["failed_attempts"] for t in (ok, bug, hang)] == [0, 2, 1]
     from training.rollout.faults import drop_failed
-    assert drop_failed([ok, bug, hang]) == ([ok], {"rollout_errors": 4.0, "rollout_dropped": 2.0})
-    assert bug.stop_reason == "error" and "the agent's own bug" in bug.metadata["error"] and bug.reward == 0.0
-    assert hang.stop_reason == "error" and "longer than 3 s" in hang.metadata["error"]
+    assert drop_failed([ok, bug, hang]) == ([ok], {"rollout_errors": 3.0, "rollout_dropped": 2.0})
+    assert bug.stop_reason == "error" and bug.reward == 0.0
+    assert bug.metadata["error"] == "the agent mine:agent raised RuntimeError: the agent's own bug"
+    assert hang.stop_reason == "error" and hang.metadata["error"] == \
+        "the agent mine:agent took longer than 1 s (agent.external_timeout_s); it was cancelled"
     assert len(bug) > 0  # its calls are recorded (and the trainer leaves the episode out)
-    with ExternalRunner(tiny_llm, silent, cfg, reruns=0) as runner:
+    with ExternalRunner(tiny_llm, silent, cfg, reruns=0, name="mine:silent") as runner:
         (t,) = runner.run_episodes([FRANCE])
-    assert t.stop_reason == "error" and "never called the model" in t.metadata["error"] and len(t) == 0
+    assert t.stop_reason == "error" and len(t) == 0
+    assert t.metadata["error"].startswith("the agent mine:silent returned 'Paris' without calling the model at http")
 
 
 def test_entry_points_and_answers():

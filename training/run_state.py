@@ -6,7 +6,9 @@
 under torchrun, PPO's critic, the FSDP2-sharded forward, the optimizers and the learning-rate schedule, the
 question stream, the health alarms; on a resume it restores all of them from the latest complete
 checkpoint. :func:`save_run` writes an atomic checkpoint of the same state (the full weights, the full
-optimizer state, every rank's RNG states), so ``k`` steps + resume + ``N - k`` steps equals ``N`` steps.
+optimizer state, every rank's RNG states), so ``k`` steps + resume + ``N - k`` steps equals ``N`` steps, and
+the settings the policy is trained with (the run directory's ``sleuth_settings.json``, which the command that
+starts the run writes: :func:`training.infra.checkpoint.write_settings`), so that every checkpoint knows them.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ from training.infra.checkpoint import (
     load_pretrained_weights,
     load_trainer_state,
     read_extra,
+    read_settings,
     remove_unfinished,
     restore_rng,
     rng_state,
     save_best,
     save_checkpoint,
+    write_settings,
 )
 from training.infra.distributed import (
     all_reduce_min,
@@ -64,8 +68,9 @@ class RunState:
     step to run, ``best``/``best_step`` the best held-out EM so far, ``nonfinite`` the steps skipped for a
     non-finite loss; ``resumed`` the trainer state of the checkpoint resumed (``None``: a fresh start);
     ``frontier`` the stream position a checkpoint saves when the asynchronous rollouts read ahead of the
-    training (:meth:`training.rollout.producer.AsyncRollouts.frontier`; ``None``: ``data.position``); ``fleet``
-    the :class:`training.rollout.fleet_run.FleetSide` in fleet mode (``train.rollout.engines``)."""
+    training (:meth:`training.rollout.producer.AsyncRollouts.frontier`; ``None``: ``data.position``);
+    ``settings`` the run directory's training settings, copied into every checkpoint (``None``: it has none);
+    ``fleet`` the :class:`training.rollout.fleet_run.FleetSide` in fleet mode (``train.rollout.engines``)."""
 
     run_dir: Path
     rank: int
@@ -88,6 +93,7 @@ class RunState:
     nonfinite: int = 0
     resumed: dict[str, Any] | None = field(default=None, repr=False)
     frontier: Callable[[], int] | None = field(default=None, repr=False)
+    settings: dict[str, Any] | None = field(default=None, repr=False)
     fleet: Any | None = field(default=None, repr=False)
 
     @property
@@ -210,7 +216,7 @@ def open_run(tc: Any, model: Any, run_dir: str | Path, train_examples: list[QAEx
     state = RunState(run_dir, rank, W, ckpt, policy, fwd, rollout_model, ref, critic, optimizer, scheduler,
                      critic_opt, DataStream(train_examples, seed),
                      Alarms.from_config(tc),
-                     base_state)
+                     base_state, settings=read_settings(run_dir))
     if ckpt is not None:
         restore(state, tc)
     return state
@@ -291,11 +297,15 @@ def save_run(state: RunState, step: int, tokenizer: Any, tc: Any, best_metric: f
         if state.critic is not None:
             extra["critic"], extra["critic_optimizer"] = critic_state, critic_opt_state
 
-        def write_base(d: Path) -> None:  # LoRA's frozen base weights, so resume rebuilds base + adapters
-            from safetensors.torch import save_file
+        def write_files(d: Path) -> None:
+            if state.settings is not None:  # how the policy is trained, for ask/eval/serve --model <ckpt>
+                write_settings(d, state.settings)
+            if lora:  # LoRA's frozen base weights, so resume rebuilds base + adapters
+                from safetensors.torch import save_file
 
-            (d / "base").mkdir(exist_ok=True)
-            save_file({k: v.contiguous() for k, v in state.base_state.items()}, str(d / "base" / "model.safetensors"))
+                (d / "base").mkdir(exist_ok=True)
+                save_file({k: v.contiguous() for k, v in state.base_state.items()},
+                          str(d / "base" / "model.safetensors"))
 
         position = int(frontier)
         trainer_state = {"data_position": position, "best": state.best, "best_step": state.best_step,
@@ -307,7 +317,7 @@ def save_run(state: RunState, step: int, tokenizer: Any, tc: Any, best_metric: f
         path = save_checkpoint(state.run_dir, step, MergedView(src) if lora else src, tokenizer, None,
                                state.scheduler, trainer_state=trainer_state, keep=tc.checkpoints.keep, extra=extra,
                                optimizer_state=opt_state, rng_states=rngs,
-                               write_files=write_base if lora else None)
+                               write_files=write_files)
         if best_metric is not None:
             save_best(state.run_dir, path, best_metric)
 

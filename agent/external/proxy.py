@@ -13,8 +13,10 @@ trainer takes an episode's record with :meth:`Proxy.take`.
 
 Routes (also under ``/ep/<episode>``):
 
-* ``POST /v1/chat/completions``: ``messages``, ``tools``, ``tool_choice`` (``"none"`` turns tool-call
-  parsing off), ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``,
+* ``POST /v1/chat/completions``: ``messages``, ``tools`` (OpenAI's function tools; Anthropic's
+  ``input_schema`` form is converted, any other form refused naming the field: :mod:`agent.external.tool_schema`,
+  which also refuses the legacy ``functions`` / ``function_call``), ``tool_choice`` (``"auto"``, or ``"none"``,
+  which turns tool-call parsing off; one forcing a call is refused), ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``,
   ``logprobs``, ``stream`` (+ ``stream_options.include_usage``). The reply's ``tool_calls`` are parsed from
   the sampled text (:func:`agent.external.stitch.parse_tool_calls`), ``finish_reason`` is ``tool_calls``,
   ``stop`` or ``length``. A streamed reply sends the finished turn as OpenAI's chunks (role, content, one
@@ -26,13 +28,15 @@ Routes (also under ``/ep/<episode>``):
 * ``GET /v1/models``, ``GET /health`` (with the recording counters: calls, episodes, splits).
 
 With ``ProxySettings.temperature`` / ``top_p`` set (training), every call samples with them whatever the
-request says: the trainer scores the distribution the rollout was drawn from. Each call's new tokens are
+request says: the trainer scores the distribution the rollout was drawn from; ``Proxy.sampling`` sets them
+per episode (``sleuth serve``'s requests, an evaluation at its own temperature). Each call's new tokens are
 capped by ``max_new_tokens`` and by what is left of ``max_total_tokens`` (one training sequence); a prompt
 that already fills it is refused with 400 ``context_length_exceeded``, as vLLM refuses one over its context.
 Limits (the API key, the body's size and its JSON checked by the shared
 :class:`retrieval.http_guard.RequestGuard`): bodies over ``max_body_bytes`` 413, bad JSON 400 (also nested too
 deeply or an over-long integer), a wrong key 401, bad fields 422 (named), a chat template failing
-on the messages 422, ``n`` other than 1 422, a backend failure 502, a call over ``request_timeout_s`` 504;
+on the messages 422, ``n`` other than 1 422, a call for an episode that has ended (:meth:`Proxy.end`: its agent
+returned or ran out of time) 409, a backend failure 502, a call over ``request_timeout_s`` 504;
 OpenAI's ``{"error": {"message", "type", "code"}}`` body. Binds 127.0.0.1 (:class:`ProxyServer`).
 """
 
@@ -54,6 +58,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent.external.chat_template import CHATML_TOOLS
 from agent.external.stitch import Call, EpisodeLog, parse_tool_calls, render_prompt, turn_action
+from agent.external.tool_schema import ToolSchemaError, check_legacy_fields, normalize_tools
 from agent.llm import LLM, SamplingParams, decode, encode
 from agent.loop.scheduler import Scheduler
 from retrieval.http_guard import GuardError, RequestGuard
@@ -114,6 +119,8 @@ class Proxy:
         self.scheduler = Scheduler(llm, None, max_batch=max_batch)
         self.episodes: OrderedDict[str, EpisodeLog] = OrderedDict()
         self.locks: dict[str, asyncio.Lock] = {}
+        self.sampling: dict[str, tuple[float, float]] = {}  # episode -> (temperature, top_p) of its calls
+        self.ended: OrderedDict[str, None] = OrderedDict()  # episodes whose agent returned or timed out
         self.stats = {"calls": 0, "untagged_calls": 0, "episodes": 0, "splits": 0, "dropped_episodes": 0}
         self._lock = threading.Lock()
         self.app = self._build_app()
@@ -121,6 +128,9 @@ class Proxy:
     # -- records --------------------------------------------------------------------------------------
     def _log(self, episode: str) -> EpisodeLog:
         with self._lock:
+            if episode in self.ended:
+                raise ProxyError(409, f"episode {episode!r} has ended (its agent returned or ran out of time): this "
+                                      "call is not served", code="episode_ended")
             log = self.episodes.get(episode)
             if log is None:
                 log = self.episodes[episode] = EpisodeLog(episode)
@@ -135,7 +145,17 @@ class Proxy:
         """Remove and return the record of ``episode`` (an empty one when it made no call)."""
         with self._lock:
             self.locks.pop(episode, None)
+            self.sampling.pop(episode, None)
             return self.episodes.pop(episode, None) or EpisodeLog(episode)
+
+    def end(self, episode: str) -> None:
+        """Mark ``episode`` ended: a call for it from now on gets 409 ``episode_ended`` (an agent that ran out of
+        time and goes on calling is told so, and its calls are neither sampled nor recorded). The last
+        ``max_episodes`` ended ids are remembered."""
+        with self._lock:
+            self.ended[episode] = None
+            while len(self.ended) > self.limits.max_episodes:
+                self.ended.popitem(last=False)
 
     def _record(self, log: EpisodeLog, call: Call) -> None:
         with self._lock:
@@ -145,8 +165,9 @@ class Proxy:
             self.stats["splits"] += log.splits - before
 
     # -- sampling -------------------------------------------------------------------------------------
-    def _params(self, body: dict[str, Any], n_prompt: int) -> SamplingParams:
+    def _params(self, body: dict[str, Any], n_prompt: int, episode: str | None = None) -> SamplingParams:
         s = self.settings
+        forced_temp, forced_top_p = self.sampling.get(episode, (s.temperature, s.top_p))
         room = s.max_total_tokens - n_prompt
         if room <= 0:
             raise ProxyError(400, f"the prompt is {n_prompt} tokens; this proxy's sequences hold "
@@ -155,8 +176,8 @@ class Proxy:
         want = body.get("max_completion_tokens", body.get("max_tokens"))
         if want is not None and (isinstance(want, bool) or not isinstance(want, int) or want < 1):
             raise ProxyError(422, "max_tokens must be a positive integer")
-        temp = s.temperature if s.temperature is not None else _number(body, "temperature", 1.0, 0.0, 2.0)
-        top_p = s.top_p if s.top_p is not None else _number(body, "top_p", 1.0, 0.0, 1.0)
+        temp = forced_temp if forced_temp is not None else _number(body, "temperature", 1.0, 0.0, 2.0)
+        top_p = forced_top_p if forced_top_p is not None else _number(body, "top_p", 1.0, 0.0, 1.0)
         top_k = body.get("top_k", -1)
         if isinstance(top_k, bool) or not isinstance(top_k, int):
             raise ProxyError(422, "top_k must be an integer")
@@ -257,8 +278,11 @@ class Proxy:
             raise ProxyError(422, "messages must be a non-empty list of objects with a role")
         if len(msgs) > self.limits.max_messages:
             raise ProxyError(422, f"{len(msgs)} messages exceed the limit of {self.limits.max_messages}")
-        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-            raise ProxyError(422, "tools must be a list of objects")
+        try:  # another schema is converted or refused naming the field, never dropped
+            tools = normalize_tools(tools)
+            check_legacy_fields(body)
+        except ToolSchemaError as e:
+            raise ProxyError(422, e.message, code="invalid_value") from None
         stream = body.get("stream", False)
         if stream is not None and not isinstance(stream, bool):
             raise ProxyError(422, "stream must be true or false")
@@ -271,7 +295,7 @@ class Proxy:
                 prompt, text = render_prompt(self.tokenizer, log, msgs, tools, template)
             except Exception as e:  # noqa: BLE001 - jinja errors, a template that raises on these messages
                 raise ProxyError(422, f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
-            params = replace(self._params(body, len(prompt)), episode=episode)  # one engine per episode
+            params = replace(self._params(body, len(prompt), episode), episode=episode)  # one engine per episode
             gen = await self._generate(prompt, params)
             content, calls, error = parse_tool_calls(gen.text) if parse_calls else (gen.text, [], None)
             action, query = turn_action(content, calls, error, self.settings.search_tool)
@@ -321,7 +345,7 @@ class Proxy:
             raise ProxyError(422, "stream is not supported on /v1/completions")
         async with await self._locked(episode):
             log = self._log(episode) if episode is not None else None
-            params = replace(self._params(body, len(prompt)), episode=episode)  # one engine per episode
+            params = replace(self._params(body, len(prompt), episode), episode=episode)  # one engine per episode
             gen = await self._generate(prompt, params)
             self._count(log, Call(list(prompt), list(gen.token_ids), gen.logprobs, gen.text, gen.finish_reason,
                                   action="completion"))

@@ -26,7 +26,9 @@
   the first choice's; streamed, each event carries its choice's index); ``max_tokens`` (or
   ``max_completion_tokens``) caps the tokens the episode adds after the prompt; ``temperature`` and
   ``top_p`` sample every turn; ``stream_options.include_usage`` adds OpenAI's usage chunk; ``stop``,
-  ``seed``, ``logprobs``, penalties, ``tools`` and JSON ``response_format`` get 400.
+  ``seed``, ``logprobs``, penalties, ``tools`` and JSON ``response_format`` get 400. With an external agent
+  (``agent.kind: external``) ``temperature``, ``top_p`` and ``n`` are honoured as well, while ``top_k`` and
+  ``max_turns`` other than the server's own get 422 and ``max_tokens`` 400 (:func:`create_app`).
 * ``GET /health``: status, counters (``inflight``: episode slots taken; ``running_episodes``: episodes the
   scheduler runs now; ``tasks``: the event loop's tasks, for spotting a leak) and the per-request ``limits``
   a client may choose within (``top_k``/``max_top_k``, ``max_turns``, ``max_question_chars``).
@@ -72,8 +74,10 @@ def create_app(llm: LLM, retriever: Retriever, agent_cfg: Any, *, top_k: int = 3
     scores answers sent with golden answers (default: :func:`agent.loop.nodes.make_context`'s, from
     ``agent_cfg.judge``). ``external`` (an :class:`agent.external.runner.ExternalRunner`,
     ``agent.kind: external``) answers with the external agent instead of the built-in loop: its own tools
-    search, so a request's ``top_k`` and ``max_turns`` other than the server's own are refused (422), its
-    temperature does not apply, a stream carries no turn or search events, and the evidence is empty."""
+    search, so a request's ``top_k`` and ``max_turns`` other than the server's own are refused (422) and so is
+    ``max_tokens`` (400: the agent decides how many model calls it makes); ``temperature`` and ``top_p`` sample
+    every model call of its episode, ``n`` runs that many episodes; a stream carries no turn or search events,
+    and the evidence is empty."""
     app = FastAPI(title="Sleuth agent", version="0.1")
     app.state.service = AgentService(app.state, llm, retriever, agent_cfg, top_k=top_k, temperature=temperature,
                                      api_key=api_key, model_name=model_name, limits=limits or ServeLimits(),

@@ -192,7 +192,14 @@ class AgentService:
 
     def sampling_update(self, question: str, p: ChatParams) -> dict[str, Any]:
         """The ``agent_cfg`` fields a chat request sets: ``top_p``, and for ``max_tokens`` the episode's token
-        budget cut to the prompt plus ``max_tokens`` (never above ``agent.max_total_tokens``)."""
+        budget cut to the prompt plus ``max_tokens`` (never above ``agent.max_total_tokens``). For an external
+        agent, whose own code decides how many model calls it makes, ``max_tokens`` has no meaning the server
+        could keep: a 400 :class:`HTTPError` naming it."""
+        if self.external is not None and p.max_tokens is not None:
+            raise HTTPError(400, "max_tokens (max_completion_tokens) does not apply to this server's agent "
+                                 "(agent.kind=external: its own code decides how many model calls it makes, each "
+                                 f"of at most agent.max_new_tokens={self.agent_cfg.max_new_tokens} tokens); leave "
+                                 "it out", param="max_tokens", code="unsupported_parameter")
         update: dict[str, Any] = {}
         if p.top_p is not None:
             update["top_p"] = p.top_p
@@ -265,8 +272,10 @@ class AgentService:
             plain = not golds and getattr(self.agent_cfg, "judge", "rule") == "llm"
             run_ctx = self.episode_context(k, turns, temp, cfg_update, plain)
             if self.external is not None:  # the external agent's episode, one record however the template split it
-                seqs = await asyncio.wait_for(self.external.run_episode(ex, judge=rule_judge() if plain else None),
-                                              timeout)
+                sampling = self.external.sampling_at(self.temperature if temp is None else temp,
+                                                     (cfg_update or {}).get("top_p"))
+                seqs = await asyncio.wait_for(self.external.run_episode(ex, judge=rule_judge() if plain else None,
+                                                                        sampling=sampling), timeout)
                 traj = merged(seqs)
             else:
                 traj = await asyncio.wait_for(run_episode(run_ctx, ex, on_event=on_event), timeout)

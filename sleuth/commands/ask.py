@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sleuth.commands.common import add_config_arguments, config_from_args
+from sleuth.commands.common import MODEL_HELP, add_config_arguments, config_from_args, model_config
 
 HELP = "ask the agent a question; prints the answer and the turn-by-turn trajectory"
 
@@ -10,7 +10,7 @@ HELP = "ask the agent a question; prints the answer and the turn-by-turn traject
 def add_arguments(p) -> None:
     p.add_argument("question")
     add_config_arguments(p)
-    p.add_argument("--model", help="model directory (a checkpoint, or its checkpoints/latest) or hub id (default: policy.model, else the untrained tiny policy)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--index", help="index directory (default: retrieval.index_dir)")
     p.add_argument("--answer", action="append", default=[], help="a gold answer, to score the episode")
     p.add_argument("--json", action="store_true", help="print the whole trajectory as JSON")
@@ -24,7 +24,7 @@ def run(args) -> int:
     from corpora.formats import QAExample
     from sleuth.pipeline import answer_judge, load_llm, open_retriever
 
-    cfg = config_from_args(args)
+    cfg = model_config(config_from_args(args), args.model)  # the model's trained settings, or the untrained note
     retriever = open_retriever(cfg, args.index)  # first: a missing index is the commonest mistake
     llm = load_llm(cfg, args.model)
     ex = QAExample(id="ask", question=args.question, golden_answers=args.answer or [""])

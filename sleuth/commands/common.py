@@ -112,3 +112,25 @@ def config_from_args(args: argparse.Namespace) -> Config:
     from sleuth.config import load_config
 
     return load_config(args.config, list(getattr(args, "overrides", []) or []))
+
+
+MODEL_HELP = ("model directory (a checkpoint, or its checkpoints/latest) or hub id (default: policy.model, else the "
+              "untrained tiny policy); a model Sleuth trained brings the agent settings it was trained with "
+              "(its sleuth_settings.json), which --config and overrides may change")
+
+
+def model_config(cfg: Config, model: str | None) -> Config:
+    """``cfg`` for running ``model`` (``--model``, else ``policy.model``): with the settings it was trained with
+    in place of those the config leaves unset (:func:`sleuth.trained_settings.with_trained_settings`, which
+    warns for explicit settings that differ); without a model, ``cfg`` after printing (to stderr) that the
+    policy is the untrained tiny one (:func:`sleuth.trained_settings.untrained_note`)."""
+    import sys
+
+    from sleuth.pipeline import resolve_model_path
+    from sleuth.trained_settings import untrained_note, with_trained_settings
+
+    note = untrained_note(cfg, model)
+    if note is not None:
+        print(note, file=sys.stderr)
+        return cfg
+    return with_trained_settings(cfg, resolve_model_path(model or cfg.policy.model))

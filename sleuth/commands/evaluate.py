@@ -4,7 +4,13 @@ cover-EM, and with ``--judge-model`` (or ``eval.judge_model``) LLM-as-judge accu
 
 from __future__ import annotations
 
-from sleuth.commands.common import add_config_arguments, config_from_args, positive_int
+from sleuth.commands.common import (
+    MODEL_HELP,
+    add_config_arguments,
+    config_from_args,
+    model_config,
+    positive_int,
+)
 
 HELP = "evaluate a method on a QA file or the benchmarks: EM, F1, cover-EM, searches, turns, supporting recall"
 
@@ -14,7 +20,7 @@ def add_arguments(p) -> None:
     p.add_argument("--qa", help="QA file in any format the benchmarks ship in (default: data.test, else the shipped "
                    "sample's test questions)")
     p.add_argument("--index", help="index directory (default: retrieval.index_dir)")
-    p.add_argument("--model", help="model directory (a checkpoint, or its checkpoints/latest) or hub id (default: policy.model, else the untrained tiny policy)")
+    p.add_argument("--model", help=MODEL_HELP)
     from eval.methods import EVAL_METHODS
 
     p.add_argument("--method", default="agent", help=f"the evaluation method: {EVAL_METHODS.help('agent')}")
@@ -37,7 +43,7 @@ def run(args) -> int:
     from eval.report import failure_note, format_summary, judge_line
     from sleuth.pipeline import data_paths, load_llm, open_retriever, other_model_config
 
-    cfg = config_from_args(args)
+    cfg = model_config(config_from_args(args), args.model)  # the model's trained settings, or the untrained note
     if args.qa and args.benchmarks:
         raise ValueError("--qa and --benchmarks exclude each other: the benchmarks read their own files "
                          "(--data-dir); give one of them")

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 
 from sleuth.commands.common import (
+    MODEL_HELP,
     add_config_arguments,
     check_port_free,
     config_from_args,
+    model_config,
     port_number,
     positive_int,
     warn_if_exposed,
@@ -18,7 +20,7 @@ HELP = "serve the agent over HTTP: POST /ask and OpenAI-compatible /v1/chat/comp
 
 def add_arguments(p) -> None:
     add_config_arguments(p)
-    p.add_argument("--model", help="model directory (a checkpoint, or its checkpoints/latest) or hub id (default: policy.model, else the untrained tiny policy)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--index", help="index directory (default: retrieval.index_dir)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 exposes it)")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000)")
@@ -63,7 +65,7 @@ def run(args) -> int:
         tiny_policy_path,
     )
 
-    cfg = config_from_args(args)
+    cfg = model_config(config_from_args(args), args.model)  # the model's trained settings, or the untrained note
     warn_if_exposed(args.host, args.api_key, "--api-key or $SLEUTH_API_KEY")
     check_port_free(args.host, args.port)  # before the index and the model load
     retriever = open_retriever(cfg, args.index)  # first to load: a missing index is the commonest mistake

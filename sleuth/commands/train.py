@@ -10,13 +10,17 @@ and checkpoints, and the process group ends with a barrier. Collectives time out
 One training at a time per ``out_dir``: rank 0 holds it (:func:`training.infra.checkpoint.run_dir_lock`) from
 before it writes the run config to the end, and a second ``sleuth train`` there is refused at once
 (:class:`training.infra.checkpoint.RunDirBusyError`, one line from the CLI).
+
+Ctrl-C (SIGINT) and SIGTERM (a job scheduler's stop, ``kill``) end the run the same way: the checkpoint being
+written is either committed or left out (writes are atomic), and the last complete checkpoint and the
+command that resumes from it are printed (:func:`interrupted_message`); the exit status is 130 or 143.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-from sleuth.commands.common import add_config_arguments, config_from_args
+from sleuth.commands.common import add_config_arguments
 
 HELP = ("train the policy: SFT warm start, then multi-turn RL (train.algorithm.adv_estimator; metrics, "
         "checkpoints, --resume; torchrun)")
@@ -27,7 +31,69 @@ def add_arguments(p) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is (as Ctrl-C raises ``KeyboardInterrupt``), so that the run
+    unwinds: the proxy, the engines and the run-directory lock are released, and the way back is printed."""
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise Stopped()
+
+
+def resume_command(args) -> str:
+    """The ``sleuth train`` command line of ``args`` with ``--resume`` (what continues an interrupted run)."""
+    import shlex
+
+    words = ["sleuth", "train"] + (["--config", args.config] if args.config else []) + list(args.overrides or [])
+    return shlex.join([*words, "--resume"])
+
+
+def interrupted_message(cfg, args, signal_name: str) -> str:
+    """What ``sleuth train`` prints when ``signal_name`` stops it: the run's last complete checkpoint (or that
+    there is none yet) and the command that resumes it."""
+    from sleuth.pipeline import rl_run_dir
+    from training.infra.checkpoint import latest_checkpoint
+
+    run_dir = rl_run_dir(cfg)
+    ckpt = latest_checkpoint(run_dir)
+    head = f"sleuth train: stopped by {signal_name}"
+    if ckpt is None:
+        return (f"{head} before the first checkpoint of {run_dir}; run it again (the index, the tiny policy and the "
+                f"SFT model are reused): {resume_command(args)}")
+    import json
+
+    step = json.loads((ckpt / "trainer_state.json").read_text()).get("step")
+    return f"{head}; the last checkpoint is {ckpt} (step {step}); resume from it with: {resume_command(args)}"
+
+
 def run(args) -> int:
+    import os
+    import signal
+    import sys
+
+    cfg = None
+    try:  # (the main thread alone may set a handler: called from another thread, SIGTERM keeps its own)
+        previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    except ValueError:
+        previous = None
+    try:
+        from sleuth.commands.common import config_from_args
+
+        cfg = config_from_args(args)
+        return _train(cfg, args)
+    except KeyboardInterrupt as e:
+        if cfg is None:
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:  # torchrun signals every rank; rank 0 speaks
+            print(interrupted_message(cfg, args, "SIGTERM" if isinstance(e, Stopped) else "Ctrl-C (SIGINT)"),
+                  file=sys.stderr)
+        return 143 if isinstance(e, Stopped) else 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _train(cfg, args) -> int:
     from sleuth.pipeline import (
         check_rollout_backend,
         ensure_index,
@@ -42,7 +108,6 @@ def run(args) -> int:
     from training.infra.checkpoint import run_dir_lock
     from training.infra.distributed import init_from_env, run_on_rank0, shutdown
 
-    cfg = config_from_args(args)
     check_rollout_backend(cfg)  # before minutes of SFT
     rank, _W = init_from_env(timeout_s=cfg.train.dist_timeout_s)  # torchrun: the process group; else a no-op
     ok = False

@@ -14,7 +14,9 @@ Contents of ``step_<n>/``:
   of ranks with the same weights and optimizer state (but another data split and RNG streams);
 * ``trainer.pt``: scheduler state, the RNG states of every rank (``rng_per_rank``; ``rng`` is rank 0's),
   extra state dicts (critic, LoRA adapters) and, for generic callers, a plain ``optimizer.state_dict()``;
-* ``trainer_state.json``: step, data position, world size and trainer bookkeeping.
+* ``trainer_state.json``: step, data position, world size and trainer bookkeeping;
+* ``sleuth_settings.json`` (:data:`SETTINGS_FILE`): the agent settings the policy was trained with, when the
+  run has them (:func:`write_settings`; ``sleuth ask/eval/serve --model <ckpt>`` use them).
 
 Under torchrun only rank 0 writes (after the collectives that gather the state); the trainer puts a
 barrier after every save, so no rank reads a checkpoint before it is complete.
@@ -131,6 +133,41 @@ def commit_directory(tmp: str | Path, final: str | Path) -> Path:
     os.replace(tmp, final)
     _fsync(final.parent)
     return final
+
+
+SETTINGS_FILE = "sleuth_settings.json"
+"""The file, beside a model's weights (a checkpoint, the SFT model, a run directory), holding the settings the
+model was trained with: a JSON object of config sections (``{"agent": {...}, "retrieval": {...}}``) that
+``sleuth ask/eval/serve --model DIR`` apply, so the model runs as it was trained."""
+
+
+def write_settings(directory: str | Path, settings: dict[str, Any]) -> Path:
+    """Write ``settings`` (a JSON-able dict of config sections) to ``directory/``:data:`SETTINGS_FILE`,
+    flushed to disk before it replaces an older one. Returns the file."""
+    path = Path(directory) / SETTINGS_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    _write_durably(tmp, json.dumps(settings, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    return path
+
+
+def read_settings(directory: str | Path) -> dict[str, Any] | None:
+    """The settings of :data:`SETTINGS_FILE` in ``directory``, or ``None`` when it has none (a model trained
+    before the file existed, a hub model). Raises ``ValueError`` naming the file when it does not parse or
+    is no JSON object."""
+    path = Path(directory) / SETTINGS_FILE
+    try:
+        text = path.read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        settings = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{path} does not parse ({e}); delete it to use the config's settings") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path} must hold a JSON object of config sections; delete it to use the config's "  # noqa: TRY004
+                         "settings")
+    return settings
 
 
 def _write_durably(path: Path, text: str) -> None:

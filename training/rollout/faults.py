@@ -91,8 +91,11 @@ def drop_failed(trajs: list[Trajectory]) -> tuple[list[Trajectory], dict[str, fl
     kept = [t for t in trajs if not failed(t)]
     errors = sum(int(t.metadata.get("failed_attempts", int(failed(t)))) for t in trajs)
     if trajs and not kept:
+        agent = trajs[-1].metadata.get("agent")  # an external agent's own failure (agent.external.runner)
+        hint = (f"the agent {agent} failed, not Sleuth's services: fix it, or raise agent.external_timeout_s if it "
+                "only needs more time" if agent else "is the retrieval server or policy backend up?")
         raise RuntimeError(f"all {len(trajs)} episodes of this rollout failed, also when run again (the last: "
-                           f"{trajs[-1].metadata.get('error')}); is the retrieval server or policy backend up?")
+                           f"{trajs[-1].metadata.get('error')}); {hint}")
     if len(kept) < len(trajs):
         log.warning("%d of %d episodes still failed and are left out of the update (e.g. %s)", len(trajs) - len(kept),
                     len(trajs), next(t for t in trajs if failed(t)).metadata.get("error"))
