@@ -22,6 +22,11 @@ class SamplingParams:
 
     ``max_new_tokens`` is per prompt (tokens); ``temperature == 0`` means greedy; ``stop`` strings end a
     turn where the action ends and are kept in the output (``</search>``, ``</answer>``).
+
+    ``episode`` names the episode a request belongs to (set by the agent loop for each turn, by the training
+    proxy from the request): a backend of several engines (:class:`agent.backends.fleet.Fleet`) sends all
+    turns of an episode to one engine, whose prefix cache then holds the episode's earlier turns. It takes
+    no part in equality or hashing, so requests of different episodes still batch together.
     """
 
     max_new_tokens: int = 64
@@ -30,6 +35,7 @@ class SamplingParams:
     top_k: int = 0
     stop: tuple[str, ...] = ("</search>", "</answer>")
     seed: int | None = None
+    episode: str | None = field(default=None, compare=False)
 
 
 @dataclass

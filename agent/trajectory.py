@@ -33,6 +33,9 @@ class Turn:
 
     ``action`` is ``"search"``, ``"answer"`` or ``"invalid"`` (a malformed action, whose
     ``error`` says why); ``observation`` is the tool text appended after the turn (``None`` after an answer).
+    ``weight_version``: the policy weights that generated the turn, as the rollout backend reported them (a
+    fleet engine's reply, :mod:`agent.backends.fleet`; an integer training step), ``None`` when it does not
+    say: with asynchronous partial rollouts the turns of one episode may come from different versions.
     """
 
     index: int
@@ -46,6 +49,7 @@ class Turn:
     n_policy_tokens: int = 0
     n_tool_tokens: int = 0
     judgement: str | None = None  # ReSeek self-judge of the previous observation: "useful" / "not useful"
+    weight_version: int | str | None = None
 
 
 @dataclass

@@ -15,6 +15,7 @@ machine's load average before and after each run is recorded with it, and the mo
     .venv/bin/python bench/async_rollouts.py                     # seeds 0 1 2, both modes (~4 min on 2 idle cores)
     .venv/bin/python bench/async_rollouts.py --seeds 0 --steps 20
     .venv/bin/python bench/async_rollouts.py --report            # the table from the JSON only
+    .venv/bin/python bench/async_rollouts.py --modes sync async fleet --seeds 0 --tag=-b  # a new series
 
 Writes ``bench/results/async_rollouts.json`` (finished runs are kept and skipped on a rerun) and prints the
 table; work files under ``runs/async_rollouts/``.
@@ -39,7 +40,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 WORK = ROOT / "runs" / "async_rollouts"
 JSON_PATH = ROOT / "bench" / "results" / "async_rollouts.json"
-MODES = {"sync": {"rollout.asynchronous": False}, "async": {"rollout.asynchronous": True, "rollout.max_staleness": 1}}
+MODES = {"sync": {"rollout.asynchronous": False}, "async": {"rollout.asynchronous": True, "rollout.max_staleness": 1},
+         # a fleet of one `sleuth serve-engine` process the trainer starts (one thread), asynchronous with partial
+         # rollouts: the same split of the two cores as "async" (its worker process), over HTTP and the weight push
+         "fleet": {"rollout.asynchronous": True, "rollout.max_staleness": 1, "rollout.engines": 1,
+                   "rollout.engine_threads": 1}}
 
 
 def load_avg() -> float:
@@ -59,7 +64,7 @@ def run_one(mode: str, seed: int, steps: int, retriever, train, test) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     model, tok = load_model_and_tokenizer(str(L.WORK / "sft"), device="cpu")
     torch.manual_seed(seed)
-    curve, step_s, eval_s = [], [], [0.0]
+    curve, step_s, eval_s, phases = [], [], [0.0], {}
 
     def ev(m):
         t = time.time()
@@ -69,6 +74,9 @@ def run_one(mode: str, seed: int, steps: int, retriever, train, test) -> dict:
 
     def on_step(step, rec):
         step_s.append(rec["step_s"])
+        for k, v in rec.items():
+            if k.startswith(("timing/", "async/")) or k in ("episode_tokens", "turns", "search_calls", "response_tokens"):
+                phases.setdefault(k, []).append(v)
         if "eval_em" in rec:
             curve.append({"step": step, "em": rec["eval_em"]})
 
@@ -80,31 +88,38 @@ def run_one(mode: str, seed: int, steps: int, retriever, train, test) -> dict:
     return {"mode": mode, "seed": seed, "steps": steps, "final_em": final, "best_em": out["best_eval_em"],
             "curve": curve, "train_s": wall - eval_s[0], "eval_s": eval_s[0],
             "median_step_s": statistics.median(step_s), "load_before": load0, "load_after": load_avg(),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "step_s": step_s,
+            "median": {k: statistics.median(v) for k, v in phases.items()}}
 
 
 def table(res: dict) -> str:
+    """The runs as a markdown table, then per series (``tag``) each mode's mean EM and training time and each
+    mode's wall time against the synchronous runs of the same seeds."""
     runs = res["runs"]
-    lines = ["| mode | seed | steps | final test EM | best test EM | training wall s | median step s | load avg |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in sorted(runs.values(), key=lambda r: (r["seed"], r["mode"] != "sync")):
-        lines.append(f"| {r['mode']} | {r['seed']} | {r['steps']} | {100 * r['final_em']:.1f} | "
+    lines = ["| series | mode | seed | steps | final test EM | best test EM | training wall s | median step s | load avg |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(runs.values(), key=lambda r: (r.get("tag", ""), r["seed"], list(MODES).index(r["mode"]))):
+        lines.append(f"| {r.get('tag') or '-'} | {r['mode']} | {r['seed']} | {r['steps']} | {100 * r['final_em']:.1f} | "
                      f"{100 * (r['best_em'] or 0):.1f} | {r['train_s']:.0f} | {r['median_step_s']:.2f} | "
                      f"{r['load_before']:.1f}-{r['load_after']:.1f} |")
     out = "\n".join(lines) + "\n"
-    by = {m: [r for r in runs.values() if r["mode"] == m] for m in MODES}
-    if all(by.values()):
-        def mean_sd(xs):
-            return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else float("nan"))
 
-        for m in MODES:
-            em, sd = mean_sd([100 * r["final_em"] for r in by[m]])
-            out += (f"\n{m}: final test EM {em:.1f} (sd {sd:.1f} over {len(by[m])} seeds), training "
-                    f"{statistics.mean(r['train_s'] for r in by[m]):.0f} s")
-        pairs = [(a, b) for a in by["sync"] for b in by["async"] if a["seed"] == b["seed"]]
-        if pairs:
-            speed = statistics.mean(a["train_s"] / b["train_s"] for a, b in pairs)
-            out += f"\nasync / sync wall time over {len(pairs)} paired seeds: {1 / speed:.2f} ({speed:.2f}x faster)\n"
+    def mean_sd(xs):
+        return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else float("nan"))
+
+    for tag in sorted({r.get("tag", "") for r in runs.values()}):
+        by = {m: [r for r in runs.values() if r["mode"] == m and r.get("tag", "") == tag] for m in MODES}
+        for m, rs in by.items():
+            if rs:
+                em, sd = mean_sd([100 * r["final_em"] for r in rs])
+                out += (f"\n[{tag or '-'}] {m}: final test EM {em:.1f} (sd {sd:.1f} over {len(rs)} seeds), training "
+                        f"{statistics.mean(r['train_s'] for r in rs):.0f} s")
+        for m in ("async", "fleet"):
+            pairs = [(a, b) for a in by["sync"] for b in by[m] if (a["seed"], a["steps"]) == (b["seed"], b["steps"])]
+            if pairs:
+                speed = statistics.mean(a["train_s"] / b["train_s"] for a, b in pairs)
+                out += f"\n[{tag or '-'}] {m} / sync wall time over {len(pairs)} paired seeds: {1 / speed:.2f} ({speed:.2f}x faster)"
+        out += "\n"
     return out
 
 
@@ -116,6 +131,8 @@ def main() -> int:
     ap.add_argument("--steps", type=positive_int, default=None, help="RL steps (default: bench/learning.py's)")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads per process")
     ap.add_argument("--report", action="store_true", help="only print the table of the JSON")
+    ap.add_argument("--modes", nargs="+", default=["sync", "async"], choices=sorted(MODES))
+    ap.add_argument("--tag", default="", help="suffix of the runs' keys (a new series beside the stored one)")
     args = ap.parse_args()
     res = json.loads(JSON_PATH.read_text()) if JSON_PATH.exists() else {"runs": {}}
     if not args.report:
@@ -128,11 +145,11 @@ def main() -> int:
         res["setup"] = {"train": L.TRAIN, "agent": L.AGENT, "tiny": L.TINY, "cpus": os.cpu_count(),
                         "threads_per_process": args.threads, "date": time.strftime("%Y-%m-%d")}
         for seed in args.seeds:
-            for mode in MODES:
-                key = f"{mode}_s{seed}_{steps}"
+            for mode in args.modes:
+                key = f"{mode}_s{seed}_{steps}{args.tag}"
                 if key in res["runs"]:
                     continue
-                res["runs"][key] = run_one(mode, seed, steps, retriever, train, test)
+                res["runs"][key] = {**run_one(mode, seed, steps, retriever, train, test), "tag": args.tag}
                 r = res["runs"][key]
                 print(f"[{time.strftime('%H:%M:%S')}] {key}: test EM {100 * r['final_em']:.1f}, "
                       f"training {r['train_s']:.0f} s", flush=True)

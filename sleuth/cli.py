@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "corpus": "corpus",
     "simulator-data": "simulator_data",
     "serve": "serve",
+    "serve-engine": "serve_engine",
     "dashboard": "dashboard",
     "data": "data",
 }

@@ -400,10 +400,13 @@ def external_agent_env(cfg: Config, index_dir: str | None = None) -> None:
 def check_rollout_backend(cfg: Config) -> None:
     """Raise ``ValueError`` when ``agent.backend.kind`` cannot roll out for RL (its entry's ``rollout``,
     :data:`agent.backends.build.BACKENDS`): ``openai`` is a server whose weights the trainer cannot update
-    (transformers and vllm can; vllm gets each update in place)."""
+    (transformers and vllm can; vllm gets each update in place). With ``train.rollout.engines`` the rollouts
+    run on that fleet and the backend is not checked."""
     from agent.backends.build import BACKENDS
 
     kind = cfg.agent.backend.kind
+    if cfg.train.rollout.fleet:  # rollouts on train.rollout.engines; agent.backend is not used for them
+        return
     if not BACKENDS.get(kind).rollout:
         able = " or ".join(n for n in BACKENDS.names() if BACKENDS.get(n).rollout)
         raise ValueError(f"agent.backend.kind={kind} cannot roll out for training: the trainer cannot update its "
@@ -472,7 +475,7 @@ def run_rl_stage(cfg: Config, init_path: str | Path, retriever, resume: bool = F
     llm_factory = None
     from agent.backends.build import BACKENDS, make_llm
 
-    if BACKENDS.get(cfg.agent.backend.kind).engine:  # an engine on the same weights; the trainer pushes updates in
+    if BACKENDS.get(cfg.agent.backend.kind).engine and not cfg.train.rollout.fleet:  # an engine on the same weights
 
         def llm_factory(model, tokenizer):
             engines.append(make_llm(cfg.agent.backend, str(start_from), cfg.policy.dtype, cfg.policy.device,

@@ -394,3 +394,26 @@ def test_learning_long_budget_run_names():
     assert lb.run_spec("gspo-long-s0")[2]["algorithm.policy_loss"] == "gspo"  # the estimator's own overrides kept
     with pytest.raises(KeyError):
         lb.run_spec("nonesuch-long-s0")
+
+
+def test_scale_sim_times_one_episode_exactly_in_each_mode():
+    """bench/scale_sim.py on one engine and one episode (prompt 3, turns (10 generated, 5 observed), (4, 0)):
+    continuous batching prefills only the new tokens; static calls prefill the whole context; the update and
+    the sync follow the rollout (sync), overlap it (async) or run beside the engines (fleet)."""
+    import sys
+
+    sys.path.insert(0, str(BENCH))
+    sim = importlib.import_module("scale_sim")
+    prof = sim.Profile("t", "continuous", iter_fixed_s=1.0, iter_per_seq_s=0.0, call_fixed_s=0.0,
+                       prefill_per_token_s=0.1, max_batch=8, tool_s=2.0, update_fixed_s=3.0, update_per_token_s=0.0,
+                       sync_s=0.5, push_s=0.25, shared_device=True)
+    eps = [[3, [(10, 5), (4, 0)]]]
+    one = sim.simulate("colocated-sync", prof, eps, questions=1, group_size=1, gpus=1, steps=3)
+    rollout = 3 * 0.1 + 10 + 2 + 5 * 0.1 + 4  # 16.8 s
+    assert one["step_s"] == pytest.approx(rollout + 3.0 + 0.5)
+    static = sim.simulate("colocated-sync", sim.replace(prof, kind="static", call_fixed_s=0.2), eps, 1, 1, 1, steps=3)
+    assert static["step_s"] == pytest.approx((0.2 + 0.3 + 10) + 2 + (0.2 + 1.8 + 4) + 3.5)  # context 3, then 18
+    # fleet: the engine generates the next group while the trainer updates (3 s) and pushes (engines paused)
+    fleet = sim.simulate("fleet-async", prof, eps, questions=1, group_size=1, gpus=2, engine_gpus=1, steps=6)
+    assert fleet["step_s"] == pytest.approx(rollout + 0.25, rel=0.01)
+    assert set(fleet["staleness"]) == {"0", "1"} and fleet["staleness"]["1"] >= 4

@@ -37,7 +37,7 @@ def _fsdp_like_state(model):
     from training.model.forward import LogprobModule
 
     return types.SimpleNamespace(world_size=2, fwd=LogprobModule(model), policy=model,
-                                 rollout_model=copy.deepcopy(model), gen_model=None)
+                                 rollout_model=copy.deepcopy(model), gen_model=None, fleet=None)
 
 
 def test_the_in_process_copy_under_fsdp_is_checked_after_each_push(tiny_policy_dir, monkeypatch):

@@ -9,7 +9,7 @@ training functions take these sections, not the whole config.
   entropy bonus) and its ``loss_options``, the KL to the reference, PPO's value model and value loss, and
   the rollout correction (TIS / MIS);
 * ``rollout``: questions per step, group size, DAPO's dynamic sampling, reruns of failed episodes,
-  asynchronous rollouts, the weight-sync check;
+  asynchronous rollouts, the weight-sync check, a fleet of rollout engines and the weight push to it;
 * ``optim``: learning rates, weight decay, warm-up, gradient clipping, micro-batches and packing, LoRA,
   gradient checkpointing, bf16;
 * ``monitoring``: the held-out evaluation, the non-finite-loss limit, the health alarms;
@@ -218,8 +218,8 @@ class RolloutConfig(Section):
                     "or rollout backend was down ([]: no rerun, they are left out of the update)")
     asynchronous: bool = Field(
         False, description="generate the next step's rollouts while this step updates "
-                           "(training.rollout.producer): one process only; rollouts are off-policy by up to "
-                           "max_staleness updates")
+                           "(training.rollout.producer): one process, or under torchrun with engines (a fleet); "
+                           "rollouts are off-policy by up to max_staleness updates")
     max_staleness: int = Field(
         1, ge=1, description="asynchronous: the most updates a rollout's weights may lag the trainer's when it is "
                              "trained on; older groups are generated again with the latest weights")
@@ -229,6 +229,46 @@ class RolloutConfig(Section):
     sync_probe_tol: float = Field(
         0.05, gt=0, description="largest mean |log-prob difference| (nats) over the probe's tokens between the "
                                 "rollout engine and the trainer that still counts as the same weights")
+
+    engines: list[str] | int | None = Field(
+        None, description="a fleet of rollout engines apart from the trainer (docs/fleet.md): a list of "
+                          "OpenAI-compatible server URLs (vllm serve, sleuth serve-engine), or a count of sleuth "
+                          "serve-engine processes the trainer starts on 127.0.0.1 (one node); None: every rank rolls "
+                          "out on its own copy (colocated)")
+    engine_model: str | None = Field(None, description="fleet: the served model name every engine must report "
+                                     "(None: whatever they serve, the same on all)")
+    engine_timeout_s: float = Field(600.0, gt=0, description="fleet: seconds per generation request (longer than "
+                                    "the longest weight push: engines hold requests while their weights change)")
+    engine_threads: int = Field(1, ge=1, description="fleet started by the trainer: CPU threads per engine")
+    sync_transport: Literal["gloo", "nccl", "disk"] = Field(
+        "gloo", description="fleet weight push: a gloo (CPU) or NCCL (GPU) transfer group, or safetensors buckets "
+                            "on a shared disk (sync_shared_dir)")
+    sync_bucket_bytes: int = Field(1 << 30, ge=1, description="fleet weight push: most bytes per bucket (the "
+                                   "extra memory of trainer rank 0 and of each engine)")
+    sync_shared_dir: str | None = Field(None, description="fleet weight push over disk: a directory every engine "
+                                        "reads at the same path")
+    sync_master_address: str = Field("127.0.0.1", description="fleet weight push over a group: trainer rank 0's "
+                                     "address the engines reach")
+    sync_timeout_s: float = Field(600.0, gt=0, description="fleet weight push: the group's formation, each "
+                                  "broadcast and each engine call (seconds)")
+
+    @field_validator("engines")
+    @classmethod
+    def _engines(cls, v: list[str] | int | None) -> list[str] | int | None:
+        if isinstance(v, bool):
+            raise ValueError("train.rollout.engines must be a list of URLs or a count, got a bool")  # noqa: TRY004
+        if isinstance(v, int) and not 1 <= v <= 64:
+            raise ValueError(f"train.rollout.engines: a count of engines to start must be in [1, 64], got {v}")
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("train.rollout.engines: an empty list; give engine URLs, a count, or leave it unset")
+            bad = [u for u in v if not u.strip().startswith(("http://", "https://"))]
+            if bad:
+                raise ValueError(f"train.rollout.engines: URLs must start with http:// or https://, got {bad}")
+            roots = [u.strip().rstrip("/").removesuffix("/v1") for u in v]
+            if len(set(roots)) < len(roots):
+                raise ValueError(f"train.rollout.engines: an engine is listed twice: {v}")
+        return v
 
     @field_validator("retry_waits")
     @classmethod
@@ -242,7 +282,15 @@ class RolloutConfig(Section):
         if self.asynchronous and self.dynamic_sampling:
             raise ValueError("train.rollout.asynchronous runs the agent loop without dynamic sampling: set "
                              "train.rollout.dynamic_sampling=false or train.rollout.asynchronous=false")
+        if self.engines is not None and self.sync_transport == "disk" and not self.sync_shared_dir:
+            raise ValueError("train.rollout.sync_transport=disk needs train.rollout.sync_shared_dir: a directory "
+                             "every engine reads")
         return self
+
+    @property
+    def fleet(self) -> bool:
+        """Whether rollouts run on a fleet of engines (``engines`` is set)."""
+        return self.engines is not None
 
 
 class OptimConfig(Section):

@@ -44,6 +44,7 @@ from training.infra.checkpoint import (
     write_settings,
 )
 from training.infra.distributed import (
+    all_reduce_min,
     full_optimizer_state,
     full_state_dict,
     gather_objects,
@@ -68,7 +69,8 @@ class RunState:
     non-finite loss; ``resumed`` the trainer state of the checkpoint resumed (``None``: a fresh start);
     ``frontier`` the stream position a checkpoint saves when the asynchronous rollouts read ahead of the
     training (:meth:`training.rollout.producer.AsyncRollouts.frontier`; ``None``: ``data.position``);
-    ``settings`` the run directory's training settings, copied into every checkpoint (``None``: it has none)."""
+    ``settings`` the run directory's training settings, copied into every checkpoint (``None``: it has none);
+    ``fleet`` the :class:`training.rollout.fleet_run.FleetSide` in fleet mode (``train.rollout.engines``)."""
 
     run_dir: Path
     rank: int
@@ -92,6 +94,7 @@ class RunState:
     resumed: dict[str, Any] | None = field(default=None, repr=False)
     frontier: Callable[[], int] | None = field(default=None, repr=False)
     settings: dict[str, Any] | None = field(default=None, repr=False)
+    fleet: Any | None = field(default=None, repr=False)
 
     @property
     def gen_model(self) -> Any:
@@ -193,7 +196,8 @@ def open_run(tc: Any, model: Any, run_dir: str | Path, train_examples: list[QAEx
     policy, base_state = prepare_policy(model, tc, ckpt, saved)
     # rollout side: the same object on one process; a full copy (LoRA wrapper included) when the update side
     # is sharded, refreshed from the gathered full weights after every update
-    rollout_model = copy.deepcopy(policy) if W > 1 else None
+    # (in fleet mode the engines generate: rank 0 alone keeps a copy, for checkpoints and evaluation)
+    rollout_model = copy.deepcopy(policy) if W > 1 and (rank == 0 or not tc.rollout.fleet) else None
     critic = None
     if critic_needed:  # from the full policy, before it is sharded; then sharded on its own
         critic = ValueModel(base_model(policy), shared=alg.critic == "shared")
@@ -281,6 +285,9 @@ def save_run(state: RunState, step: int, tokenizer: Any, tc: Any, best_metric: f
         if state.critic_optimizer.state:
             critic_opt_state = full_optimizer_state(state.critic, state.critic_optimizer)
 
+    # the oldest question not yet trained on, over every rank (asynchronous rollouts read ahead per rank)
+    frontier = all_reduce_min(float(state.frontier() if state.frontier is not None else state.data.position))
+
     def write() -> None:
         src = state.gen_model  # full weights (the synced copy under FSDP)
         extra: dict[str, Any] = {}
@@ -300,7 +307,7 @@ def save_run(state: RunState, step: int, tokenizer: Any, tc: Any, best_metric: f
                 save_file({k: v.contiguous() for k, v in state.base_state.items()},
                           str(d / "base" / "model.safetensors"))
 
-        position = state.frontier() if state.frontier is not None else state.data.position
+        position = int(frontier)
         trainer_state = {"data_position": position, "best": state.best, "best_step": state.best_step,
                          "algorithm": tc.algorithm.adv_estimator, "lora": lora, "world_size": state.world_size,
                          "alarms_below": state.alarms.state(),

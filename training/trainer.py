@@ -15,7 +15,8 @@ is a function below, and :func:`rl_train`'s loop reads as the algorithm of the G
 4. **update** (:func:`training.model.actor.update_policy`): the registered policy loss over policy tokens only
    (:func:`training.model.kernels.policy_loss`, its settings one ``LossConfig`` built once), micro-batched,
    with PPO's critic stepping beside it;
-5. **sync** the new weights to the rollout side (the rollout copy under FSDP2, a vLLM engine);
+5. **sync** the new weights to the rollout side (the rollout copy under FSDP2, a vLLM engine, or every engine
+   of a fleet: ``train.rollout.engines``, :mod:`training.rollout.fleet_run`, each verified);
 6. **eval** every ``monitoring.eval_every`` steps on held-out questions; the step's record (rollout, loss
    and health stats, :mod:`training.infra.monitors`) and its alarms;
 7. **checkpoint** (:mod:`training.run_state`) every ``checkpoints.save_every`` steps, on a new best and at
@@ -45,7 +46,7 @@ from corpora.formats import QAExample
 from retrieval.base import Retriever
 from training.algos import estimators as E
 from training.algos.losses import LossConfig
-from training.algos.offpolicy import rollout_correction
+from training.algos.offpolicy import rollout_correction, turn_staleness
 from training.batch import Batch, collate
 from training.infra.checkpoint import latest_checkpoint, run_dir_lock
 from training.infra.distributed import (
@@ -64,6 +65,8 @@ from training.model.critic import critic_values
 from training.model.forward import check_packed_masks, policy_logprobs
 from training.model.lora import base_model, merged_lora_state
 from training.rollout.faults import FAULT_COUNTS
+from training.rollout.fleet_run import open_fleet
+from training.rollout.fleet_run import push as fleet_push
 from training.rollout.producer import AsyncRollouts, rollout_copy
 from training.rollout.weight_sync import check_tensors, probe_ids, verify_engine
 from training.rollout.worker import RolloutWorker, rollout, rollout_stats
@@ -153,13 +156,20 @@ def update_phase(state: RunState, batch: Batch, tc: Any, loss: LossConfig, step:
 
 def sync_phase(state: RunState, worker: RolloutWorker, tc: Any, moved: bool,
                sync_weights: Callable[[Any, dict[str, torch.Tensor]], None] | None,
-               probe: list[int] | None) -> dict[str, float]:
-    """Push the updated weights to the rollout side: under torchrun the gathered full weights into every
+               probe: list[int] | None, step: int = 0) -> dict[str, float]:
+    """Push the updated weights (of step ``step``'s update) to the rollout side: in fleet mode
+    (``rollout.engines``) streamed to every engine and each verified (:func:`training.rollout.fleet_run.push`:
+    a failing engine is out of rotation, named; none left raises
+    :class:`training.rollout.weight_sync.WeightSyncError`); under torchrun the gathered full weights into every
     rank's rollout copy (what checkpoints and evaluation see); to a backend holding its own weights (vLLM)
     under the base model's names, LoRA merged (:func:`training.model.lora.merged_lora_state`). With
     ``rollout.verify_sync`` each push is checked (:mod:`training.rollout.weight_sync`: the copy tensor by tensor,
     the engine on the ``probe`` sequence) and a rollout side that does not run the new weights raises
     :class:`training.rollout.weight_sync.WeightSyncError`; returns the checks' ``sync/...`` statistics."""
+    if state.fleet is not None:
+        stats = fleet_push(state, state.fleet, step + 1) if moved else {}
+        state.policy.eval()
+        return stats
     full, stats = None, {}
     verify, lora = tc.rollout.verify_sync, tc.optim.lora
     if moved and state.world_size > 1:
@@ -261,6 +271,9 @@ def check_setup(tc: Any, agent_cfg: Any) -> None:
                          "train.rollout.asynchronous=false")
     if not agent_cfg.temperature > 0:
         raise ValueError(f"RL needs sampled rollouts: agent.temperature must be > 0, got {agent_cfg.temperature}")
+    if tc.rollout.fleet and tc.optim.lora:
+        raise ValueError("train.rollout.engines (a fleet) takes the full weights, and LoRA's merged push is not "
+                         "streamed yet: set train.optim.lora=false, or leave train.rollout.engines unset")
     if tc.optim.packing:  # before the first rollout, not at the first packed micro-batch
         check_packed_masks()
 
@@ -270,8 +283,17 @@ def check_world(tc: Any, W: int) -> None:
     do not split evenly)."""
     if W == 1:
         return
-    if tc.rollout.asynchronous:
-        raise ValueError("train.rollout.asynchronous is not supported under torchrun (world size > 1)")
+    if tc.rollout.asynchronous and not tc.rollout.fleet:
+        raise ValueError("train.rollout.asynchronous under torchrun (world size > 1) needs a fleet of rollout engines "
+                         "(train.rollout.engines: URLs, or a count to start): each rank's copy cannot generate while "
+                         "the sharded policy updates")
+    if tc.rollout.fleet:
+        full = [s.__name__ for s in E.ADV_ESTIMATORS.get(tc.algorithm.adv_estimator).prepare
+                if s not in (E.kl_reward_penalty, E.critic_values)]
+        if full:
+            raise ValueError(f"train.algorithm.adv_estimator={tc.algorithm.adv_estimator} scores with the full "
+                             f"policy on every rank ({', '.join(full)}), which holds none in fleet mode under torchrun "
+                             "(train.rollout.engines): train it on one process, or without engines")
     if E.ADV_ESTIMATORS.get(tc.algorithm.adv_estimator).critic and tc.algorithm.critic == "shared":
         raise ValueError("train.algorithm.critic=shared is not supported under torchrun (world size > 1): its "
                          "value head rides on the sharded policy's backbone; use train.algorithm.critic=separate "
@@ -285,7 +307,8 @@ def check_world(tc: Any, W: int) -> None:
 def rollout_side(state: RunState, tc: Any, agent_cfg: Any, tokenizer: Any, retriever: Retriever, top_k: int,
                  judge: Any, llm_factory: Callable[[Any, Any], Any] | None, seed: int,
                  stack: contextlib.ExitStack) -> RolloutWorker:
-    """The rollout backend and its :class:`training.rollout.worker.RolloutWorker`:
+    """The rollout backend and its :class:`training.rollout.worker.RolloutWorker`: with ``rollout.engines`` the
+    fleet (:func:`training.rollout.fleet_run.open_fleet`, kept in ``state.fleet``; ``llm_factory`` unused), else
     ``llm_factory(model, tokenizer)``, by default :class:`agent.backends.hf.TransformersLLM` on the trainer's
     own model, or with ``rollout.asynchronous`` a worker process on a copy
     (:class:`agent.backends.process.ProcessLLM`, closed by ``stack``; the backend must hold its own weights:
@@ -294,7 +317,11 @@ def rollout_side(state: RunState, tc: Any, agent_cfg: Any, tokenizer: Any, retri
     from agent.external.runner import runner_for
 
     asynchronous = tc.rollout.asynchronous
-    if asynchronous and llm_factory is None:
+    if tc.rollout.fleet:
+        probe = probe_ids(tokenizer) if tc.rollout.verify_sync else None
+        state.fleet = open_fleet(state, tc, tokenizer, probe, stack)
+        llm = state.fleet.fleet
+    elif asynchronous and llm_factory is None:
         from agent.backends.process import ProcessLLM
 
         llm = ProcessLLM(rollout_copy(state.policy, tc.optim.lora), tokenizer, threads=torch.get_num_threads(),
@@ -302,7 +329,8 @@ def rollout_side(state: RunState, tc: Any, agent_cfg: Any, tokenizer: Any, retri
         stack.callback(llm.close)
     else:
         llm = (llm_factory or TransformersLLM)(state.gen_model, tokenizer)
-    if asynchronous and (getattr(llm, "model", None) is state.gen_model or not hasattr(llm, "update_weights")):
+    if asynchronous and state.fleet is None and (getattr(llm, "model", None) is state.gen_model
+                                                 or not hasattr(llm, "update_weights")):
         raise ValueError("train.rollout.asynchronous needs a rollout backend that holds its own weights and takes "
                          "update_weights (vLLM, or the default worker process): this one generates on the "
                          "trainer's parameters, which the update changes under it")
@@ -315,14 +343,17 @@ def start_rollouts(state: RunState, worker: RolloutWorker, tc: Any, tokenizer: A
                    stack: contextlib.ExitStack) -> tuple[list[int] | None, AsyncRollouts | None]:
     """Before the first step: the weight-sync probe (``None`` without ``rollout.verify_sync``), checked on the
     rollout backend at once (an engine started from other weights than the trainer's fails here, not after
-    a step), and with ``rollout.asynchronous`` the background producer, started on ``state.data`` (closed by
+    a step; a fleet is pushed the trainer's weights and each engine verified), and with ``rollout.asynchronous`` the background producer, started on ``state.data`` (closed by
     ``stack`` before the backend; checkpoints then save its frontier)."""
     probe = probe_ids(tokenizer) if tc.rollout.verify_sync else None
-    if probe is not None:
+    if state.fleet is not None:  # every engine runs the trainer's weights before the first step, or is out
+        fleet_push(state, state.fleet, state.start)
+    elif probe is not None:
         verify_engine(worker.llm, state.gen_model, None, tc, probe)
     producer = None
     if tc.rollout.asynchronous:
-        producer = AsyncRollouts(worker, state.data, tc, version=state.start)
+        producer = AsyncRollouts(worker, state.data, tc, version=state.start, rank=state.rank,
+                                 world_size=state.world_size, turn_versions=state.fleet is not None)
         stack.callback(producer.close)
         state.frontier = producer.frontier
     return probe, producer
@@ -347,11 +378,13 @@ def train_step(state: RunState, worker: RolloutWorker, tc: Any, agent_cfg: Any, 
         score(state, batch, trajs, tc, tokenizer, agent_cfg.max_total_tokens, worker, step)
     with marked_timer("advantages", timing):
         advantage_phase(tc, batch, trajs)
-        stats.update(rollout_correction(batch, tc))  # drift of the rollout's log-probs; TIS / MIS
+        # drift of the rollout's log-probs; TIS / MIS; each turn's staleness from the version that generated it
+        staleness = turn_staleness(batch, trajs, step) if state.fleet is not None else None  # versions = steps
+        stats.update(rollout_correction(batch, tc, staleness))
     with marked_timer("update", timing):
         loss_stats, moved = update_phase(state, batch, tc, loss, step)
     with marked_timer("sync", timing):
-        stats.update(sync_phase(state, worker, tc, moved, sync_weights, probe))
+        stats.update(sync_phase(state, worker, tc, moved, sync_weights, probe, step))
         if producer is not None:  # groups started from now on run the weights of this update
             producer.publish(step + 1)
     stats.update(timing)
@@ -418,7 +451,8 @@ def rl_train(
     Under ``torchrun`` (``WORLD_SIZE > 1``; the process group is created here with ``tc.dist_timeout_s``
     unless the caller made it, and left for the caller to end with
     :func:`training.infra.distributed.shutdown`) every rank updates an FSDP2 shard of the policy and rolls out
-    on a full copy refreshed after each update; rank 0 alone writes metrics, trajectories and checkpoints, and
+    on a full copy refreshed after each update (in fleet mode, ``train.rollout.engines``, on the engines: rank 0
+    alone keeps a copy); rank 0 alone writes metrics, trajectories and checkpoints, and
     evaluates (the others wait for it without the collective timeout). One training at a time per ``run_dir``:
     rank 0 holds :func:`training.infra.checkpoint.run_dir_lock` for the whole run (``RuntimeError`` for a
     second one). Raises ``ValueError`` for settings that cannot train (:func:`check_setup`,

@@ -99,3 +99,25 @@ def make_openai(backend_cfg: Any, model_path: str, dtype: str, device: str, seed
                                api_key=os.environ.get(backend_cfg.api_key_env, ""),
                                timeout_s=backend_cfg.timeout_s, max_retries=backend_cfg.max_retries,
                                max_concurrency=backend_cfg.max_concurrency)
+
+
+@register_backend("fleet", description="several OpenAI-compatible engines (vllm serve, sleuth serve-engine) at "
+                                       "agent.backend.base_url, comma-separated: least-loaded routing with episode "
+                                       "affinity; for training set train.rollout.engines instead")
+def make_fleet(backend_cfg: Any, model_path: str, dtype: str, device: str, seed: int):
+    """:class:`agent.backends.fleet.Fleet` over the URLs of ``backend_cfg.base_url`` (comma-separated), with the
+    tokenizer of ``model_path`` and the served name ``backend_cfg.model`` (``None``: whatever the engines serve,
+    the same on all). Raises :class:`agent.backends.fleet.FleetError` naming each engine that is unreachable or
+    serves another model or tokenizer."""
+    from transformers import AutoTokenizer
+
+    from agent.backends.fleet import Fleet
+
+    try:
+        tok = AutoTokenizer.from_pretrained(model_path)
+    except OSError as e:
+        raise FileNotFoundError(f"cannot load the tokenizer of {model_path!r} for the fleet backend: {e}") from None
+    urls = [u.strip() for u in backend_cfg.base_url.split(",") if u.strip()]
+    return Fleet(urls, tok, backend_cfg.model, api_key=os.environ.get(backend_cfg.api_key_env) or None,
+                 timeout_s=backend_cfg.timeout_s, max_retries=backend_cfg.max_retries,
+                 max_concurrency=backend_cfg.max_concurrency)

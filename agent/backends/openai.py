@@ -25,7 +25,9 @@ requests failed, each with its reason, and sends nothing again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+import ssl
 from typing import Any
 
 import httpx2
@@ -42,6 +44,13 @@ from agent.llm import (
     truncate_at_stop,
 )
 from retrieval.retry import RetriesExhausted, Retry, RetryPolicy, acall, retry_after_s, retryable_status
+
+
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """httpx2's default TLS context (its CA bundle), made once per process: building it loads the CA bundle,
+    about 20-250 ms, which a client made per batch paid every time."""
+    return httpx2.create_ssl_context()
 
 
 class BackendError(RuntimeError):
@@ -122,12 +131,23 @@ class OpenAICompatibleLLM:
     async def agenerate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         return await self._agenerate([(p, params) for p in prompts])
 
-    async def _agenerate(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
+    def async_client(self) -> httpx2.AsyncClient:
+        """An ``httpx2.AsyncClient`` for this server (base URL, key, timeout, connection limit), to use in the
+        running event loop with :meth:`request`."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        limits = httpx2.Limits(max_connections=self.max_concurrency)
+        return httpx2.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout_s,
+                                  limits=httpx2.Limits(max_connections=self.max_concurrency), verify=tls_context())
+
+    async def request(self, client: httpx2.AsyncClient, sem: asyncio.Semaphore, prompt: list[int],
+                      params: SamplingParams, i: int = 0) -> Generation:
+        """One completion over ``client`` (:meth:`async_client`) within ``sem``, with this backend's retries;
+        ``i`` offsets a seeded request's seed (``params.seed + i``). Raises as :meth:`generate` does for a
+        batch of one."""
+        return await self._one(client, sem, prompt, params, i)
+
+    async def _agenerate(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
         sem = asyncio.Semaphore(self.max_concurrency)
-        async with httpx2.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout_s,
-                                     limits=limits) as client:
+        async with self.async_client() as client:
             out = await asyncio.gather(*(self._one(client, sem, p, params, i)
                                          for i, (p, params) in enumerate(requests)), return_exceptions=True)
         failed = [r for r in out if isinstance(r, BaseException)]
@@ -229,8 +249,11 @@ class OpenAICompatibleLLM:
             reason = "stop"
         if logprobs is not None:
             logprobs = logprobs[: len(cut)]
-        return Generation(cut, cut_text if exact else decode(self.tokenizer, cut), reason, logprobs,
-                          meta={"exact": exact})
+        meta: dict[str, Any] = {"exact": exact}
+        version = obj.get("weight_version")  # Sleuth's engine server says which weights generated it
+        if isinstance(version, (str, int)) and not isinstance(version, bool):
+            meta["weight_version"] = int(version) if isinstance(version, str) and version.isdigit() else version
+        return Generation(cut, cut_text if exact else decode(self.tokenizer, cut), reason, logprobs, meta=meta)
 
     def _malformed(self, r: httpx2.Response, e: Exception) -> BackendError:
         """The :class:`BackendError` of a 200 reply that is not a completion (``e`` says what is wrong)."""

@@ -49,7 +49,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Self
 
 from fastapi import APIRouter, FastAPI, Request
@@ -295,7 +295,7 @@ class Proxy:
                 prompt, text = render_prompt(self.tokenizer, log, msgs, tools, template)
             except Exception as e:  # noqa: BLE001 - jinja errors, a template that raises on these messages
                 raise ProxyError(422, f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
-            params = self._params(body, len(prompt), episode)
+            params = replace(self._params(body, len(prompt), episode), episode=episode)  # one engine per episode
             gen = await self._generate(prompt, params)
             content, calls, error = parse_tool_calls(gen.text) if parse_calls else (gen.text, [], None)
             action, query = turn_action(content, calls, error, self.settings.search_tool)
@@ -345,7 +345,7 @@ class Proxy:
             raise ProxyError(422, "stream is not supported on /v1/completions")
         async with await self._locked(episode):
             log = self._log(episode) if episode is not None else None
-            params = self._params(body, len(prompt), episode)
+            params = replace(self._params(body, len(prompt), episode), episode=episode)  # one engine per episode
             gen = await self._generate(prompt, params)
             self._count(log, Call(list(prompt), list(gen.token_ids), gen.logprobs, gen.text, gen.finish_reason,
                                   action="completion"))

@@ -16,6 +16,7 @@ object of the run; the judges are in :mod:`agent.judges`; optional ReSeek self-j
 from __future__ import annotations
 
 import asyncio
+import itertools
 from dataclasses import dataclass, field, replace
 from typing import Any, TypedDict
 
@@ -31,6 +32,8 @@ from agent.trajectory import Role, Trajectory, Turn
 from corpora.formats import QAExample
 from retrieval.base import Retriever
 
+_EPISODE_IDS = itertools.count()  # the episodes of this process, numbered (next() is atomic under the GIL)
+
 
 class EpisodeState(TypedDict, total=False):
     """The LangGraph state of one episode; ``traj`` is appended to in place, the rest is per turn."""
@@ -42,6 +45,8 @@ class EpisodeState(TypedDict, total=False):
     action: Action
     hits: list
     finish: str  # "" while running; else the stop reason
+    episode: str  # this episode's id within the process (SamplingParams.episode: routes its turns to one engine)
+    weight_version: Any  # the weights that generated the current turn, as the backend reported them (or None)
 
 
 
@@ -85,10 +90,12 @@ async def generate(state: EpisodeState, config: RunnableConfig) -> EpisodeState:
     budget = min(ctx.agent_cfg.max_new_tokens, ctx.agent_cfg.max_total_tokens - len(traj))
     if budget <= 0:
         return {"finish": "max_tokens", "text": ""}
-    gen = await ctx.scheduler.generate(traj.token_ids, replace(ctx.params, max_new_tokens=budget))
+    params = replace(ctx.params, max_new_tokens=budget, episode=state.get("episode"))
+    gen = await ctx.scheduler.generate(traj.token_ids, params)
     traj.append(gen.token_ids, Role.POLICY, state["turn"], gen.logprobs)
     eos = bool(gen.token_ids) and gen.token_ids[-1] in ctx.eos_ids
-    return {"text": gen.text, "finish_reason": gen.finish_reason, "eos": eos}
+    return {"text": gen.text, "finish_reason": gen.finish_reason, "eos": eos,
+            "weight_version": gen.meta.get("weight_version")}
 
 
 def parse(state: EpisodeState, config: RunnableConfig) -> EpisodeState:
@@ -113,6 +120,7 @@ def parse(state: EpisodeState, config: RunnableConfig) -> EpisodeState:
             error=action.error,
             n_policy_tokens=n_policy,
             judgement=judgement,
+            weight_version=state.get("weight_version"),
         )
     )
     if action.kind == "answer":
@@ -225,7 +233,7 @@ def new_episode(ctx: AgentContext, example: QAExample, group: int = 0) -> Episod
                       golden_answers=list(example.golden_answers), group=group,
                       metadata={k: v for k, v in example.metadata.items() if k in ("hops", "dataset", "supporting_ids")})
     traj.append(ctx.protocol.prompt_ids(example.question), Role.PROMPT, 0)
-    return {"traj": traj, "turn": 1, "finish": ""}
+    return {"traj": traj, "turn": 1, "finish": "", "episode": f"ep-{next(_EPISODE_IDS)}"}
 
 
 def fail_episode(traj: Trajectory, e: BaseException) -> None:

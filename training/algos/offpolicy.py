@@ -16,6 +16,11 @@ pi_rollout(y_t)`` on each policy token, from the log-probs the backend reported 
 * **truncated importance sampling** (TIS, ``train.algorithm.tis_cap = C``, Yao et al.): each token's policy-gradient
   term is weighted by ``min(rho_t, C)`` (a constant: no gradient flows through it), so the update estimates
   the gradient under the distribution actually sampled, with the variance bounded by ``C``;
+* **per turn**: each turn records the weight version that generated it (asynchronous partial rollouts: an
+  episode in flight when new weights arrive continues on them), so every token's ``rho`` is against its own
+  turn's behaviour log-prob, its staleness is logged, and in the asynchronous mode a turn older than
+  ``train.rollout.max_staleness`` is left out of the update (:func:`turn_staleness`,
+  :func:`staleness_correction`);
 * **masked importance sampling** (MIS, ``train.algorithm.mis_band = [low, high]``, the sequence-level rejection of
   Liu, Li et al. and verl's ``rollout_rs``): an episode whose sequence ratio ``prod_t rho_t`` (or its
   geometric mean with ``mis_level=geometric``) leaves the band is dropped from the update (its loss
@@ -97,20 +102,72 @@ def sequence_keep(log_rho: torch.Tensor, known: torch.Tensor, band: tuple[float,
     return (n == 0) | ((ratio >= band[0]) & (ratio <= band[1]))
 
 
-def rollout_correction(batch: Any, tc: Any) -> dict[str, float]:
+def turn_staleness(batch: Any, trajs: list[Any], version: int) -> torch.Tensor | None:
+    """``[N, T-1]`` float32, aligned with ``loss_mask``: for each target token, ``version`` (the trainer's
+    weights at this update) minus the weight version that generated its turn (``Turn.weight_version``, as the
+    rollout backend reported it: with partial rollouts the turns of one episode may differ); NaN where the
+    turn reports none. ``None`` when no turn of the batch reports a version."""
+    turn_ids = batch.turn_ids[:, 1:]
+    out = torch.full(turn_ids.shape, float("nan"))
+    seen = False
+    for i, traj in enumerate(trajs):
+        for turn in traj.turns:
+            v = turn.weight_version
+            if isinstance(v, int) and not isinstance(v, bool):
+                out[i][turn_ids[i] == turn.index] = float(version - v)
+                seen = True
+    return out if seen else None
+
+
+def staleness_correction(batch: Any, log_rho: torch.Tensor, known: torch.Tensor, staleness: torch.Tensor,
+                         bound: int | None) -> dict[str, float]:
+    """The per-turn side of the correction: each policy token's staleness (:func:`turn_staleness`) logged
+    (``offpolicy/turn_staleness_mean`` and ``_max``, and the drift ``|log rho|`` of the tokens of each
+    staleness, ``offpolicy/lp_diff_abs_mean_stale<k>``), and with ``bound`` (the asynchronous mode's
+    ``max_staleness``) the tokens of a turn older than it left out of the update (their ``loss_mask`` zeroed:
+    ``offpolicy/stale_tokens_dropped``, a count). TIS itself already weighs every token by its own turn's
+    behaviour log-prob."""
+    policy = batch.loss_mask.bool().cpu()
+    st = staleness.to(policy.device)
+    have = policy & torch.isfinite(st)
+    if not bool(have.any()):
+        return {}
+    vals = st[have]
+    out = {"offpolicy/turn_staleness_mean": float(vals.mean()), "offpolicy/turn_staleness_max": float(vals.max())}
+    kn = known.cpu()
+    for k in sorted({int(v) for v in vals.tolist()}):
+        sel = have & kn & (st == k)
+        if bool(sel.any()):
+            out[f"offpolicy/lp_diff_abs_mean_stale{k}"] = float(log_rho.cpu()[sel].abs().mean())
+    if bound is not None:
+        drop = have & (st > bound)
+        out["offpolicy/stale_tokens_dropped"] = float(drop.sum())
+        if bool(drop.any()):
+            batch.loss_mask = batch.loss_mask * (~drop).to(batch.loss_mask.device, batch.loss_mask.dtype)
+    return out
+
+
+def rollout_correction(batch: Any, tc: Any, staleness: torch.Tensor | None = None) -> dict[str, float]:
     """Compare ``batch.rollout_logprobs`` with ``batch.old_logprobs`` (both ``[N, T-1]``; call it after
     :func:`training.model.actor.score_logprobs` and after the advantages) and apply the configured correction:
     ``batch.is_weights`` ``[N, T-1]`` = ``min(rho, tis_cap)`` on the known policy tokens and 1 elsewhere
     (``None`` with ``tis_cap=None``), and with ``mis_band`` the rows outside the band get a zero
     ``loss_mask`` (``offpolicy/mis_rejected``: the share of rows with known tokens dropped); the settings are
-    ``tc.algorithm``'s (``tc``: a :class:`training.config.TrainConfig`). Returns the drift metrics of :func:`drift_stats` (empty, and no
-    correction, when the backend reported no log-probs)."""
+    ``tc.algorithm``'s (``tc``: a :class:`training.config.TrainConfig`). ``staleness`` (:func:`turn_staleness`:
+    each token's turn's weight version against the trainer's) adds the per-turn side
+    (:func:`staleness_correction`; tokens older than ``tc.rollout.max_staleness`` are dropped in the
+    asynchronous mode). Returns the drift metrics of :func:`drift_stats` (empty, and no correction, when the
+    backend reported no log-probs)."""
     got = log_ratios(batch)
     if got is None:
         return {}
     log_rho, known = got
     alg = tc.algorithm
     stats = drift_stats(log_rho, known, alg.tis_cap)
+    if staleness is not None:
+        bound = tc.rollout.max_staleness if tc.rollout.asynchronous else None
+        stats.update(staleness_correction(batch, log_rho, known, staleness, bound))
+        known = known & batch.loss_mask.bool().to(known.device)
     if alg.tis_cap is not None:
         weights = torch.where(known, log_rho.exp().clamp(max=alg.tis_cap), 1.0)
         batch.is_weights = weights.to(batch.loss_mask.dtype).to(batch.loss_mask.device)

@@ -67,13 +67,21 @@ class AsyncRollouts:
     parameters (a worker process or an engine with ``update_weights``); ``data``: the question stream (read by
     this producer only while it runs); ``tc``: a :class:`training.config.TrainConfig` (its ``rollout``
     section's ``questions_per_step``, ``group_size``, ``max_staleness``); ``version``: the weight version the backend runs now (the step the run
-    starts at). :meth:`close` stops it. An error in the producer (a prompt that cannot be built) is raised by
+    starts at). Under ``torchrun`` each rank runs one producer (``rank`` of ``world_size``) over the same stream:
+    it reads the questions ``world_size`` at a time and keeps the ``rank``-th (the ranks' questions are
+    disjoint, as in the synchronous split), and a step takes ``questions_per_step / world_size`` groups on every
+    rank. ``turn_versions``: the backend reports with each turn the trainer's version that generated it (a
+    fleet: the version pushed is the step), so a finished group is labelled with its oldest turn's
+    (:func:`oldest_version`); a worker process counts its own updates instead, and its groups keep the
+    version they started with. :meth:`close` stops it. An error in the producer (a prompt that cannot be built) is raised by
     the next :meth:`take`."""
 
-    def __init__(self, worker: Any, data: Any, tc: Any, version: int):
-        self.worker, self.data = worker, data
+    def __init__(self, worker: Any, data: Any, tc: Any, version: int, rank: int = 0, world_size: int = 1,
+                 turn_versions: bool = False):
+        self.worker, self.data, self.turn_versions = worker, data, turn_versions
         rc = tc.rollout
-        self.qps, self.group_size, self.bound = rc.questions_per_step, rc.group_size, rc.max_staleness
+        self.rank, self.world = rank, world_size
+        self.qps, self.group_size, self.bound = rc.questions_per_step // world_size, rc.group_size, rc.max_staleness
         self.capacity = self.qps * self.bound
         self.version = version
         self._queue: deque[Group] = deque()  # re-queued groups, started before any new question
@@ -131,9 +139,9 @@ class AsyncRollouts:
         while self._queue or len(self._running) + len(self._done) < self.capacity:
             if self._queue:
                 g = self._queue.popleft()
-            else:
-                (q,) = self.data.next(1)
-                g = Group(q, self.data.position - 1)
+            else:  # a chunk of world-size questions, this rank's one of it (position: the chunk's start)
+                q = self.data.next(self.world)[self.rank]
+                g = Group(q, self.data.position - self.world)
             g.version = self.version
             self._running.append(g)
             starts.append(g)
@@ -151,6 +159,8 @@ class AsyncRollouts:
             return
         with self._cv:
             g.trajs, g.seq = trajs, next(self._seq)
+            if self.turn_versions:
+                g.version = oldest_version(trajs, g.version)
             self._running.remove(g)
             self._done.append(g)
             self._cv.notify_all()
@@ -225,6 +235,18 @@ class AsyncRollouts:
             self._stop = True
         self._poke()
         self._thread.join(timeout=60)
+
+
+def oldest_version(trajs: list[Trajectory], started: int) -> int:
+    """A finished group's weight version: the oldest that generated one of its turns, as the rollout backend
+    reported it with each turn (``Turn.weight_version``: a fleet engine's; a push between two turns makes the
+    later ones newer, a partial rollout). ``started`` (the version published when the group started) stands
+    in for turns that report none, and is the version of a group with no turn."""
+    versions = [t.weight_version for traj in trajs for t in traj.turns]
+    known = [v for v in versions if isinstance(v, int) and not isinstance(v, bool)]
+    if not versions:
+        return started
+    return min(known) if len(known) == len(versions) else min([started, *known])
 
 
 def rollout_copy(policy: Any, lora: bool) -> Any:

@@ -64,22 +64,23 @@ def check_tensors(model: Any, state: dict[str, torch.Tensor], what: str = "the r
     return len(state)
 
 
-def check_engine(llm: Any, model: Any, ids: list[int], tol: float) -> dict[str, float]:
+def check_engine(llm: Any, model: Any, ids: list[int], tol: float, want: list[float] | None = None,
+                 what: str = "the rollout engine") -> dict[str, float]:
     """Score the probe ``ids`` on the engine (``llm.probe_logprobs(ids)``) and with the trainer's ``model``
-    (:func:`agent.backends.hf.sequence_logprobs`); returns
+    (:func:`agent.backends.hf.sequence_logprobs`; or take the trainer's log-probs ``want``, e.g. computed once
+    for several engines or by a sharded model's forward on every rank); returns
     ``{"sync/probe_lp_diff_mean": ..., "sync/probe_lp_diff_max": ...}`` (nats). Raises
-    :class:`WeightSyncError` naming the probe when the mean difference exceeds ``tol`` or the engine returns
-    another number of log-probs."""
+    :class:`WeightSyncError` naming the probe (and the engine: ``what``) when the mean difference exceeds
+    ``tol`` or the engine returns another number of log-probs."""
     got = [float(x) for x in llm.probe_logprobs(ids)]
-    want = sequence_logprobs(model, ids)
+    want = sequence_logprobs(model, ids) if want is None else want
     if len(got) != len(want):
-        raise WeightSyncError(f"the rollout engine scored {len(got)} tokens of the weight-sync probe, not "
-                              f"{len(want)}")
+        raise WeightSyncError(f"{what} scored {len(got)} tokens of the weight-sync probe, not {len(want)}")
     diff = (torch.tensor(got) - torch.tensor(want)).abs()
     mean, mx = float(diff.mean()), float(diff.max())
     if not mean <= tol:  # NaN fails too
         raise WeightSyncError(
-            f"the rollout engine does not run the trainer's weights: its log-probs of the weight-sync probe "
+            f"{what} does not run the trainer's weights: its log-probs of the weight-sync probe "
             f"({len(ids)} tokens of {PROBE_TEXT[:40]!r}...) differ from the trainer's by {mean:.4g} nats per token "
             f"on average (at most {mx:.4g}, token {int(diff.argmax()) + 1}), over train.rollout.sync_probe_tol={tol:g}: a "
             "weight the engine did not load, LoRA adapters not merged into the push, or another model. (An "
