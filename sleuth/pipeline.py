@@ -260,7 +260,8 @@ def save_run_config(cfg: Config) -> None:
 
 # -- training stages ----------------------------------------------------------------------------------
 def run_sft_stage(cfg: Config, retriever, log=print) -> Path:
-    """SFT warm start on oracle trajectories of the training questions (searching ``retriever``); returns the
+    """SFT warm start on the trajectories of ``sft.data`` (:data:`training.sft_data.SFT_DATA`; the scripted
+    oracle by default) on the training questions (searching ``retriever``); returns the
     model directory (``<out_dir>/sft``, written under a temporary name and renamed), reusing it when it
     already exists.
 
@@ -274,7 +275,8 @@ def run_sft_stage(cfg: Config, retriever, log=print) -> Path:
     from agent.backends.hf import TransformersLLM
     from corpora.formats import iter_corpus
     from training.infra.checkpoint import commit_directory
-    from training.sft import oracle_trajectories, sft_train
+    from training.sft import sft_train
+    from training.sft_data import SFTDataRequest, build_sft_data
 
     out = Path(cfg.out_dir) / "sft"
     if (out / "config.json").exists():
@@ -286,10 +288,13 @@ def run_sft_stage(cfg: Config, retriever, log=print) -> Path:
     llm = TransformersLLM.from_pretrained(str(init), cfg.policy.dtype, cfg.policy.device)
     train = read_qa(paths["train"])[: cfg.sft.max_examples]
     titles = {p.id: p.title for p in iter_corpus(paths["corpus"])}
-    trajs = oracle_trajectories(train, llm.tokenizer, retriever, cfg.agent, titles, cfg.retrieval.top_k)
-    save_trajectories(Path(cfg.out_dir) / "oracle_trajectories.jsonl", trajs)
+    req = SFTDataRequest(train, llm.tokenizer, retriever, cfg.agent, titles, cfg.retrieval.top_k, cfg.seed)
+    trajs = build_sft_data(cfg.sft, req)
+    name = "oracle_trajectories.jsonl" if cfg.sft.data == "oracle" else f"sft_{cfg.sft.data}_trajectories.jsonl"
+    save_trajectories(Path(cfg.out_dir) / name, trajs)
     n_steps = cfg.sft.epochs * ((len(trajs) + cfg.sft.batch_size - 1) // cfg.sft.batch_size)
-    log(f"SFT: {len(trajs)} oracle trajectories, {cfg.sft.epochs} epochs ({n_steps} steps)")
+    log(f"SFT: {len(trajs)} {cfg.sft.data} trajectories, {cfg.sft.epochs} epochs ({n_steps} steps)"
+        + (f"; behaviours {req.stats}" if req.stats else ""))
     bar = tqdm(total=n_steps, desc="SFT", unit="step")
 
     def progress(epoch: int, loss: float) -> None:
@@ -352,6 +357,20 @@ def external_agent_env(cfg: Config, index_dir: str | None = None) -> None:
     ``$SLEUTH_INDEX`` (unless already set), read by ``examples/react_agent.py``'s search tool."""
     if cfg.agent.kind == "external":
         os.environ.setdefault("SLEUTH_INDEX", str(index_dir or cfg.retrieval.index_dir))
+
+
+def policy_vocab_size(cfg: Config) -> int | None:
+    """``V`` of the policy a run starts from, read before anything is loaded: ``vocab_size`` of
+    ``policy.model``'s ``config.json`` (a local directory), else the tiny policy's ``policy.tiny.vocab_size``;
+    ``None`` when it cannot be read (a hub id)."""
+    if not cfg.policy.model:
+        return cfg.policy.tiny.vocab_size
+    try:
+        conf = json.loads((Path(resolve_model_path(cfg.policy.model)) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    v = (conf.get("text_config") or conf).get("vocab_size")
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def check_rollout_backend(cfg: Config) -> None:

@@ -32,6 +32,7 @@ def run(args) -> int:
         check_rollout_backend,
         ensure_index,
         open_retriever,
+        policy_vocab_size,
         resolve_model_path,
         rl_run_dir,
         run_rl_stage,
@@ -44,6 +45,9 @@ def run(args) -> int:
 
     cfg = config_from_args(args)
     check_rollout_backend(cfg)  # before minutes of SFT
+    vocab = policy_vocab_size(cfg)
+    if vocab is not None:  # the options that need the policy (AEPO's entropy target below log V), before SFT
+        cfg.train.check_model(vocab)
     rank, _W = init_from_env(timeout_s=cfg.train.dist_timeout_s)  # torchrun: the process group; else a no-op
     ok = False
     held = contextlib.ExitStack()
