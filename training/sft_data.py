@@ -40,7 +40,7 @@ from training.algos.priming import (
     select_random,
 )
 from training.registry import Options, Registry, options_class
-from training.rollout.oracle import OracleLLM, _searches_made
+from training.rollout.oracle import OracleLLM, searches_made
 
 
 @dataclass
@@ -152,8 +152,8 @@ class PrimingOracleLLM(OracleLLM):
             return super()._action(context)
         turns = [Turn(index=i + 1, text="", action="search", query=q.strip(), observation=o.strip())
                  for i, (q, o) in enumerate(_PAIR.findall(context[m.end():]))]
-        if len(turns) != _searches_made(context, m):  # an invalid turn's hint: the pairs are not the turns
-            turns = turns[: _searches_made(context, m)]
+        if len(turns) != searches_made(context, m):  # an invalid turn's hint: the pairs are not the turns
+            turns = turns[: searches_made(context, m)]
         behaviours, distractor, broad = self.plans.get(ex.id, (frozenset(), None, None))
         return primed_action(ex.question, chain, turns, behaviours, distractor, broad_query=broad)
 
