@@ -272,11 +272,16 @@ def check_setup(tc: Any, agent_cfg: Any) -> None:
         check_packed_masks()
 
 
-def policy_vocab_size(model: Any, tokenizer: Any) -> int:
+def policy_vocab_size(model: Any, tokenizer: Any) -> int | None:
     """``V``: the tokens of the policy's output layer (its config's ``vocab_size``; the tokenizer's length for a
-    model without one)."""
+    model without one); ``None`` when neither says."""
     v = getattr(getattr(model, "config", None), "vocab_size", None)
-    return int(v) if isinstance(v, int) and v > 0 else len(tokenizer)
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return None
 
 
 def check_world(tc: Any, W: int) -> None:
@@ -445,7 +450,9 @@ def rl_train(
     :func:`check_world`) and for a checkpoint of another estimator or LoRA setting.
     """
     check_setup(tc, agent_cfg)
-    tc.check_model(policy_vocab_size(model, tokenizer))
+    vocab = policy_vocab_size(model, tokenizer)
+    if vocab is not None:  # the options that need the policy (AEPO's entropy target below log V)
+        tc.check_model(vocab)
     rank, W = init_from_env(timeout_s=tc.dist_timeout_s)  # torchrun: the process group; else a no-op
     check_gpu_memory()  # logs each device's free memory; warns when something else holds over 10% of one
     check_world(tc, W)
