@@ -109,7 +109,7 @@ STABILITY_STEPS = 600
 LONG_BUDGET = {"steps": 1500, "monitoring.eval_every": 50, "checkpoints.save_every": 50}
 # a shorter budget for comparisons that must fit a shared CPU (run names <preset>-short-s<seed>, GRPO's too: each
 # preset is compared with GRPO at the same budget)
-SHORT_BUDGET = {"steps": 30, "monitoring.eval_every": 15, "checkpoints.save_every": 15}
+SHORT_BUDGET = {"steps": 15, "monitoring.eval_every": 15, "checkpoints.save_every": 15}
 # ---- task v2: its own corpus, tiny tokenizer and SFT (same recipe); turns and tokens for 4 searches ------
 AGENT_V2 = {**AGENT, "max_turns": 6, "max_total_tokens": 224}
 TASKS = {"v1": {"work": "", "json": "learning.json", "agent": AGENT, "hops": (1, 2, 3), "sft_hops": (1, 2, 3)},
