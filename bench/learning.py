@@ -15,6 +15,8 @@ stopped: finished runs are read back from the JSON, an interrupted run continues
     .venv/bin/python bench/learning.py --only grpo_s0       # one run
     .venv/bin/python bench/learning.py --compare --seeds 0  # every estimator of ``ESTIMATORS``, seed 0
     .venv/bin/python bench/learning.py --task v2 --compare  # the same on task v2 (3 seeds)
+    .venv/bin/python bench/learning.py --compare --methods aepo egrpo ikea  # named presets against GRPO
+    .venv/bin/python bench/learning.py --compare --short --methods aepo  # the same at SHORT_BUDGET
     .venv/bin/python bench/learning.py --stability gigpo    # the 600-step run of one estimator
     .venv/bin/python bench/learning.py --report             # tables + plots from the JSON only
 
@@ -90,12 +92,24 @@ ESTIMATORS = {  # name -> (train.algorithm.adv_estimator, its own train override
                       "algorithm.clip_ratio_low": 3e-4, "algorithm.clip_ratio_high": 4e-4}),
     "cispo": ("grpo", {"algorithm.policy_loss": "cispo"}),
     "evidence_igpo": ("evidence_igpo", {}),
+    # the search-agent methods that change RL, as named presets (an estimator and its overrides), fixed before
+    # their runs: AEPO with the reference's defaults (entropy target 0.5 nats, temperatures 1.2 / 0.8; the SFT
+    # policy's mean token entropy measured 0.15 nats, so it starts below the target and samples hot) and its
+    # REINFORCE budget, 60 of 512 x 5 rows, scaled to this batch's 64 rows and rounded up to 4; E-GRPO and IKEA
+    # replace the reward, with their papers' defaults
+    "aepo": ("aepo", {"algorithm.options": {"reinforce_samples": 4}}),
+    "egrpo": ("grpo", {"algorithm.reward": "egrpo"}),
+    "ikea": ("grpo", {"algorithm.reward": "ikea"}),
 }
+METHODS = ("aepo", "egrpo", "ikea")  # the presets of the search-agent methods (--methods default with --compare)
 SEEDS = (0, 1, 2)
 STABILITY_STEPS = 600
 # the winning estimator again with the rest of the 20-minute budget a run may take (1 torch thread): its
 # 600-step run took 6.8 min and was still raising 3-hop EM; 1,500 steps fixed before any of these runs
 LONG_BUDGET = {"steps": 1500, "monitoring.eval_every": 50, "checkpoints.save_every": 50}
+# a shorter budget for comparisons that must fit a shared CPU (run names <preset>-short-s<seed>, GRPO's too: each
+# preset is compared with GRPO at the same budget)
+SHORT_BUDGET = {"steps": 15, "monitoring.eval_every": 15, "checkpoints.save_every": 15}
 # ---- task v2: its own corpus, tiny tokenizer and SFT (same recipe); turns and tokens for 4 searches ------
 AGENT_V2 = {**AGENT, "max_turns": 6, "max_total_tokens": 224}
 TASKS = {"v1": {"work": "", "json": "learning.json", "agent": AGENT, "hops": (1, 2, 3), "sft_hops": (1, 2, 3)},
@@ -126,15 +140,21 @@ def run_spec(name: str) -> tuple[str, int, dict]:
     budget = {}
     if est.endswith("-long"):
         est, budget = est.removesuffix("-long"), LONG_BUDGET
+    elif est.endswith("-short"):
+        est, budget = est.removesuffix("-short"), SHORT_BUDGET
     if est in ESTIMATORS and tail.startswith("s") and tail[1:].isdigit():
         algo, extra = ESTIMATORS[est]
         return algo, int(tail[1:]), {**COMPARE, **extra, **budget}
     raise KeyError(name)
 
 
-def compare_names(seeds=SEEDS) -> list[str]:
-    """The comparison's run names, seed by seed (every estimator of seed 0 first)."""
-    return [f"{e}-s{s}" for s in seeds for e in ESTIMATORS]
+def compare_names(seeds=SEEDS, presets=None, budget: str = "") -> list[str]:
+    """The comparison's run names, seed by seed (every preset of seed 0 first): ``presets`` (names of
+    :data:`ESTIMATORS`; default all) and GRPO, the baseline each is compared with; ``budget`` ``""`` (the
+    comparison's) or ``"short"`` (:data:`SHORT_BUDGET`)."""
+    chosen = list(ESTIMATORS) if presets is None else ["grpo", *(p for p in presets if p != "grpo")]
+    tail = f"-{budget}" if budget else ""
+    return [f"{e}{tail}-s{s}" for s in seeds for e in chosen]
 
 
 def log(msg: str) -> None:
@@ -411,9 +431,14 @@ def main() -> int:
     ap.add_argument("--task", choices=list(TASKS), default="v1", help="the synthetic task version (default v1)")
     ap.add_argument("--only", nargs="*", metavar="NAME",
                     help=f"run names: v1's first sweep ({', '.join(RUNS)}; 'hotpot' for the HotpotQA curve), "
-                         f"<estimator>-s<seed>, <estimator>-long-s<seed> or stability-<estimator> with an "
+                         f"<estimator>-s<seed>, <estimator>-long-s<seed>, <estimator>-short-s<seed> or "
+                         f"stability-<estimator> with an "
                          f"estimator of {', '.join(ESTIMATORS)}")
-    ap.add_argument("--compare", action="store_true", help="the comparison runs of every estimator (--seeds)")
+    ap.add_argument("--compare", action="store_true", help="the comparison runs of every estimator (--seeds), or of "
+                    "the presets named by --methods, with GRPO")
+    ap.add_argument("--methods", nargs="*", metavar="PRESET", choices=list(ESTIMATORS),
+                    help=f"with --compare: only these presets of ESTIMATORS and GRPO (e.g. {' '.join(METHODS)})")
+    ap.add_argument("--short", action="store_true", help=f"with --compare: the shorter budget {SHORT_BUDGET}")
     ap.add_argument("--seeds", nargs="*", type=int, default=list(SEEDS), help="the comparison's seeds")
     ap.add_argument("--stability", metavar="ESTIMATOR", choices=list(ESTIMATORS),
                     help=f"the {STABILITY_STEPS}-step run of one estimator")
@@ -424,7 +449,7 @@ def main() -> int:
     use_task(args.task)
     names = list(args.only or [])
     if args.compare:
-        names += compare_names(args.seeds)
+        names += compare_names(args.seeds, args.methods, "short" if args.short else "")
     if args.stability:
         names.append(f"stability-{args.stability}")
     if not names and not args.report:

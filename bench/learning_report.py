@@ -53,9 +53,17 @@ def _runs_of(res: dict, est: str) -> list[dict]:
 
 
 def _with_long(res: dict, estimators) -> list[str]:
-    """``estimators`` and, after them, each ``<estimator>-long`` that has runs (the longer budget)."""
+    """``estimators`` and, after them, each ``<estimator>-long`` and ``<estimator>-short`` that has runs (the
+    longer and the shorter budget; GRPO's first among the short ones)."""
     longs = sorted({n.rpartition("-")[0] for n in res["runs"] if n.rpartition("-")[0].endswith("-long")})
-    return [*estimators, *longs]
+    shorts = sorted({n.rpartition("-")[0] for n in res["runs"] if n.rpartition("-")[0].endswith("-short")},
+                    key=lambda e: (e != "grpo-short", e))
+    return [*estimators, *longs, *shorts]
+
+
+def _baseline(est: str) -> str:
+    """The GRPO runs ``est`` is compared with: GRPO's at the same budget (``grpo-short`` for ``x-short``)."""
+    return "grpo-short" if est.endswith("-short") else "grpo"
 
 
 def task_table(task: str, res: dict, estimators: dict, hops: tuple[int, ...]) -> list[str]:
@@ -68,18 +76,19 @@ def task_table(task: str, res: dict, estimators: dict, hops: tuple[int, ...]) ->
     hop_cells = " | ".join(f"{100 * sft.get(f'em_hops{h}', 0):.0f} / {sft.get(f'search_hops{h}', float('nan')):.2f}"
                            for h in hops)
     lines.append(f"| SFT warm start | - | {100 * sft['em']:.1f} | - | - | {hop_cells} | - | - |")
-    base = [r["final"]["per_question"] for r in _runs_of(res, "grpo") if "per_question" in r["final"]]
     for est in _with_long(res, estimators):
         rs = _runs_of(res, est)
         if not rs:
             continue
+        base_runs = _runs_of(res, _baseline(est))
+        base = [r["final"]["per_question"] for r in base_runs if "per_question" in r["final"]]
         ems = [r["rl_em"] for r in rs]
         gain = statistics.mean(ems) - res["sft"]["em"]
         pq = [r["final"]["per_question"] for r in rs if "per_question" in r["final"]]
         ci = "-"
-        if est != "grpo" and base and len(pq) == len(rs):
+        if est != _baseline(est) and base and len(pq) == len(rs):
             lo, hi = bootstrap_diff(pq, base)
-            diff = statistics.mean(ems) - statistics.mean(r["rl_em"] for r in _runs_of(res, "grpo"))
+            diff = statistics.mean(ems) - statistics.mean(r["rl_em"] for r in base_runs)
             ci = f"{100 * diff:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
         cells = []
         for h in hops:
@@ -88,7 +97,7 @@ def task_table(task: str, res: dict, estimators: dict, hops: tuple[int, ...]) ->
             cells.append(f"{100 * statistics.mean(em):.0f} / {statistics.mean(sc):.2f}")
         drop = max(max_drop(r["curve"], r["sft_em"]) for r in rs)
         minutes = statistics.mean(r["wall_s"] for r in rs) / 60
-        label = f"{est[:-5]}, {rs[0]['steps']} steps" if est.endswith("-long") else est
+        label = f"{est.rpartition('-')[0]}, {rs[0]['steps']} steps" if est.endswith(("-long", "-short")) else est
         lines.append(f"| {label} | {len(rs)} | {_mean_sd(ems)} | {100 * gain:+.1f} | {ci} | {' | '.join(cells)} | "
                      f"{100 * drop:.1f} | {minutes:.1f} |")
     return lines

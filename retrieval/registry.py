@@ -113,6 +113,17 @@ def open_simulated(req: OpenRequest) -> Retriever:
                            total_steps=max(req.total_steps, 1), seed=req.seed)
 
 
+@register_retriever("self_search", cached=False, generative=True,
+                    description="SSRL's self-search: the policy being trained writes the results of its own queries")
+def open_self_search(req: OpenRequest) -> Retriever:
+    """:class:`retrieval.simulated.SelfSearch`: bound to the rollout backend when training starts; elsewhere
+    (``sleuth ask``, ``sleuth eval``) it writes with ``req.generate()``, the policy model's LLM, built on its
+    first search."""
+    from retrieval.simulated import SelfSearch
+
+    return SelfSearch(req.generate, seed=req.seed)
+
+
 @register_retriever("mcp", description="the search tool of an MCP server (retrieval.mcp_server)")
 def open_mcp(req: OpenRequest) -> Retriever:
     """:class:`retrieval.mcp.MCPRetriever` of ``retrieval.mcp_server`` / ``mcp_tool``; ``ValueError`` without a

@@ -163,3 +163,39 @@ class SimulatedSearch:
                                 score=float(k - r)))
             results.append(hits)
         return results
+
+
+class SelfSearch(SimulatedSearch):
+    """SSRL's self-search (Fan et al., 2025, "SSRL: Self-Search Reinforcement Learning", arXiv 2508.10874): the
+    search engine is played by the policy being trained, which writes the results of its own queries from its
+    parametric knowledge; trained this way, the same policy is later run against a real retriever
+    (sim-to-real).
+
+    A :class:`SimulatedSearch` without noise (every document is asked to be useful: the policy writes what it
+    knows) whose ``generate`` is bound to the policy when training starts (:meth:`bind_policy`; the trainer
+    binds its rollout backend, so the engine follows every update), else ``generate`` as given (the policy's
+    weights loaded on their own, for evaluation: ``make_generate()``, called on first use). A blank completion (a policy that stops at once) becomes
+    the document ``"<query>\\n(no result)"``, not an error: what the policy writes is the result. The
+    reference writes the information in the same pass as the reasoning (its ``<information>`` tokens masked
+    out of the loss); here the policy writes it in a separate call, as ZeroSearch's simulator does, and the
+    agent loop gives it the tool role, so it is out of the loss as well."""
+
+    def __init__(self, make_generate: Callable[[], Callable[[list[str]], list[str]]] | None = None, seed: int = 0,
+                 max_doc_chars: int = 1000):
+        super().__init__(self._write, 0.0, 0.0, total_steps=1, seed=seed, max_doc_chars=max_doc_chars)
+        self._make, self._policy = make_generate, None
+
+    def _write(self, prompts: list[str]) -> list[str]:
+        if self._policy is None and self._make is not None:  # built on first use: not when training binds one
+            self._policy = self._make()
+        if self._policy is None:
+            raise RuntimeError("the self-search engine has no policy to write its results (bind_policy)")
+        outs = list(self._policy(prompts))
+        if len(outs) != len(prompts):
+            return outs  # SimulatedSearch.search names the mismatch
+        queries = [p.split("Query: ", 1)[-1].split("\n", 1)[0] for p in prompts]
+        return [o if (o or "").strip() else f"{q}\n(no result)" for o, q in zip(outs, queries, strict=True)]
+
+    def bind_policy(self, generate: Callable[[list[str]], list[str]]) -> None:
+        """Make ``generate(prompts) -> texts`` (the policy being trained) the engine from now on."""
+        self._policy = generate

@@ -285,10 +285,11 @@ def save_run_config(cfg: Config) -> None:
 
 # -- training stages ----------------------------------------------------------------------------------
 def run_sft_stage(cfg: Config, retriever, log=print) -> Path:
-    """SFT warm start on oracle trajectories of the training questions (:func:`sft_questions`, searching
-    ``retriever``; with ``agent.kind: external``, episodes of the agent itself with a scripted oracle behind
-    the training proxy, :func:`training.sft.external_oracle_trajectories`); returns the model directory
-    (``<out_dir>/sft``, written under a temporary name and renamed), reusing it when it already exists.
+    """SFT warm start on the trajectories of ``sft.data`` (:data:`training.sft_data.SFT_DATA`; the scripted
+    oracle by default) on the training questions (searching ``retriever``; with ``agent.kind: external``,
+    episodes of the agent itself with a scripted oracle behind the training proxy,
+    :func:`training.sft.external_oracle_trajectories`); returns the model directory (``<out_dir>/sft``, written
+    under a temporary name and renamed), reusing it when it already exists.
 
     One process: under torchrun run it on rank 0 only (``training.infra.distributed.run_on_rank0``, as
     ``sleuth train`` does); the other ranks then load the directory it returns. The weights are trained
@@ -300,7 +301,8 @@ def run_sft_stage(cfg: Config, retriever, log=print) -> Path:
     from agent.backends.hf import TransformersLLM
     from corpora.formats import iter_corpus
     from training.infra.checkpoint import commit_directory
-    from training.sft import external_oracle_trajectories, oracle_trajectories, sft_train
+    from training.sft import external_oracle_trajectories, sft_train
+    from training.sft_data import SFTDataRequest, build_sft_data
 
     out = Path(cfg.out_dir) / "sft"
     if (out / "config.json").exists():
@@ -315,11 +317,16 @@ def run_sft_stage(cfg: Config, retriever, log=print) -> Path:
     if cfg.agent.kind == "external":  # the agent itself, over the proxy, in its own chat template
         external_agent_env(cfg)
         trajs = external_oracle_trajectories(train, llm.tokenizer, cfg.agent, titles)
+        name, stats = "oracle_trajectories.jsonl", None
     else:
-        trajs = oracle_trajectories(train, llm.tokenizer, retriever, cfg.agent, titles, cfg.retrieval.top_k)
-    save_trajectories(Path(cfg.out_dir) / "oracle_trajectories.jsonl", trajs)
+        req = SFTDataRequest(train, llm.tokenizer, retriever, cfg.agent, titles, cfg.retrieval.top_k, cfg.seed)
+        trajs = build_sft_data(cfg.sft, req)
+        name = "oracle_trajectories.jsonl" if cfg.sft.data == "oracle" else f"sft_{cfg.sft.data}_trajectories.jsonl"
+        stats = req.stats
+    save_trajectories(Path(cfg.out_dir) / name, trajs)
     n_steps = cfg.sft.epochs * ((len(trajs) + cfg.sft.batch_size - 1) // cfg.sft.batch_size)
-    log(f"SFT: {len(trajs)} oracle trajectories, {cfg.sft.epochs} epochs ({n_steps} steps)")
+    log(f"SFT: {len(trajs)} {cfg.sft.data} trajectories, {cfg.sft.epochs} epochs ({n_steps} steps)"
+        + (f"; behaviours {stats}" if stats else ""))
     bar = tqdm(total=n_steps, desc="SFT", unit="step")
 
     def progress(epoch: int, loss: float) -> None:
@@ -395,6 +402,20 @@ def external_agent_env(cfg: Config, index_dir: str | None = None) -> None:
     ``$SLEUTH_INDEX`` (unless already set), read by ``examples/react_agent.py``'s search tool."""
     if cfg.agent.kind == "external":
         os.environ.setdefault("SLEUTH_INDEX", str(index_dir or cfg.retrieval.index_dir))
+
+
+def policy_vocab_size(cfg: Config) -> int | None:
+    """``V`` of the policy a run starts from, read before anything is loaded: ``vocab_size`` of
+    ``policy.model``'s ``config.json`` (a local directory), else the tiny policy's ``policy.tiny.vocab_size``;
+    ``None`` when it cannot be read (a hub id)."""
+    if not cfg.policy.model:
+        return cfg.policy.tiny.vocab_size
+    try:
+        conf = json.loads((Path(resolve_model_path(cfg.policy.model)) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    v = (conf.get("text_config") or conf).get("vocab_size")
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def check_rollout_backend(cfg: Config) -> None:

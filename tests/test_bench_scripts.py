@@ -417,3 +417,28 @@ def test_scale_sim_times_one_episode_exactly_in_each_mode():
     fleet = sim.simulate("fleet-async", prof, eps, questions=1, group_size=1, gpus=2, engine_gpus=1, steps=6)
     assert fleet["step_s"] == pytest.approx(rollout + 0.25, rel=0.01)
     assert set(fleet["staleness"]) == {"0", "1"} and fleet["staleness"]["1"] >= 4
+
+
+def test_learning_method_presets_and_the_short_budget_against_grpo():
+    lb = _load("learning")
+    assert lb.run_spec("egrpo-s1") == ("grpo", 1, {**lb.COMPARE, "algorithm.reward": "egrpo"})
+    algo, seed, extra = lb.run_spec("aepo-short-s2")
+    assert (algo, seed, extra["steps"]) == ("aepo", 2, lb.SHORT_BUDGET["steps"]) and extra["steps"] < lb.COMPARE["steps"]
+    assert extra["algorithm.options"] == {"reinforce_samples": 4} and extra["algorithm.ppo_epochs"] == 2
+    assert lb.compare_names([0, 1], ["ikea"], "short") == ["grpo-short-s0", "ikea-short-s0", "grpo-short-s1",
+                                                           "ikea-short-s1"]
+    for name in lb.compare_names(lb.SEEDS, list(lb.METHODS)):  # every preset is a config that validates
+        algo, seed, extra = lb.run_spec(name)
+        lb.base_config(seed, algo, extra)
+
+
+def test_learning_report_compares_the_short_budget_with_grpo_at_that_budget():
+    rep = _load("learning_report")
+    run = lambda em, pq: {"rl_em": em, "sft_em": 0.2, "steps": 50, "wall_s": 60.0, "curve": [{"step": 50, "em": em}],
+                          "final": {"per_question": pq, "em_hops1": em, "search_hops1": 1.0}}
+    res = {"sft": {"em": 0.2, "em_hops1": 0.2, "search_hops1": 1.0},
+           "runs": {"grpo-s0": run(0.9, [1, 1]), "grpo-short-s0": run(0.5, [1, 0]), "ikea-short-s0": run(0.5, [0, 1])}}
+    rows = rep.task_table("v1", res, {"grpo": None, "ikea": None}, (1,))
+    (ikea,) = [r for r in rows if r.startswith("| ikea, 50 steps")]
+    assert "| +0.0 [" in ikea  # against grpo-short (0.5), not the 200-step grpo (0.9)
+    assert [r.split(" |")[0] for r in rows[5:]] == ["| grpo", "| grpo, 50 steps", "| ikea, 50 steps"]

@@ -162,7 +162,7 @@ def test_a_toy_retriever_backend_protocol_and_method_run_through_the_cli(plugin,
 def test_unknown_choices_name_the_registered_ones_and_the_closest(plugin, capsys):
     code, _, err = sleuth(capsys, "search", "--set", f"plugins=[{plugin}]", "--method", "toy_retreiver", "toys")
     assert code == 2 and "unknown retrieval method 'toy_retreiver'" in err and "did you mean 'toy_retriever'" in err
-    assert "registered: bm25, dense, hybrid, lucene, simulated, mcp, web, toy_retriever" in err
+    assert "registered: bm25, dense, hybrid, lucene, simulated, self_search, mcp, web, toy_retriever" in err
     for key, value, kind, close in (("agent.backend.kind", "vlm", "LLM backend", "vllm"),
                                     ("agent.protocol", "search-r1", "tool protocol", "search_r1"),
                                     ("retrieval.method", "bm52", "retrieval method", "bm25")):
@@ -195,11 +195,12 @@ def test_the_built_in_entries_say_what_each_choice_needs():
     from sleuth.config import Config
     from sleuth.pipeline import check_rollout_backend, needs_index
 
-    parts = {n: RETRIEVERS.get(n).index_parts for n in ("bm25", "dense", "hybrid", "lucene", "simulated", "mcp", "web")}
+    parts = {n: RETRIEVERS.get(n).index_parts for n in ("bm25", "dense", "hybrid", "lucene", "simulated", "self_search",
+                                                        "mcp", "web")}
     assert parts == {"bm25": ("bm25",), "dense": ("dense",), "hybrid": ("bm25", "dense"), "lucene": ("lucene",),
-                     "simulated": (), "mcp": (), "web": ()}
+                     "simulated": (), "self_search": (), "mcp": (), "web": ()}
     assert [n for n in parts if not RETRIEVERS.get(n).cached] == [n for n in parts if RETRIEVERS.get(n).generative] \
-        == ["simulated"]
+        == ["simulated", "self_search"]
     assert [(n, BACKENDS.get(n).rollout, BACKENDS.get(n).engine) for n in ("transformers", "vllm", "openai")] == [
         ("transformers", True, False), ("vllm", True, True), ("openai", False, False)]
     assert [n for n in ("search_r1", "function_call") if PROTOCOLS.get(n).tags] == ["search_r1"]
@@ -216,6 +217,6 @@ def test_the_built_in_entries_say_what_each_choice_needs():
     assert not needs_index(Config.model_validate({"retrieval": {"method": "web"}}))
     # the config schema's help says the registered names
     schema = Config.model_json_schema()["$defs"]
-    assert "one of bm25, dense, hybrid, lucene, simulated, mcp, web" in \
+    assert "one of bm25, dense, hybrid, lucene, simulated, self_search, mcp, web" in \
         schema["RetrievalConfig"]["properties"]["method"]["description"]
     assert "one of transformers, vllm, openai" in schema["BackendConfig"]["properties"]["kind"]["description"]

@@ -47,7 +47,9 @@ from pydantic import (
 from agent.config import Section
 from training.algos.estimators import ADV_ESTIMATORS
 from training.algos.losses import KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
+from training.algos.rewards import REWARDS
 from training.registry import Options, Registry
+from training.sft_data import SFT_DATA
 
 
 def choice(registry: Registry[Any]) -> Any:
@@ -62,6 +64,8 @@ EstimatorName = choice(ADV_ESTIMATORS)
 PolicyLossName = choice(POLICY_LOSSES)
 LossAggName = choice(LOSS_AGGS)
 KLName = choice(KL_ESTIMATORS)
+RewardName = choice(REWARDS)
+SFTDataName = choice(SFT_DATA)
 
 
 def _default_retry_waits() -> list[float]:
@@ -72,13 +76,34 @@ def _default_retry_waits() -> list[float]:
 
 
 class SFTConfig(Section):
-    """Warm start on oracle trajectories (search the question, read, answer with the gold answer)."""
+    """The warm start before RL: ``epochs`` of supervised training on the trajectories of the SFT data builder
+    ``data`` (a registered name, :data:`training.sft_data.SFT_DATA`: ``oracle`` by default, the scripted oracle
+    that searches the question, reads and answers with the gold answer; ``primed``, ``random`` or ``correct``
+    for behaviour priming and its baselines), its settings in ``data_options``."""
 
     enabled: bool = True
     epochs: int = Field(6, ge=0)
     lr: float = 1e-3
     batch_size: int = Field(16, ge=1)
     max_examples: int | None = None
+    data: SFTDataName = Field("oracle", description="the SFT data builder (a registered name)")
+    data_options: SerializeAsAny[Options] = Field(
+        default_factory=Options, description="the builder's own settings (its registered options class)")
+
+    @field_validator("data_options", mode="before")
+    @classmethod
+    def _data_options(cls, v: Any, info: ValidationInfo) -> Any:
+        name = info.data.get("data")
+        if name is None:
+            return Options()
+        return registered_options(SFT_DATA, name, v, "sft.data_options")
+
+    @model_validator(mode="after")
+    def _check(self) -> SFTConfig:
+        if type(self.data_options) is not SFT_DATA.get(self.data).options:
+            self.__dict__["data_options"] = registered_options(SFT_DATA, self.data, self.data_options,
+                                                               "sft.data_options")
+        return self
 
 
 def registered_options(registry: Registry[Any], name: str, raw: Any, key: str) -> Options:
@@ -132,6 +157,11 @@ class AlgorithmConfig(Section):
                          "GiGPO)")
     lam: float = Field(1.0, ge=0.0, le=1.0, description="GAE's lambda (PPO)")
     search_cost: float = Field(0.0, ge=0.0, description="reward cost per search call, folded in by turn")
+    reward: RewardName = Field("judge", description="the reward trained on (a registered name): judge (the "
+                               "judge's own), egrpo (E-GRPO's entity reward), ikea (IKEA's knowledge-boundary "
+                               "reward), ssrl (SSRL's format and rule reward)")
+    reward_options: SerializeAsAny[Options] = Field(
+        default_factory=Options, description="the reward's own settings (its registered options class)")
     policy_loss: PolicyLossName = Field("ppo_clip", description="policy-gradient term (a registered name)")
     loss_options: SerializeAsAny[Options] = Field(
         default_factory=Options, description="the policy loss's own settings (its registered options class)")
@@ -186,11 +216,20 @@ class AlgorithmConfig(Section):
             return Options()
         return registered_options(POLICY_LOSSES, name, v, "train.algorithm.loss_options")
 
+    @field_validator("reward_options", mode="before")
+    @classmethod
+    def _reward_options(cls, v: Any, info: ValidationInfo) -> Any:
+        name = info.data.get("reward")
+        if name is None:
+            return Options()
+        return registered_options(REWARDS, name, v, "train.algorithm.reward_options")
+
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
         # options of the chosen entries' own models (the defaults, or after a name was assigned a new value)
         for key, registry, name in (("options", ADV_ESTIMATORS, self.adv_estimator),
-                                    ("loss_options", POLICY_LOSSES, self.policy_loss)):
+                                    ("loss_options", POLICY_LOSSES, self.policy_loss),
+                                    ("reward_options", REWARDS, self.reward)):
             value = getattr(self, key)
             if type(value) is not registry.get(name).options:
                 self.__dict__[key] = registered_options(registry, name, value, f"train.algorithm.{key}")
@@ -382,7 +421,7 @@ class TrainConfig(Section):
         ``pydantic.ValidationError`` as the constructor does. Another estimator (policy loss) starts from its
         own default options unless ``changes`` gives them."""
         data = self.model_dump()
-        for name, opts in (("adv_estimator", "options"), ("policy_loss", "loss_options")):
+        for name, opts in (("adv_estimator", "options"), ("policy_loss", "loss_options"), ("reward", "reward_options")):
             if f"algorithm.{name}" in changes and f"algorithm.{opts}" not in changes:
                 data["algorithm"][opts] = {}
         for key, value in changes.items():
@@ -392,6 +431,19 @@ class TrainConfig(Section):
                 d = d[part]
             d[last] = value
         return TrainConfig.model_validate(data)
+
+    def check_model(self, vocab_size: int) -> None:
+        """The checks of the chosen estimator's, policy loss's and reward's options that need the policy
+        (:meth:`training.registry.Options.check_model`; ``vocab_size``: tokens of its output layer), run when
+        training starts (``sleuth train`` before SFT, :func:`training.trainer.rl_train` before the first step).
+        Raises ``ValueError`` naming the setting."""
+        alg = self.algorithm
+        for key, opts in (("options", alg.options), ("loss_options", alg.loss_options),
+                          ("reward_options", alg.reward_options)):
+            try:
+                opts.check_model(vocab_size)
+            except ValueError as e:
+                raise ValueError(f"train.algorithm.{key}: {e}") from None
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

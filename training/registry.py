@@ -30,7 +30,15 @@ class Options:
     field per setting with its default, its ranges checked in ``__post_init__`` (``ValueError``, e.g. with
     :func:`training.algos.options.check_range`). The config validates the mapping it is given against the
     chosen part's class when it is loaded (unknown keys are errors naming the closest ones; values are
-    converted to the field types). This base has no settings."""
+    converted to the field types). This base has no settings.
+
+    :meth:`check_model` runs the checks that need the policy (its vocabulary), when training starts: before the
+    first step, after the config was loaded."""
+
+    def check_model(self, vocab_size: int) -> None:
+        """Raise ``ValueError`` for settings the policy cannot have: ``vocab_size`` is the number of tokens
+        ``V`` of its output layer. This base checks nothing; a part overrides it (AEPO: its entropy target
+        must lie in ``(0, log V)`` nats)."""
 
 
 def options_class(options: type, part: str) -> type[Options]:

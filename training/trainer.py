@@ -47,6 +47,7 @@ from retrieval.base import Retriever
 from training.algos import estimators as E
 from training.algos.losses import LossConfig
 from training.algos.offpolicy import rollout_correction, turn_staleness
+from training.algos.rewards import training_rewards
 from training.batch import Batch, collate
 from training.infra.checkpoint import latest_checkpoint, run_dir_lock
 from training.infra.distributed import (
@@ -96,8 +97,11 @@ def rollout_phase(state: RunState, worker: RolloutWorker, tc: Any, step: int,
 @torch.no_grad()
 def score(state: RunState, batch: Batch, trajs: list[Trajectory], tc: Any, tokenizer: Any, max_len: int,
           worker: RolloutWorker | None = None, step: int = 0) -> None:
-    """Fill ``batch.old_logprobs`` / ``batch.ref_logprobs``, then run the registered estimator's prepare steps
-    (:func:`training.algos.estimators.prepare_inputs`), which write what it needs onto the batch."""
+    """Set ``batch.rewards`` to the rewards trained on (``train.algorithm.reward``,
+    :func:`training.algos.rewards.training_rewards`), fill ``batch.old_logprobs`` / ``batch.ref_logprobs``, then
+    run the registered estimator's prepare steps (:func:`training.algos.estimators.prepare_inputs`), which write
+    what it needs onto the batch."""
+    batch.rewards = training_rewards(tc.algorithm, trajs, batch.groups)
     score_logprobs(state.fwd, state.ref_model, batch, tc)
     E.prepare_inputs(prepare_context(state, batch, trajs, tc, tokenizer, max_len, worker, step))
 
@@ -117,7 +121,9 @@ def prepare_context(state: RunState, batch: Batch, trajs: list[Trajectory], tc: 
                             policy=state.gen_model,
                             logprobs=lambda b: policy_logprobs(state.gen_model, b, with_entropy=False)[0],
                             ref_model=state.ref_model, critic=critic, values=values if critic is not None else None,
-                            worker=worker, step=step)
+                            worker=worker, step=step,
+                            score=lambda b: score_logprobs(state.fwd, state.ref_model, b, tc),
+                            entropy=lambda b: policy_logprobs(state.gen_model, b, with_entropy=True)[1])
 
 
 def advantage_phase(tc: Any, batch: Batch, trajs: list[Trajectory]) -> None:
@@ -228,7 +234,8 @@ def step_record(state: RunState, trajs: list[Trajectory], batch: Batch, stats: d
     # mean |advantage| over the policy tokens of every rank (sums reduced: the same value as one process)
     adv_abs = all_reduce_sum(float((batch.token_advantages.abs() * batch.loss_mask).sum()))
     adv_abs_mean = adv_abs / max(all_reduce_sum(float(batch.loss_mask.sum())), 1.0)
-    record = {**rollout_stats(trajs), **stats, **loss_stats, "adv_abs_mean": adv_abs_mean}
+    prepared = {k: float(v) for k, v in batch.prepared.get("stats", {}).items()}  # what prepare steps report
+    record = {**rollout_stats(trajs), **stats, **prepared, **loss_stats, "adv_abs_mean": adv_abs_mean}
     if state.world_size > 1:
         record = merge_rank_records(gather_objects((record, len(trajs))), set(loss_stats))
         record["adv_abs_mean"] = adv_abs_mean
@@ -276,6 +283,18 @@ def check_setup(tc: Any, agent_cfg: Any) -> None:
                          "streamed yet: set train.optim.lora=false, or leave train.rollout.engines unset")
     if tc.optim.packing:  # before the first rollout, not at the first packed micro-batch
         check_packed_masks()
+
+
+def policy_vocab_size(model: Any, tokenizer: Any) -> int | None:
+    """``V``: the tokens of the policy's output layer (its config's ``vocab_size``; the tokenizer's length for a
+    model without one); ``None`` when neither says."""
+    v = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return None
 
 
 def check_world(tc: Any, W: int) -> None:
@@ -334,6 +353,12 @@ def rollout_side(state: RunState, tc: Any, agent_cfg: Any, tokenizer: Any, retri
         raise ValueError("train.rollout.asynchronous needs a rollout backend that holds its own weights and takes "
                          "update_weights (vLLM, or the default worker process): this one generates on the "
                          "trainer's parameters, which the update changes under it")
+    if callable(getattr(retriever, "bind_policy", None)):  # a search engine the policy itself plays (SSRL)
+        from agent.llm import SamplingParams, complete
+
+        params = SamplingParams(max_new_tokens=agent_cfg.simulator.max_doc_tokens,
+                                temperature=agent_cfg.simulator.temperature, stop=())
+        retriever.bind_policy(lambda prompts: complete(llm, prompts, params))
     external = runner_for(llm, agent_cfg, judge)  # agent.kind=external: its proxy serves llm
     stack.callback(lambda: external is not None and external.close())
     return RolloutWorker(llm, retriever, agent_cfg, top_k, judge, external, tuple(tc.rollout.retry_waits))
@@ -459,6 +484,9 @@ def rl_train(
     :func:`check_world`) and for a checkpoint of another estimator or LoRA setting.
     """
     check_setup(tc, agent_cfg)
+    vocab = policy_vocab_size(model, tokenizer)
+    if vocab is not None:  # the options that need the policy (AEPO's entropy target below log V)
+        tc.check_model(vocab)
     rank, W = init_from_env(timeout_s=tc.dist_timeout_s)  # torchrun: the process group; else a no-op
     check_gpu_memory()  # logs each device's free memory; warns when something else holds over 10% of one
     check_world(tc, W)

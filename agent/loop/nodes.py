@@ -226,12 +226,17 @@ def after_tool(state: EpisodeState, config: RunnableConfig) -> str:
     return "judge" if state.get("finish") else "policy"
 
 
+#: the example's metadata an episode's trajectory carries: its hop count and dataset, its supporting passages, and
+#: the entity chain (synthetic questions) or named entities a question was built from (E-GRPO's gold entities)
+EPISODE_METADATA = ("hops", "dataset", "supporting_ids", "chain", "entities")
+
+
 def new_episode(ctx: AgentContext, example: QAExample, group: int = 0) -> EpisodeState:
     """The start state of an episode of ``example``: its trajectory holding the prompt (raises what the
     tokenizer or chat template raises on it), at turn 1."""
     traj = Trajectory(question_id=example.id, question=example.question,
                       golden_answers=list(example.golden_answers), group=group,
-                      metadata={k: v for k, v in example.metadata.items() if k in ("hops", "dataset", "supporting_ids")})
+                      metadata={k: v for k, v in example.metadata.items() if k in EPISODE_METADATA})
     traj.append(ctx.protocol.prompt_ids(example.question), Role.PROMPT, 0)
     return {"traj": traj, "turn": 1, "finish": "", "episode": f"ep-{next(_EPISODE_IDS)}"}
 

@@ -98,6 +98,7 @@ def _train(cfg, args) -> int:
         check_rollout_backend,
         ensure_index,
         open_retriever,
+        policy_vocab_size,
         resolve_model_path,
         rl_run_dir,
         run_rl_stage,
@@ -109,6 +110,9 @@ def _train(cfg, args) -> int:
     from training.infra.distributed import init_from_env, run_on_rank0, shutdown
 
     check_rollout_backend(cfg)  # before minutes of SFT
+    vocab = policy_vocab_size(cfg)
+    if vocab is not None:  # the options that need the policy (AEPO's entropy target below log V), before SFT
+        cfg.train.check_model(vocab)
     rank, _W = init_from_env(timeout_s=cfg.train.dist_timeout_s)  # torchrun: the process group; else a no-op
     ok = False
     held = contextlib.ExitStack()

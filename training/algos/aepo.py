@@ -32,10 +32,11 @@ from typing import Any
 import torch
 
 from training.algos.options import check_range, parse_options
+from training.registry import Options
 
 
 @dataclass(frozen=True)
-class AEPOOptions:
+class AEPOOptions(Options):
     """AEPO's options: ``entropy_target`` ``H`` (mean token entropy, nats; the upper bound ``log V`` is checked
     by :func:`check_entropy_target` once the vocabulary is known), ``temperature_high`` / ``temperature_low``,
     ``advantage_threshold`` (samples with a GRPO advantage above it are kept), ``reinforce_samples`` (the
@@ -62,6 +63,10 @@ class AEPOOptions:
             raise ValueError(f"AEPO's reinforce_samples must be >= 0, got {self.reinforce_samples}")
         check_range("AEPO's resample_fraction", self.resample_fraction, 0.0, 1.0, lo_open=True)
         check_range("AEPO's coef", self.coef, 0.0)
+
+    def check_model(self, vocab_size: int) -> None:
+        """The entropy target against the policy's vocabulary: ``0 < H < log V`` (:func:`check_entropy_target`)."""
+        check_entropy_target(self.entropy_target, vocab_size)
 
 
 def aepo_options(values: dict[str, Any] | None = None, vocab_size: int | None = None) -> AEPOOptions:

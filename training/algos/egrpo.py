@@ -29,10 +29,11 @@ import torch
 from agent.metrics import normalize_answer
 from agent.trajectory import Trajectory
 from training.algos.options import check_range, parse_options
+from training.registry import Options
 
 
 @dataclass(frozen=True)
-class EGRPOOptions:
+class EGRPOOptions(Options):
     """E-GRPO's options: ``alpha``, the weight of a wrong answer's normalised entity match rate (in [0, 1),
     so that a near miss never ties a correct answer). Raises ``ValueError`` outside it."""
 

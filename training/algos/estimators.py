@@ -33,12 +33,14 @@ Two ways in:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from corpora.formats import QAExample
 from training.algos.advantages import (
     batch_masked_whiten,
     dr_grpo_advantages,
@@ -53,10 +55,17 @@ from training.algos.advantages import (
     to_token_advantages,
     turns_to_tokens,
 )
+from training.algos.aepo import AEPOOptions, aepo_select, aepo_temperature, replace_rows
 from training.algos.options import check_range
-from training.algos.rewards import gold_answer_probs, information_gain_rewards, kl_penalty, turn_table
+from training.algos.rewards import (
+    gold_answer_probs,
+    information_gain_rewards,
+    kl_penalty,
+    training_rewards,
+    turn_table,
+)
 from training.algos.turn_credit import anchor_states, evidence_gain, gigpo_advantages
-from training.batch import Batch
+from training.batch import Batch, collate
 from training.infra.distributed import gather_objects, world
 from training.registry import Options, Registry, options_class
 
@@ -128,7 +137,13 @@ class PrepareContext:
     * ``values(batch) -> [N, T-1]`` float32: the critic's values on the update's micro-batches (``None``
       without a critic);
     * ``worker``: the rollout worker (its LLM, retriever, agent config and judge), for steps that sample more
-      episodes or read the corpus (``None`` outside a training run); ``step``: the step (0-based).
+      episodes or read the corpus (``None`` outside a training run); ``step``: the step (0-based);
+    * ``entropy(batch) -> [N, T-1]`` float32: the policy's next-token entropy (nats) at a batch's loss-mask
+      positions (at ``batch.temperature``; ``None`` outside a training run);
+    * ``score(batch)``: fill a batch's ``old_logprobs`` (and ``ref_logprobs``) as the score phase does, for a
+      batch a step rebuilds (``None`` outside a training run).
+
+    A step may report numbers in ``batch.prepared["stats"]`` (a dict): they are logged in the step's record.
     """
 
     batch: Batch
@@ -143,6 +158,8 @@ class PrepareContext:
     values: Callable[[Batch], torch.Tensor] | None = None
     worker: Any | None = None
     step: int = 0
+    score: Callable[[Batch], None] | None = None
+    entropy: Callable[[Batch], torch.Tensor] | None = None
 
     @property
     def options(self) -> Options:
@@ -439,3 +456,83 @@ def _evidence_igpo(inp: AdvantageInputs, opts: IGPOOptions, alg: Any) -> dict[st
     turn_r = opts.ig_coef * gain + outcome_turn_rewards(inp, alg)
     adv = igpo_turn_advantages(turn_r, inp.turn_valid, inp.groups, alg.gamma)
     return {"advantages": turns_to_tokens(adv, inp.token_turns, inp.mask)}
+
+
+# -- AEPO: REINFORCE samples at an entropy-following temperature ---------------------------------------------
+def aepo_resample(ctx: PrepareContext) -> None:
+    """AEPO's REINFORCE samples (Wang et al., 2025, arXiv 2510.08141; the authors' ``RayPPOTrainer.fit``, branch
+    ``AEPO``, and ``_select_by_advantage``), spliced into the step's batch:
+
+    1. ``H``: the old policy's mean token entropy (nats) over the batch's policy tokens;
+       ``T = aepo_temperature(H)``: ``temperature_high`` at or below ``entropy_target``, else ``temperature_low``;
+    2. the first ``resample_fraction`` of the step's questions (at least one) are rolled out again,
+       ``train.rollout.group_size`` episodes each, at ``T``, rewarded as the batch (``train.algorithm.reward``);
+    3. the samples whose GRPO advantage within their own group exceeds ``advantage_threshold`` are kept, at most
+       ``reinforce_samples`` (half when ``H`` is above the target; :func:`training.algos.aepo.aepo_select`);
+    4. they replace the first rows of the batch (:func:`training.algos.aepo.replace_rows`: the batch keeps its
+       size, so their share of the update is AEPO's ``alpha``), each in a group of its own, and the batch is
+       scored again; ``batch.prepared["aepo_rows"]`` ``[N]`` bool marks them for the estimator, which gives
+       them advantage 1 (REINFORCE with reward 1). Their log-probs are the policy's at the batch's temperature,
+       their rollout log-probs set to the same (no importance correction towards the tempered sampler, as the
+       reference).
+
+    ``ctx.trajs`` is updated in place (the step's records count the spliced samples). Logs ``aepo/entropy``,
+    ``aepo/temperature``, ``aepo/resampled`` and ``aepo/selected``. Raises ``ValueError`` outside a training run
+    (no rollout worker)."""
+    opts: AEPOOptions = ctx.options
+    b, trajs = ctx.batch, ctx.trajs
+    if ctx.worker is None or ctx.score is None or ctx.entropy is None:
+        raise ValueError("AEPO rolls out questions again: it runs inside a training run (no rollout worker here)")
+    mask = b.loss_mask
+    H = float((ctx.entropy(b).cpu() * mask).sum() / mask.sum().clamp(min=1.0))
+    T = aepo_temperature(H, opts)
+    first: dict[int, Any] = {}
+    for t in trajs:
+        first.setdefault(t.group, t)
+    qs = [QAExample(t.question_id, t.question, list(t.golden_answers), dict(t.metadata))
+          for t in list(first.values())[: max(1, round(opts.resample_fraction * len(first)))]]
+    worker = dataclasses.replace(ctx.worker, agent=ctx.worker.agent.model_copy(update={"temperature": T}))
+    extra = [t for t in worker.episodes(qs, ctx.tc.rollout.group_size) if not t.metadata.get("error")]
+    stats = {"aepo/entropy": H, "aepo/temperature": T, "aepo/resampled": float(len(extra)), "aepo/selected": 0.0}
+    b.prepared["stats"] = {**b.prepared.get("stats", {}), **stats}
+    b.prepared["aepo_rows"] = torch.zeros(len(trajs), dtype=torch.bool)
+    if not extra:
+        return
+    groups = torch.tensor([t.group for t in extra])
+    sel = aepo_select(grpo_advantages(training_rewards(ctx.tc.algorithm, extra, groups), groups), H, opts)
+    chosen = [extra[i] for i in sel.tolist()][: len(trajs)]
+    if not chosen:
+        return
+    base = max(t.group for t in trajs) + 1
+    for j, t in enumerate(chosen):
+        t.group = base + j
+        t.metadata["aepo_temperature"] = T
+    new_trajs = chosen + [trajs[i] for i in replace_rows(len(trajs), len(chosen)).tolist()]
+    new = collate(new_trajs, ctx.tokenizer.pad_token_id, ctx.max_len)
+    new.temperature, new.packed = b.temperature, b.packed
+    ctx.score(new)
+    k = len(chosen)
+    if new.rollout_logprobs is not None:
+        new.rollout_logprobs[:k] = new.old_logprobs[:k]
+    for f in dataclasses.fields(Batch):
+        if f.name != "prepared":
+            setattr(b, f.name, getattr(new, f.name))
+    b.prepared["aepo_rows"] = torch.arange(len(new_trajs)) < k
+    b.prepared["stats"]["aepo/selected"] = float(k)
+    ctx.trajs[:] = new_trajs
+
+
+@register_adv_est("aepo", groups=True, options=AEPOOptions, prepare=(aepo_resample, kl_reward_penalty))
+def _aepo(inp: AdvantageInputs, opts: AEPOOptions, alg: Any) -> dict[str, torch.Tensor]:
+    """AEPO: GRPO's advantages on the batch's rows (rewards minus the KL penalty with ``kl_mode=reward``), 1 on
+    the REINFORCE samples :func:`aepo_resample` spliced in (``prepared["aepo_rows"]``), broadcast to the
+    policy tokens, plus the per-turn search cost."""
+    adv = grpo_advantages(inp.rewards - alg.kl_coef * inp.kl_seq(), inp.groups)
+    rows = inp.prepared.get("aepo_rows")
+    if rows is not None and rows.any():
+        adv = torch.where(rows, torch.ones_like(adv), adv)
+    tok = to_token_advantages(adv, inp.mask)
+    if alg.search_cost > 0:
+        tok = tok + turns_to_tokens(search_cost_to_go(inp.is_search, inp.turn_valid, alg.search_cost),
+                                    inp.token_turns, inp.mask)
+    return {"advantages": tok}

@@ -40,11 +40,12 @@ from typing import Any
 import torch
 
 from training.algos.options import check_range, parse_options
+from training.registry import Options
 
 
 # -- IKEA --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class IKEAOptions:
+class IKEAOptions(Options):
     """IKEA's reward constants: ``r_kb_pos`` (``r_kb+``), ``r_kb_neg`` (``r_kb-``), ``rt_max`` and the
     ``format_penalty``. Raises ``ValueError`` for a negative ``r_kb+``, ``r_kb-`` outside [0, 1) (a wrong answer
     must score below a correct one), ``rt_max < 1`` or a positive format penalty."""

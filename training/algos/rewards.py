@@ -5,21 +5,32 @@
   :func:`gold_answer_probs` (the policy's probability of the gold answer after each turn) and
   :func:`information_gain_rewards`, IGPO's information-gain turn reward (Wang et al., 2025);
 * :func:`kl_penalty`: per-token KL to the reference as a reward penalty (InstructGPT / verl's
-  ``apply_kl_penalty``; REINFORCE++ folds it into the return).
+  ``apply_kl_penalty``; REINFORCE++ folds it into the return);
+* :data:`REWARDS`: the registry of training rewards (``train.algorithm.reward``, its settings in
+  ``train.algorithm.reward_options``): what each episode is trained on, computed once per step from the
+  judge's verdicts before the advantages (:func:`training_rewards`). ``judge`` (the default) keeps the judge's
+  reward; ``egrpo`` (E-GRPO's entity reward for near misses), ``ikea`` (IKEA's knowledge-boundary reward) and
+  ``ssrl`` (SSRL's format and rule reward) replace it. A plugin adds one with :func:`register_reward`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from agent.llm import encode
 from agent.trajectory import Trajectory
+from training.algos.egrpo import EGRPOOptions, egrpo_rewards, entity_match_rate, gold_entities, reasoning_text
+from training.algos.knowledge_boundary import IKEAOptions, ikea_rewards
 from training.algos.losses import kl_estimate
+from training.algos.priming import parse_docs
+from training.algos.ssrl import SSRLOptions, ssrl_format_score, ssrl_reward
 from training.batch import Batch
+from training.registry import Options, Registry, decorator, options_class
 
 
 def turn_table(trajs: list[Trajectory], max_turns: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,3 +134,112 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.T
     """``[N, T]`` per-token KL(pi || pi_ref) estimates at policy tokens (0 elsewhere), to subtract from the
     reward with coefficient ``train.algorithm.kl_coef`` (``kl_mode=reward``)."""
     return kl_estimate(logprobs, ref_logprobs, kind) * mask.float()
+
+
+# -- the reward registry --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RewardEntry:
+    """A registered training reward: ``fn(trajs, groups [N] int64, opts) -> [N] float32``, the reward each
+    episode is trained on, computed from what the judge recorded (``Trajectory.verdict``: ``em``,
+    ``format_ok``, ...), the episode itself (turns, search calls, metadata) and, for a group-aware reward, its
+    group; ``options``: its settings (``train.algorithm.reward_options``, a frozen
+    :class:`training.registry.Options` dataclass)."""
+
+    name: str
+    fn: Callable[[list[Trajectory], torch.Tensor, Any], torch.Tensor]
+    options: type[Options] = Options
+
+
+REWARDS: Registry[RewardEntry] = Registry("reward", "train.algorithm.reward")
+
+
+def register_reward(name: str, *, options: type[Options] = Options, replace: bool = False):
+    """Decorator: register ``fn(trajs, groups, opts) -> [N]`` as ``train.algorithm.reward=<name>`` with its
+    options class (``train.algorithm.reward_options``). Raises ``TypeError`` for options that are not a frozen
+    dataclass of :class:`training.registry.Options`."""
+    opts_cls = options_class(options, f"reward {name!r}")
+    return decorator(REWARDS, name, lambda fn: RewardEntry(name, fn, opts_cls), replace)
+
+
+def training_rewards(alg: Any, trajs: list[Trajectory], groups: torch.Tensor) -> torch.Tensor:
+    """``[N]`` float32: the rewards of ``trajs`` under ``alg.reward`` (``alg``: the ``train.algorithm`` section)
+    with its ``reward_options``. For any reward but ``judge`` each trajectory's ``reward`` is set to it (the
+    step's logged ``reward`` is the one trained on) and the judge's is kept as ``verdict["judge_reward"]``."""
+    entry = REWARDS.get(alg.reward)
+    out = entry.fn(trajs, groups, alg.reward_options).float()
+    if entry.name != "judge":
+        for t, r in zip(trajs, out.tolist(), strict=True):
+            t.verdict.setdefault("judge_reward", t.reward)
+            t.reward = r
+    return out
+
+
+def _verdicts(trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(correct [N] bool, format_ok [N] bool)`` from the judge's verdicts (``em == 1``, ``format_ok``)."""
+    correct = torch.tensor([float(t.verdict.get("em", 0.0)) >= 1.0 for t in trajs], dtype=torch.bool)
+    fmt = torch.tensor([bool(t.verdict.get("format_ok", t.answer is not None)) for t in trajs], dtype=torch.bool)
+    return correct, fmt
+
+
+@register_reward("judge")
+def judge_reward(trajs: list[Trajectory], groups: torch.Tensor, opts: Options) -> torch.Tensor:
+    """The judge's own reward (``agent.reward``, ``agent.format_reward``, ``agent.judge``), unchanged."""
+    return torch.tensor([float(t.reward) for t in trajs], dtype=torch.float32)
+
+
+@register_reward("egrpo", options=EGRPOOptions)
+def egrpo_reward(trajs: list[Trajectory], groups: torch.Tensor, opts: EGRPOOptions) -> torch.Tensor:
+    """E-GRPO (Zhao et al., 2025, arXiv 2510.24694): 1 for a correct answer, ``alpha * gamma^`` for a wrong
+    one, 0 for a format error (:func:`training.algos.egrpo.egrpo_rewards`), with ``gamma`` the share of the
+    question's gold entities its own turns wrote. Gold entities: ``metadata["entities"]``, else the
+    synthetic chain without its answer, else the titles of the supporting passages that any episode of the
+    batch retrieved (their titles read off the observations; a question whose supporting passages nobody
+    found has none: its wrong answers score 0, as GRPO's)."""
+    correct, fmt = _verdicts(trajs)
+    titles = retrieved_titles(trajs)
+    rates = torch.tensor([entity_match_rate(reasoning_text(t), gold_entities(t.question, t.metadata, titles))
+                          for t in trajs], dtype=torch.float32)
+    return egrpo_rewards(correct, fmt, rates, groups, opts)
+
+
+def retrieved_titles(trajs: list[Trajectory]) -> dict[str, str]:
+    """Passage id -> title of every passage the episodes' searches returned (the observation's ``Doc i(Title:
+    ...)`` lines, in the order of ``Turn.hit_ids``)."""
+    out: dict[str, str] = {}
+    for t in trajs:
+        for turn in t.turns:
+            docs = parse_docs(turn.observation)
+            if len(docs) == len(turn.hit_ids):
+                out.update((pid, title) for pid, (title, _) in zip(turn.hit_ids, docs, strict=True))
+    return out
+
+
+@register_reward("ikea", options=IKEAOptions)
+def ikea_reward(trajs: list[Trajectory], groups: torch.Tensor, opts: IKEAOptions) -> torch.Tensor:
+    """IKEA's knowledge-boundary reward (Huang et al., 2025, arXiv 2505.07596; the authors'
+    ``compute_score_em``): ``format_penalty`` for an invalid format, ``1 + r_kb+ (1 - min(RT, RT_max) /
+    RT_max)`` for a correct answer after ``RT`` searches, ``r_kb-`` for a wrong one that searched, 0 for a
+    wrong one that did not (:func:`training.algos.knowledge_boundary.ikea_rewards`)."""
+    correct, fmt = _verdicts(trajs)
+    searches = torch.tensor([t.num_search_calls for t in trajs], dtype=torch.long)
+    return ikea_rewards(correct, fmt, searches, opts)
+
+
+def episode_response(traj: Trajectory) -> str:
+    """The episode's response as one text: each turn's generated text, a search turn's observation after it
+    inside ``<information>`` tags (as a self-search response writes it)."""
+    parts = []
+    for turn in sorted(traj.turns, key=lambda x: x.index):
+        parts.append(turn.text.strip())
+        if turn.action == "search" and turn.observation is not None:
+            parts.append(f"<information>{turn.observation.strip()}</information>")
+    return "".join(parts)
+
+
+@register_reward("ssrl", options=SSRLOptions)
+def ssrl_reward_fn(trajs: list[Trajectory], groups: torch.Tensor, opts: SSRLOptions) -> torch.Tensor:
+    """SSRL's rule reward (Fan et al., 2025, arXiv 2508.10874; the authors' ``NaiveRewardManager``):
+    ``em_weight * EM + format_weight * format`` with the format score of
+    :func:`training.algos.ssrl.ssrl_format_score` on :func:`episode_response`."""
+    return torch.tensor([ssrl_reward(float(t.verdict.get("em", 0.0)), ssrl_format_score(episode_response(t), opts),
+                                     opts) for t in trajs], dtype=torch.float32)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from training.algos.options import check_range, parse_options
+from training.registry import Options
 
 SELF_SEARCH_PROMPT = (
     "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
@@ -49,7 +50,7 @@ _PLACEHOLDERS = {"think": "your thoughts", "search": "your query", "information"
 
 
 @dataclass(frozen=True)
-class SSRLOptions:
+class SSRLOptions(Options):
     """SSRL's reward options: ``em_weight`` and ``format_weight`` (``0.9 * EM + 0.1 * format``), ``max_turn``
     (thinks for a full format score), ``upper_bound`` (more thinks score 0) and ``require_think``. Raises
     ``ValueError`` for negative weights, weights that do not sum to 1, ``max_turn < 1`` or

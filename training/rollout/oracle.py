@@ -29,7 +29,7 @@ _INFO = re.compile(r"<information>(.*?)</information>", re.DOTALL)
 _HINT_START = INVALID_HINT[: INVALID_HINT.index("{")]  # "My previous action is invalid ("
 
 
-def _searches_made(context: str, question: re.Match) -> int:
+def searches_made(context: str, question: re.Match) -> int:
     """Searches answered in the episode so far: the ``<information>`` blocks after the question that are not
     the invalid-action hint (the full Search-R1 instruction before the question names the tags itself, and
     the hint names ``<search>``, so counting tags would count a cut search and the hint as searches)."""
@@ -63,7 +63,7 @@ class OracleLLM:
         ex, m = self._question(context)
         if ex is None:
             return "<answer> unknown </answer>"
-        searches = _searches_made(context, m)
+        searches = searches_made(context, m)
         if searches == 0:
             return f"<search> {ex.question} </search>"
         wanted = [self.titles_by_id[i] for i in ex.metadata.get("supporting_ids", []) if i in self.titles_by_id]
@@ -100,7 +100,7 @@ class ChainOracleLLM(OracleLLM):
         if ex is None or "chain" not in ex.metadata:
             return "<answer> unknown </answer>"
         chain, hops = ex.metadata["chain"], int(ex.metadata["hops"])
-        searches = _searches_made(context, m)
+        searches = searches_made(context, m)
         if searches < hops:
             return f"<search> {chain[searches]} </search>"
         return f"<answer> {chain[hops]} </answer>"
