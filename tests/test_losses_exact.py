@@ -1,0 +1,185 @@
+"""The policy loss's parts (training.algos.losses) on hand-computed values: each loss aggregation, each KL
+estimator with its bounds, PPO-clip's clipping on both sides (and dual-clip), GSPO's sequence ratio, CISPO's
+clipped weight, and the composed loss's statistics. The composed loss is called in one place
+(:func:`composed`), so a new ``policy_loss`` signature changes one function here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from training.algos.losses import (
+    K3_MAX,
+    aggregate,
+    cispo,
+    gspo,
+    kl_estimate,
+    policy_loss,
+    ppo_clip,
+    register_loss_agg,
+    sequence_log_ratio,
+    token_logprobs,
+    token_mean,
+)
+
+LN2 = math.log(2.0)
+
+
+def close(x, want) -> bool:
+    torch.testing.assert_close(x.detach().float(), torch.tensor(want, dtype=torch.float32), rtol=1e-5, atol=1e-6)
+    return True
+# two rows: 3 policy tokens and 1 (the rest masked, holding NaN/inf that must never leak)
+MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
+VALUES = torch.tensor([[1.0, 2.0, 3.0, float("nan")], [float("inf"), 4.0, 5.0, 6.0]])
+
+
+def test_aggregations_hand_computed():
+    assert aggregate(VALUES, MASK, "token-mean").item() == pytest.approx((1 + 2 + 3 + 4) / 4)
+    assert aggregate(VALUES, MASK, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+    assert aggregate(VALUES, MASK, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    assert aggregate(VALUES, MASK, "seq-mean-token-sum-norm", scale=5.0).item() == pytest.approx((6 + 4) / (5 * 2))
+    # a row without a policy token counts in no mode
+    three = torch.cat([MASK, torch.zeros(1, 4)])
+    vals = torch.cat([VALUES, torch.full((1, 4), 9.0)])
+    assert aggregate(vals, three, "seq-mean-token-sum").item() == pytest.approx(5.0)
+    assert aggregate(vals, three, "seq-mean-token-mean").item() == pytest.approx(3.0)
+    assert aggregate(vals, three, "seq-mean-token-sum-norm", scale=2.0).item() == pytest.approx(2.5)
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        assert aggregate(VALUES, torch.zeros(2, 4), mode).item() == 0.0  # all masked: 0
+    for scale in (None, 0.0, -1.0):
+        with pytest.raises(ValueError, match="needs a positive constant normaliser"):
+            aggregate(VALUES, MASK, "seq-mean-token-sum-norm", scale=scale)
+    with pytest.raises(ValueError):
+        aggregate(VALUES, MASK, "no-such-mode")
+    with pytest.raises(ValueError, match="unit is 'tokens' or 'rows'"):
+        register_loss_agg("x", "sequences")
+
+
+def test_token_mean_and_sequence_log_ratio():
+    assert token_mean(VALUES, MASK) == pytest.approx(2.5)
+    assert token_mean(VALUES, torch.zeros(2, 4)) == 0.0
+    lp = torch.tensor([[-1.0, -2.0, -3.0, 0.0], [0.0, -1.0, 0.0, 0.0]])
+    old = torch.tensor([[-2.0, -2.0, -1.0, 5.0], [0.0, -3.0, 0.0, 0.0]])
+    # row 0: (1 + 0 - 2) / 3; row 1: 2 / 1; a row without tokens: 0
+    got = sequence_log_ratio(lp, old, MASK)
+    assert got.tolist() == pytest.approx([-1 / 3, 2.0])
+    assert sequence_log_ratio(lp[:1], old[:1], torch.zeros(1, 4)).tolist() == [0.0]
+
+
+def test_kl_estimators_hand_computed():
+    lp = torch.tensor([0.0, -LN2, 0.0, 0.0, -30.0])
+    ref = torch.tensor([0.0, 0.0, -LN2, -25.0, 0.0])
+    # d = ref - lp: 0, ln 2, -ln 2, -25 (clamped to -20), 30 (clamped to 20)
+    assert kl_estimate(lp, ref, "k1").tolist() == pytest.approx([0.0, -LN2, LN2, 25.0, -30.0])
+    assert kl_estimate(lp, ref, "k2").tolist() == pytest.approx([0.0, LN2**2 / 2, LN2**2 / 2, 312.5, 450.0])
+    assert kl_estimate(lp, ref, "abs").tolist() == pytest.approx([0.0, LN2, LN2, 25.0, 30.0])
+    k3 = kl_estimate(lp, ref, "k3").tolist()
+    assert k3 == pytest.approx([0.0, 2 - LN2 - 1, 0.5 + LN2 - 1, K3_MAX, K3_MAX], abs=1e-6)  # capped at 10
+    assert K3_MAX == 10.0
+    assert kl_estimate(torch.tensor([0.0]), torch.tensor([-10.5]), "k3").item() == pytest.approx(9.5 + math.exp(-10.5))
+    assert kl_estimate(torch.tensor([0.0]), torch.tensor([-11.0]), "k3").item() == K3_MAX
+    assert kl_estimate(torch.tensor([0.0]), torch.tensor([2.0]), "k3").item() == pytest.approx(math.exp(2) - 3)
+    assert kl_estimate(torch.tensor([0.0]), torch.tensor([3.0]), "k3").item() == K3_MAX  # e^3 - 4 = 16.1: capped
+    with pytest.raises(ValueError):
+        kl_estimate(lp, ref, "k4")
+
+
+def test_ppo_clip_both_sides_of_the_trust_region():
+    # ratios 1.5, 0.5, 1.1 with A = +1, -1, +1 and clip 0.2 / 0.3
+    lp = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))
+    old = torch.zeros(1, 3)
+    adv = torch.tensor([[1.0, -1.0, 1.0]])
+    mask = torch.ones(1, 3)
+    pg, stats = ppo_clip(lp, old, adv, mask, clip_low=0.2, clip_high=0.3)
+    # token 0: max(-1.5, -1.3) = -1.3 (clipped); token 1: max(0.5, 0.8) = 0.8 (clipped); token 2: -1.1
+    assert close(pg, [[-1.3, 0.8, -1.1]])
+    assert stats == {"clip_frac": pytest.approx(2 / 3)}
+    pg, _ = ppo_clip(lp, old, adv, mask, clip_low=0.5, clip_high=0.5)  # nothing clipped
+    assert close(pg, [[-1.5, 0.5, -1.1]])
+    # exactly at the edge (ratio 1.5, clip_high 0.5): not counted as clipped
+    assert ppo_clip(lp[:, :1], old[:, :1], adv[:, :1], mask[:, :1], clip_high=0.5)[1]["clip_frac"] == 0.0
+
+
+def test_dual_clip_caps_negative_advantages():
+    lp = torch.log(torch.tensor([[5.0, 2.0, 5.0]]))
+    adv = torch.tensor([[-1.0, -1.0, 1.0]])
+    pg, stats = ppo_clip(lp, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_ratio_c=3.0)
+    # token 0: max(5, 1.2) = 5 -> capped at 3; token 1: 2 < 3 stays; token 2 (A > 0): max(-5, -1.2) = -1.2
+    assert close(pg, [[3.0, 2.0, -1.2]])
+    assert stats["clip_frac_lower"] == pytest.approx(1 / 3) and stats["clip_frac"] == pytest.approx(1 / 3)
+    pg, _ = ppo_clip(lp, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_ratio_c=5.0)  # at the bound: not capped
+    assert close(pg, [[5.0, 2.0, -1.2]])
+    for c in (1.0, 0.5):
+        with pytest.raises(ValueError, match="clip_ratio_c > 1"):
+            ppo_clip(lp, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_ratio_c=c)
+
+
+def test_gspo_clips_whole_sequences():
+    # row 0: log-ratios ln 2, 0 -> s = sqrt 2 (clipped to 1 + 0.1); row 1: 0, 0 -> s = 1
+    lp = torch.tensor([[LN2, 0.0], [0.0, 0.0]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0], [-2.0, -2.0]])
+    pg, stats = gspo(lp, torch.zeros(2, 2), adv, torch.ones(2, 2), clip_low=0.1, clip_high=0.1)
+    assert close(pg, [[-1.1, -1.1], [2.0, 2.0]])
+    assert stats["clip_frac"] == pytest.approx(0.5)
+    pg, _ = gspo(lp, torch.zeros(2, 2), adv, torch.ones(2, 2), clip_low=0.5, clip_high=0.5)
+    assert close(pg, [[-math.sqrt(2)] * 2, [2.0, 2.0]])
+    pg.sum().backward()  # the GSPO-token gradient: -A * s on each token
+    assert close(lp.grad, [[-math.sqrt(2)] * 2, [2.0, 2.0]])
+
+
+def test_cispo_clips_the_weight_not_the_gradient():
+    lp = torch.log(torch.tensor([[2.0, 0.5, 1.0]])).requires_grad_()
+    adv = torch.tensor([[1.0, 1.0, -1.0]])
+    pg, stats = cispo(lp, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_high=0.2)
+    assert close(pg, [[-1.2, -0.5, 1.0]])  # only the upper bound by default
+    assert stats["clip_frac"] == pytest.approx(1 / 3)
+    pg.sum().backward()
+    assert close(lp.grad, [[-1.2, -0.5, 1.0]])  # every token keeps its gradient
+    pg, stats = cispo(lp, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_high=0.2, options={"cispo_clip_low": 0.25})
+    assert close(pg, [[-1.2, -0.75, 1.0]]) and stats["clip_frac"] == pytest.approx(2 / 3)
+
+
+def test_token_logprobs():
+    logits = torch.tensor([[[0.0, 0.0], [LN2, 0.0]]])
+    lp, ent = token_logprobs(logits, torch.tensor([[1, 0]]))
+    assert close(lp, [[-LN2, math.log(2 / 3)]])
+    h = -(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3))
+    assert close(ent, [[LN2, h]])
+
+
+def composed(**kw):
+    """The composed actor loss with the keyword settings of the tests below."""
+    return policy_loss(**kw)
+
+
+def test_composed_loss_and_its_statistics():
+    lp = torch.log(torch.tensor([[1.5, 0.5, 1.0, 1.0]]))
+    old = torch.zeros(1, 4)
+    adv = torch.tensor([[1.0, -1.0, 2.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    ref = torch.tensor([[0.0, 0.0, -LN2, 0.0]])
+    ent = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
+    loss, stats = composed(logprobs=lp, old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref, kl_coef=0.5,
+                           kl_type="k1", entropy=ent, entropy_coef=0.1)
+    pg = (-1.2 + 0.8 - 2.0) / 3  # PPO-clip 0.2 / 0.2 on ratios 1.5, 0.5, 1
+    kl = (math.log(1.5) + math.log(0.5) + LN2) / 3
+    assert stats["pg_loss"] == pytest.approx(pg, rel=1e-5) and stats["kl"] == pytest.approx(kl, rel=1e-5)
+    assert stats["entropy"] == pytest.approx(2.0) and stats["clip_frac"] == pytest.approx(2 / 3)
+    assert stats["approx_kl"] == pytest.approx(-(math.log(1.5) + math.log(0.5)) / 3, rel=1e-5)
+    assert stats["ratio_mean"] == pytest.approx((1.5 + 0.5 + 1.0) / 3, rel=1e-5)
+    assert loss.item() == pytest.approx(pg + 0.5 * kl - 0.1 * 2.0, rel=1e-5)
+    # without a reference (or kl_coef 0) no KL term and no kl stat; entropy 0 coefficient: reported, not added
+    loss, stats = composed(logprobs=lp, old_logprobs=old, advantages=adv, mask=mask, ref_logprobs=ref, kl_coef=0.0,
+                           entropy=ent)
+    assert "kl" not in stats and stats["entropy"] == pytest.approx(2.0) and loss.item() == pytest.approx(pg, rel=1e-5)
+    loss, stats = composed(logprobs=lp, old_logprobs=old, advantages=adv, mask=mask, kl_coef=0.5)
+    assert "kl" not in stats and "entropy" not in stats
+    # importance weights scale the policy term per token
+    w = torch.tensor([[2.0, 1.0, 0.5, 7.0]])
+    loss, stats = composed(logprobs=lp, old_logprobs=old, advantages=adv, mask=mask, is_weights=w)
+    assert stats["pg_loss"] == pytest.approx((-2.4 + 0.8 - 1.0) / 3, rel=1e-5)
+    loss, _ = composed(logprobs=lp, old_logprobs=old, advantages=adv, mask=mask, loss="cispo",
+                       loss_agg="seq-mean-token-sum")
+    assert loss.item() == pytest.approx(-1.2 + 0.5 - 2.0, rel=1e-5)
