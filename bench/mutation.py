@@ -11,7 +11,8 @@ timeout, surviving share) and writes ``bench/results/mutation.json`` with every 
 
 Operators: cosmic-ray's core set, less its exotic arithmetic replacements (``+`` to ``<<``, ``%``, ``**`` ...)
 and ``is`` comparisons, which make mutants no test could meaningfully tell apart, and its variable replacer
-and inserter (random names and values): see :func:`keep_operator`.
+and inserter (random names and values): see :func:`keep_operator`. Mutants inside type annotations of a
+module with ``from __future__ import annotations`` are skipped (never evaluated: equivalent by construction).
 
 Speed: the test subset of a mutant runs in a process forked from one that imported torch, numpy, numba,
 transformers, FastAPI and pytest once (``serve``; the mutated module and everything of the project are imported
@@ -138,6 +139,26 @@ def definition_lines(path: Path, names: tuple[str, ...]) -> set[int]:
         start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
         lines.update(range(start, node.end_lineno + 1))
     return lines
+
+
+def annotation_spans(path: Path) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """``((line, col), (end_line, end_col))`` of every annotation of ``path`` when the module has ``from __future__
+    import annotations`` (never evaluated: a mutant inside one is equivalent by construction); else ``[]``."""
+    tree = ast.parse(path.read_text())
+    lazy = any(isinstance(n, ast.ImportFrom) and n.module == "__future__" and any(a.name == "annotations" for a in n.names)
+               for n in tree.body)
+    if not lazy:
+        return []
+    spans = []
+    for node in ast.walk(tree):
+        notes = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            notes = [x.annotation for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x] + [node.returns]
+        elif isinstance(node, ast.AnnAssign):
+            notes = [node.annotation]
+        spans += [((n.lineno, n.col_offset), (n.end_lineno, n.end_col_offset)) for n in notes if n is not None]
+    return spans
 
 
 def copy_tree(dest: Path, src: Path = ROOT) -> Path:
@@ -297,11 +318,14 @@ def init_session(target: Target, tree: Path, work: Path, name: str, timeout: flo
         "[cosmic-ray.distributor]\nname = \"local\"\n")
     session.unlink(missing_ok=True)
     lines = definition_lines(tree / target.path, target.only) if target.only else None
+    notes = annotation_spans(tree / target.path)
     with contextlib.chdir(tree), use_db(str(session)) as db:
         init([Path(target.path)], db, load_config(str(config)).operators_config)
         for item in list(db.pending_work_items):
             m = item.mutations[0]
-            if not keep_operator(m.operator_name) or (lines is not None and m.start_pos[0] not in lines):
+            pos = tuple(m.start_pos)
+            if (not keep_operator(m.operator_name) or (lines is not None and pos[0] not in lines)
+                    or any(a <= pos < b for a, b in notes)):
                 db.set_result(item.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output="filtered"))
     return session
 

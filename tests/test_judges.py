@@ -105,8 +105,9 @@ def test_self_judge_agreement_counts_ratings_against_the_documents():
     assert self_judge_agreement(self_judged(None, "not useful")) == (1, 1)
     assert self_judge_agreement(episode("Paris", answered())) == (0, 0)  # no rating
     # a rating after a turn that did not search, or whose search has no observation, is not counted
-    t = episode("Paris", [Turn(1, "", "invalid", error="x", observation="Paris"), Turn(2, "", "answer", judgement="useful")])
-    assert self_judge_agreement(t) == (0, 0)
+    for action in ("invalid", "tool", "answer"):
+        t = episode("Paris", [Turn(1, "", action, observation="Paris"), Turn(2, "", "answer", judgement="useful")])
+        assert self_judge_agreement(t) == (0, 0), action
     t = episode("Paris", [Turn(1, "", "search", observation=None), Turn(2, "", "answer", judgement="useful")])
     assert self_judge_agreement(t) == (0, 0)
     # the "Doc i(Title: " label is not evidence: a gold answer "Doc" is not found in the label
@@ -125,6 +126,12 @@ def test_with_self_judge_adds_the_weighted_agreement_and_records_it():
     assert reward == 1.0 + 0.5 * 1 / 2 and v["self_judge_acc"] == 0.5 and v["self_judgements"] == 2
     reward, v = judge(episode("Paris", answered()))  # no self-judgement: no term, no record
     assert reward == 1.0 and "self_judge_acc" not in v and "self_judgements" not in v
+    reward, v = judge(self_judged("useful", "not useful"))  # both agree
+    assert reward == 1.0 + 0.5 * 2 / 2 and v["self_judge_acc"] == 1.0
+    # the defaults: no self-judge term, no format reward
+    assert rule_judge()(self_judged("useful", "not useful"))[0] == 1.0
+    assert rule_judge("em", 0.25)(self_judged("useful", "not useful"))[0] == 1.25
+    assert with_self_judge(lambda t: (0.0, {}))(self_judged("useful", "not useful"))[0] == 0.0
 
     def blocking(traj):
         return 0.0, {}
@@ -137,6 +144,10 @@ def test_with_self_judge_adds_the_weighted_agreement_and_records_it():
 # -- the LLM judge -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("reply,want", [
     ("VERDICT: correct", True),
+    ("**Correct**", True),  # the verdict word, not the emphasis around it
+    (" yes", True),
+    ("Yes\nbut incorrect", True),  # only the first line of a bare verdict counts
+    ("Yes, incorrect\nfine", None),
     ("VERDICT: incorrect", False),
     ("verdict = Incorrect", False),
     ('**VERDICT**: "correct"', True),
@@ -205,10 +216,11 @@ def test_judge_answers_one_greedy_batch_and_the_unparseable_policy():
     f1 = judge_answers(llm, qs, golds, preds, unparseable="rule", fallback_metric="f1")
     assert f1[2]["llm_correct"] == pytest.approx(2 / 3)
     assert judge_answers(llm, [], [], []) == [] and len(llm.calls) == 3  # nothing to judge: no call
-    with pytest.raises(ValueError, match="parallel lists"):
-        judge_answers(llm, ["q"], [], ["Paris"])
-    with pytest.raises(ValueError, match="parallel lists"):
-        judge_answers(llm, ["q"], [["Paris"]], [])
+    for q, g, p in ((1, 0, 1), (1, 1, 0), (1, 1, 2), (2, 1, 1), (1, 2, 2)):
+        with pytest.raises(ValueError, match="parallel lists"):
+            judge_answers(llm, ["q"] * q, [["Paris"]] * g, ["Paris"] * p)
+    judge_answers(llm, ["q"], [["Paris"]], ["Paris"])
+    assert llm.calls[-1][1].max_new_tokens == 16  # the default verdict length
 
 
 def test_a_backend_failure_or_a_short_reply_list_is_an_error_judged_by_the_policy():
@@ -225,6 +237,20 @@ def test_a_backend_failure_or_a_short_reply_list_is_an_error_judged_by_the_polic
     assert [o["llm_verdict"] for o in out] == ["error", "error"]
     assert out[0]["llm_raw"] == "RuntimeError: judge backend returned 1 replies for 2 prompts"
 
+    class Long(ReplyLLM):
+        def generate(self, prompts, params):
+            return super().generate(prompts + prompts[:1], params)
+
+    out = judge_answers(Long(_rule), ["q"], [["Paris"]], ["Paris"])
+    assert out[0]["llm_raw"] == "RuntimeError: judge backend returned 2 replies for 1 prompts"
+
+    class Says(FailingLLM):  # an error message that reads like a verdict is still an error
+        def generate(self, prompts, params):
+            raise RuntimeError("VERDICT: correct")
+
+    assert judge_answers(Says(), ["q"], [["Lyon"]], ["Paris"])[0] == {
+        "llm_correct": 0.0, "llm_verdict": "error", "llm_raw": "RuntimeError: VERDICT: correct"}
+
 
 def test_judge_batch_and_llm_judge_reward_and_format():
     llm = ReplyLLM(_rule)
@@ -239,6 +265,10 @@ def test_judge_batch_and_llm_judge_reward_and_format():
     judge = llm_judge(llm, format_reward=0.5, max_new_tokens=3)
     assert judge.blocking is True
     assert judge(trajs[1])[0] == 1.0 and llm.calls[-1][1].max_new_tokens == 3
+    # the defaults: no format reward, 16 tokens per verdict
+    assert [r for r, _ in judge_batch(llm, trajs)] == [1.0, 1.0, 0.0, 0.0] and llm.calls[-1][1].max_new_tokens == 16
+    assert llm_judge(llm)(trajs[2])[0] == 0.0 and llm.calls[-1][1].max_new_tokens == 16
+    assert llm_judge(llm)(trajs[0])[0] == 1.0
 
 
 def test_configured_judge_picks_the_rule_or_the_llm_judge():
@@ -247,6 +277,8 @@ def test_configured_judge_picks_the_rule_or_the_llm_judge():
     cfg = SimpleNamespace(judge="rule", reward="f1", format_reward=0.5, self_judge_reward=0.0)
     judge = configured_judge(cfg)
     assert judge(episode("Paris France", answered()))[0] == pytest.approx(2 / 3 + 0.5) and judge.blocking is False
+    bare = SimpleNamespace(reward="em", format_reward=0.0)  # no judge, no self_judge_reward: the rule judge, no term
+    assert configured_judge(bare)(self_judged("useful", "not useful"))[0] == 1.0
     cfg = SimpleNamespace(judge="llm", reward="em", format_reward=0.25, self_judge_reward=0.5,
                           llm_judge=SimpleNamespace(unparseable="rule", max_new_tokens=4))
     with pytest.raises(ValueError, match="needs a judge model"):

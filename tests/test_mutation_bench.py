@@ -69,6 +69,16 @@ def test_definition_lines(mut, tmp_path):
         mut.definition_lines(src, ("f", "h", "C.h"))
 
 
+def test_annotation_spans_only_where_annotations_are_never_evaluated(mut, tmp_path):
+    src = tmp_path / "m.py"
+    body = "def f(x: int | None, *a: str) -> bool | None:\n    y: list[int] = []\n    return x | 1\n"
+    src.write_text("from __future__ import annotations\n\n" + body)
+    assert mut.annotation_spans(src) == [((3, 9), (3, 19)), ((3, 25), (3, 28)), ((3, 33), (3, 44)),
+                                         ((4, 7), (4, 16))]
+    src.write_text(body)  # evaluated annotations: mutants there are real
+    assert mut.annotation_spans(src) == []
+
+
 def test_every_target_names_existing_files_and_definitions(mut):
     root = BENCH.parents[1]
     for name, t in mut.TARGETS.items():

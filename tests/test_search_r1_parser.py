@@ -25,6 +25,7 @@ from agent.protocols.search_r1 import INSTRUCTION, SearchR1, build_prompt, parse
     ("<answer> Paris", Action("invalid", error="unclosed <answer> tag")),
     ("<search> a <answer> b </answer>", Action("invalid", error="two actions in one turn (<search> then <answer>)")),
     ("<search> a <search> b </search>", Action("invalid", error="two actions in one turn (<search> then <search>)")),
+    ("<search> a <answer> b", Action("invalid", error="two actions in one turn (<search> then <answer>)")),
     ("<search> a </search><answer> b </answer>", Action("invalid", error="two actions in one turn")),
     ("<answer> a </answer> <search> b", Action("invalid", error="two actions in one turn")),
     ("</answer> Paris", Action("invalid", error="</answer> without an opening tag")),
