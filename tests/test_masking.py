@@ -68,5 +68,7 @@ def test_several_markers_of_each_kind():
 def test_bad_input():
     with pytest.raises(ValueError, match=r"token_ids must be \[B, T\], got \(3,\)"):
         span_mask_reference(torch.tensor([1, 2, 3]), [O], [C], torch.tensor([3]), torch.tensor([0]))
+    with pytest.raises(ValueError, match=r"token_ids must be \[B, T\], got \(1, 1, 1\)"):
+        span_mask_reference(torch.ones(1, 1, 1, dtype=torch.long), [O], [C], torch.tensor([1]), torch.tensor([0]))
     with pytest.raises(ValueError, match=r"a token cannot both open and close a span: \[90\]"):
         span_mask_reference(torch.tensor([[1]]), [O], [O, C], torch.tensor([1]), torch.tensor([0]))

@@ -67,7 +67,8 @@ def test_check_engine_tolerance_both_sides_and_its_statistics():
     assert stats["sync/probe_lp_diff_mean"] == pytest.approx(0.25, abs=1e-6)
     assert stats["sync/probe_lp_diff_max"] == pytest.approx(0.5, abs=1e-6)
     assert set(stats) == {"sync/probe_lp_diff_mean", "sync/probe_lp_diff_max"}
-    with pytest.raises(WeightSyncError, match=r"differ from the trainer's by 0\.25 nats per token on average "
+    with pytest.raises(WeightSyncError, match=r"\(4 tokens of 'Question: Which city is the capital of F'\.\.\.\) "
+                                              r"differ from the trainer's by 0\.25 nats per token on average "
                                               r"\(at most 0\.5, token 2\), over train\.sync_probe_tol=0\.2499"):
         check_engine(Engine(model, off), model, IDS, tol=0.2499)
 
@@ -103,6 +104,15 @@ def test_check_tensors_names_what_differs_or_is_missing():
     with pytest.raises(WeightSyncError, match=r"0 of 2 tensors differ.*1 are missing there \(e\.g\. \['lm_head\.weight'\]"):
         check_tensors(b, state)
     assert check_tensors(b, {}) == 0
+    # the message names at most three of each
+    four = torch.nn.Module()
+    for k in "abcd":
+        four.register_parameter(k, torch.nn.Parameter(torch.zeros(1)))
+    pushed = {**{k: torch.ones(1) for k in "abcd"}, **{f"x{i}": torch.zeros(1) for i in range(4)}}
+    with pytest.raises(WeightSyncError) as e:
+        check_tensors(four, pushed)
+    assert str(e.value) == ("weight sync to the rollout copy failed: 4 of 8 tensors differ from the trainer's after "
+                            "the push (e.g. ['a', 'b', 'c']); 4 are missing there (e.g. ['x0', 'x1', 'x2'])")
 
 
 def test_verify_engine_checks_what_the_backend_has():
