@@ -80,6 +80,8 @@ def test_protocol_object():
     assert proto.prompt_ids("Who?") == [ord(c) for c in "Question: Who?\n"]
     long = SearchR1(CharTokenizer(), SimpleNamespace(short_prompt=False, self_judge=True, chat_template="off"))
     assert long.prompt_ids("Who?") == [ord(c) for c in build_prompt("Who?", self_judge=True)]
+    plain = SearchR1(CharTokenizer(), SimpleNamespace(short_prompt=False, chat_template="off"))  # no self_judge: off
+    assert plain.prompt_ids("Who?") == [ord(c) for c in build_prompt("Who?")]
     assert proto.name == "search_r1" and proto.stop_strings == ("</search>", "</answer>")
     assert proto.parse("<search> abc </search>") == Action("search", "abc")
     assert proto.parse("<search> abcd </search>") == Action("invalid", error="query of 4 characters exceeds 3")
