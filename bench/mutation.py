@@ -48,7 +48,7 @@ from typing import Self
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "mutation.json"
-PYTEST_ARGS = ["-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:unraisableexception", "-W", "ignore"]
+PYTEST_ARGS = ["-x", "-q", "--assert=plain", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:unraisableexception", "-W", "ignore"]
 PRELOAD = ("torch", "numpy", "numba", "scipy", "transformers", "tokenizers", "fastapi", "starlette", "uvicorn",
            "httpx2", "pydantic", "orjson", "yaml", "pytest", "hypothesis", "openai", "langgraph", "bm25s", "Stemmer",
            "faiss", "jinja2", "safetensors")
@@ -187,9 +187,7 @@ def serve(sock_path: str, root: str, preload: bool = True) -> None:
     for name in ("pytest", *plugins, *(PRELOAD if preload else ())):  # an optional library that fails here is
         with contextlib.suppress(Exception):  # imported after the fork if needed
             __import__(name)
-    loaded = sorted(m for m in sys.modules if m.split(".")[0] in PROJECT)
-    if loaded:
-        raise RuntimeError(f"the test server imported project modules before forking: {loaded[:5]}")
+    _check_no_project_modules()
     srv = socket.socket(socket.AF_UNIX)
     srv.bind(sock_path)
     srv.listen(1)
@@ -200,11 +198,47 @@ def serve(sock_path: str, root: str, preload: bool = True) -> None:
             conn.close()
             return
         code = _run_forked(conn, srv, req)
+        if req.get("warm"):
+            _import_what_the_tests_imported(req["warm"])
         try:
             conn.sendall(str(code).encode())
         except OSError:
             pass
         conn.close()
+
+
+def _check_no_project_modules() -> None:
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in PROJECT)
+    if loaded:
+        raise RuntimeError(f"the test server imported project modules before forking: {loaded[:5]}")
+
+
+def _third_party(name: str) -> bool:
+    top = name.split(".")[0]
+    return top not in PROJECT and top not in ("__main__", "__mp_main__") and not top.startswith(("test_", "conftest"))
+
+
+def _in_tree(module: object) -> bool:
+    """Whether ``module`` was loaded from the tree under test (the cwd), which only a fork may import."""
+    f = getattr(module, "__file__", None)
+    if not (isinstance(f, str) and os.path.isabs(f)):
+        return False
+    p = Path(f).resolve()
+    return p.is_relative_to(Path.cwd().resolve()) and not p.is_relative_to(Path(sys.prefix).resolve())
+
+
+def _import_what_the_tests_imported(listing: str) -> None:
+    """Import in the server the libraries a warm-up run of the tests imported lazily (``torch.testing`` pulls in
+    ``torch.distributed.tensor`` and sympy, seconds per mutant otherwise); never a project module."""
+    names = json.loads(Path(listing).read_text()) if Path(listing).exists() else []
+    for name in names:
+        if name not in sys.modules and _third_party(name):
+            with contextlib.suppress(Exception):
+                __import__(name)
+    _check_no_project_modules()
+    tree = [m for m, mod in list(sys.modules.items()) if _third_party(m) and _in_tree(mod)]
+    if tree:
+        raise RuntimeError(f"the test server imported modules of the tree under test: {tree[:5]}")
 
 
 def _run_forked(conn: socket.socket, srv: socket.socket, req: dict) -> int:
@@ -222,6 +256,9 @@ def _run_forked(conn: socket.socket, srv: socket.socket, req: dict) -> int:
             code = int(pytest.main(req["args"]))
         except BaseException:  # noqa: BLE001
             code = 99
+        if req.get("warm"):  # what the server should import before the next forks: libraries, nothing of the tree
+            Path(req["warm"]).write_text(json.dumps(sorted(m for m, mod in list(sys.modules.items())
+                                                           if _third_party(m) and not _in_tree(mod))))
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -258,11 +295,12 @@ def _recv_line(conn: socket.socket) -> bytes:
     return b"".join(parts)
 
 
-def ask(sock_path: str, args: list[str], log: str | None = None) -> int:
-    """Have the server at ``sock_path`` run pytest with ``args``; returns pytest's exit code."""
+def ask(sock_path: str, args: list[str], log: str | None = None, warm: str | None = None) -> int:
+    """Have the server at ``sock_path`` run pytest with ``args``; returns pytest's exit code. ``warm``: a file
+    where the run lists the modules it imported, which the server then imports itself (a warm-up run)."""
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(sock_path)
-        s.sendall(json.dumps({"args": args, "log": log}).encode() + b"\n")
+        s.sendall(json.dumps({"args": args, "log": log, "warm": warm}).encode() + b"\n")
         reply = _recv_all(s)
     return int(reply or 98)
 
@@ -299,10 +337,13 @@ class ForkServer:
 
 
 # -- one module's campaign --------------------------------------------------------------------------------
-def init_session(target: Target, tree: Path, work: Path, name: str, timeout: float, test_command: str) -> Path:
+def init_session(target: Target, tree: Path, work: Path, name: str, timeout: float, test_command: str,
+                 sample: int = 0) -> Path:
     """Write the cosmic-ray config of ``target`` (``cosmic-ray exec <config> <session>`` reruns it), initialise
     its session, and mark as skipped the mutants of operators :func:`keep_operator` drops and those outside
-    ``target.only``. Returns the session file."""
+    ``target.only``. ``sample`` > 0: keep at most that many of the rest, every k-th in source order (a
+    systematic sample over the whole file; the others are skipped as ``"not sampled"``). Returns the
+    session file."""
     from cosmic_ray.commands import init
     from cosmic_ray.config import load_config
     from cosmic_ray.work_db import use_db
@@ -327,6 +368,13 @@ def init_session(target: Target, tree: Path, work: Path, name: str, timeout: flo
             if (not keep_operator(m.operator_name) or (lines is not None and pos[0] not in lines)
                     or any(a <= pos < b for a, b in notes)):
                 db.set_result(item.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output="filtered"))
+        if sample > 0:
+            rest = sorted(db.pending_work_items, key=lambda i: (tuple(i.mutations[0].start_pos),
+                                                                 i.mutations[0].operator_name, i.mutations[0].occurrence))
+            step = -(-len(rest) // sample)
+            for k, item in enumerate(rest):
+                if k % step:
+                    db.set_result(item.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output="not sampled"))
     return session
 
 
@@ -355,11 +403,12 @@ def collect(session: Path, tree: Path, target: Target) -> dict:
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome
 
     source = (tree / target.path).read_text().splitlines()
-    counts = {"mutants": 0, "killed": 0, "survived": 0, "timeout": 0, "errors": 0, "pending": 0}
+    counts = {"mutants": 0, "killed": 0, "survived": 0, "timeout": 0, "errors": 0, "pending": 0, "unsampled": 0}
     survivors = []
     with use_db(str(session), WorkDB.Mode.open) as db:
         for item, result in db.completed_work_items:
             if result.worker_outcome == WorkerOutcome.SKIPPED:
+                counts["unsampled"] += result.output == "not sampled"
                 continue
             counts["mutants"] += 1
             m = item.mutations[0]
@@ -384,29 +433,33 @@ def collect(session: Path, tree: Path, target: Target) -> dict:
     return {**counts, "survivors": survivors}
 
 
-def run_target(name: str, target: Target, tree: Path, work: Path, dry_run: bool = False, preload: bool = True) -> dict:
+def run_target(name: str, target: Target, tree: Path, work: Path, dry_run: bool = False, preload: bool = True,
+               sample: int = 0) -> dict:
     """Mutation-test ``target`` in the copied ``tree`` (``work``: the sessions' folder). The unmutated tests
     must pass first (``RuntimeError`` with their log otherwise). ``dry_run``: count the mutants, run nothing;
-    ``preload``: import the heavy libraries once in the test server (off for a project that needs none)."""
+    ``preload``: import the heavy libraries once in the test server (off for a project that needs none);
+    ``sample``: run at most that many mutants (see :func:`init_session`; 0: all)."""
     env = dict(target.env)
     test_args = [*PYTEST_ARGS, *target.tests]
     started = time.time()
     client = tree / "bench" / "mutation.py"  # the copy's: editing this file never disturbs a running campaign
     client = client if client.exists() else Path(__file__).resolve()
     if dry_run:
-        session = init_session(target, tree, work, name, 0.0, "true")
+        session = init_session(target, tree, work, name, 0.0, "true", sample)
         baseline = 0.0
     else:
         with ForkServer(tree, env, preload) as server:
             log = work / f"{name}.baseline.log"
+            code = ask(server.sock, test_args, str(log), warm=str(work / f"{name}.modules.json"))
             t0 = time.time()
-            code = ask(server.sock, test_args, str(log))
+            if code == 0:  # timed after the warm-up, as each mutant runs
+                code = ask(server.sock, test_args, str(log))
             baseline = time.time() - t0
             if code != 0:
                 raise RuntimeError(f"{name}: the unmutated tests fail (exit {code}): see {log}\n"
                                    + log.read_text()[-3000:])
             cmd = shlex.join([sys.executable, str(client), "test", "--socket", server.sock, "--", *test_args])
-            session = init_session(target, tree, work, name, max(30.0, 5 * baseline + 15), cmd)
+            session = init_session(target, tree, work, name, max(30.0, 5 * baseline + 15), cmd, sample)
             execute_session(tree, work, name, session, env)
     out = collect(session, tree, target)
     return {"path": target.path, "tests": list(target.tests), "only": list(target.only), **out,
@@ -416,9 +469,15 @@ def run_target(name: str, target: Target, tree: Path, work: Path, dry_run: bool 
 # -- report -----------------------------------------------------------------------------------------------
 def table(results: dict[str, dict]) -> str:
     head = "| module | path | mutants | killed | survived | timeout | errors | surviving |\n|---|---|---|---|---|---|---|---|"
-    rows = [f"| {n} | `{r['path']}` | {r['mutants']} | {r['killed']} | {r['survived']} | {r['timeout']} | "
+    rows = [f"| {n} | `{r['path']}` | {_mutants(r)} | {r['killed']} | {r['survived']} | {r['timeout']} | "
             f"{r['errors']} | {100 * r['surviving_share']:.1f}% |" for n, r in results.items()]
     return "\n".join([head, *rows])
+
+
+def _mutants(r: dict) -> str:
+    """The mutants cell: the count, and the population a sample was drawn from."""
+    extra = r.get("unsampled", 0)
+    return f"{r['mutants']} (sample of {r['mutants'] + extra})" if extra else str(r["mutants"])
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict]:
@@ -427,25 +486,29 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     p.add_argument("--dry-run", action="store_true", help="count the mutants of each module; run no test")
     p.add_argument("--out", default=str(OUT), help="JSON results (merged with the modules already there)")
     p.add_argument("--keep", action="store_true", help="keep the copied tree and the sessions (printed)")
+    p.add_argument("--sample", type=int, default=0, metavar="N",
+                   help="at most N mutants per module, every k-th in source order (default: all)")
     args = p.parse_args(argv)
     unknown = [m for m in args.modules if m not in TARGETS]
     if unknown:
         p.error(f"unknown modules {unknown}; choose from {', '.join(TARGETS)}")
     names = args.modules or list(TARGETS)
     work = Path(tempfile.mkdtemp(prefix="sleuth-mutation-"))
-    tree = copy_tree(work / "tree")
     results: dict[str, dict] = {}
     failed: dict[str, str] = {}
     try:
         for name in names:
             print(f"[mutation] {name}: {TARGETS[name].path} with {' '.join(TARGETS[name].tests)}", flush=True)
             try:
-                results[name] = r = run_target(name, TARGETS[name], tree, work, args.dry_run)
+                tree = copy_tree(work / name)  # per module: tests written meanwhile count for the next one
+                results[name] = r = run_target(name, TARGETS[name], tree, work, args.dry_run, sample=args.sample)
             except (RuntimeError, ValueError) as e:  # the next module still runs
                 print(f"[mutation] {name}: FAILED: {e}", flush=True)
                 failed[name] = str(e)
                 continue
             print(f"[mutation] {name}: {r['mutants']} mutants, {r['survived']} survived, {r['seconds']} s", flush=True)
+            if not args.dry_run:  # after each module: an interrupted run keeps what it measured
+                write_results(Path(args.out), {name: r})
     finally:
         if args.keep:
             print(f"[mutation] kept {work}")
@@ -454,16 +517,20 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     print(table(results))
     if failed:
         print(f"[mutation] not measured: {', '.join(failed)}")
-    if not args.dry_run:
-        out = Path(args.out)
-        old = json.loads(out.read_text()) if out.exists() else {}
-        merged = {**old.get("modules", {}), **results}
-        from importlib.metadata import version
-
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"tool": f"cosmic-ray {version('cosmic-ray')}", "modules": merged}, indent=1) + "\n")
-        print(f"[mutation] wrote {out}")
+    if not args.dry_run and results:
+        print(f"[mutation] wrote {args.out}")
     return results
+
+
+def write_results(out: Path, results: dict[str, dict]) -> None:
+    """Merge ``results`` into the JSON at ``out``: the modules measured now replace their old entries, every other
+    module's entry is kept (the campaign runs a module or a few at a time)."""
+    from importlib.metadata import version
+
+    old = json.loads(out.read_text()) if out.exists() else {}
+    merged = {**old.get("modules", {}), **results}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"tool": f"cosmic-ray {version('cosmic-ray')}", "modules": merged}, indent=1) + "\n")
 
 
 def _client(argv: list[str]) -> int:

@@ -105,6 +105,19 @@ def test_a_small_campaign_counts_kills_and_names_the_survivor(mut, tmp_path):
     json.dumps(r)
     dry = mut.run_target("tiny", mut.Target("tiny.py", ("test_tiny.py",)), tmp_path, work, dry_run=True, preload=False)
     assert dry["mutants"] == dry["pending"] > 6 and dry["killed"] == dry["survived"] == 0  # the whole file
+    whole = dry["mutants"]
+    dry = mut.run_target("tiny", mut.Target("tiny.py", ("test_tiny.py",)), tmp_path, work, dry_run=True, preload=False,
+                         sample=3)  # every k-th mutant, at most 3
+    assert dry["mutants"] == dry["pending"] == 3 and dry["unsampled"] == whole - 3
+    assert f"| 3 (sample of {whole}) |" in mut.table({"tiny": dry})
+
+
+def test_results_merge_per_module(mut, tmp_path):
+    out = tmp_path / "r" / "mutation.json"
+    mut.write_results(out, {"a": {"mutants": 1}, "b": {"mutants": 2}})
+    mut.write_results(out, {"b": {"mutants": 3}})  # a rerun of one module keeps the others
+    got = json.loads(out.read_text())
+    assert got["modules"] == {"a": {"mutants": 1}, "b": {"mutants": 3}} and got["tool"].startswith("cosmic-ray ")
 
 
 def test_unknown_modules_are_refused(mut):
