@@ -183,3 +183,81 @@ def test_composed_loss_and_its_statistics():
     loss, _ = composed(logprobs=lp, old_logprobs=old, advantages=adv, mask=mask, loss="cispo",
                        loss_agg="seq-mean-token-sum")
     assert loss.item() == pytest.approx(-1.2 + 0.5 - 2.0, rel=1e-5)
+
+
+def test_masked_lm_head_logprobs_equals_the_full_softmax_chunk_by_chunk():
+    from training.algos.losses import masked_lm_head_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    w = torch.randn(10, 3, generator=g, dtype=torch.float64)  # V = 10 != H = 3; chunks of 4: 4 + 4 + 2
+    t = torch.tensor([0, 9, 4, 3, 7])  # targets in every chunk, on both edges of one
+    m = torch.tensor([1, 1, 0, 1, 1])
+    logits = h @ w.T
+    want_lp = torch.log_softmax(logits, -1).gather(-1, t[:, None]).squeeze(-1) * m
+    p = torch.softmax(logits, -1)
+    want_ent = -(p * torch.log(p)).sum(-1) * m
+    for chunk in (4, 3, 10, 16):
+        lp, ent = masked_lm_head_logprobs(h, w, t, m, chunk)
+        torch.testing.assert_close(lp, want_lp, rtol=0, atol=1e-12)
+        torch.testing.assert_close(ent, want_ent, rtol=0, atol=1e-12)
+        lp, ent = masked_lm_head_logprobs(h, w, t, m, chunk, with_entropy=False)
+        torch.testing.assert_close(lp, want_lp, rtol=0, atol=1e-12)
+        assert ent.tolist() == [0.0] * 5
+    one = torch.tensor([0, 0, 1, 0, 0])  # a single policy row
+    lp, _ = masked_lm_head_logprobs(h, w, t, one, 4)
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1)[2, 4] * one.double(), rtol=0, atol=1e-12)
+
+
+def test_registered_kernel_ids():
+    from training.algos.losses import KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
+
+    assert {n: LOSS_AGGS.get(n).kernel_mode for n in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                                      "seq-mean-token-sum-norm")} == {
+        "token-mean": 0, "seq-mean-token-sum": 1, "seq-mean-token-mean": 2, "seq-mean-token-sum-norm": None}
+    assert {n: LOSS_AGGS.get(n).unit for n in ("token-mean", "seq-mean-token-sum")} == {
+        "token-mean": "tokens", "seq-mean-token-sum": "rows"}
+    assert {n: KL_ESTIMATORS.get(n).kernel_id for n in ("k1", "k2", "k3", "abs")} == {
+        "k1": 1, "k2": None, "k3": 3, "abs": None}
+    assert [POLICY_LOSSES.get(n).kernel for n in ("ppo_clip", "gspo", "cispo")] == [True, False, False]
+
+
+def test_k2_with_both_log_probs_nonzero_and_one_row_normalisers():
+    assert kl_estimate(torch.tensor([-1.0]), torch.tensor([-2.0]), "k2").item() == pytest.approx(0.5)
+    assert kl_estimate(torch.tensor([-1.0]), torch.tensor([-2.0]), "abs").item() == pytest.approx(1.0)
+    # one row holding policy tokens: the row count is 1 (not clamped up to anything larger)
+    vals, mask = torch.tensor([[2.0, 4.0], [7.0, 7.0]]), torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    assert aggregate(vals, mask, "seq-mean-token-sum-norm", scale=3.0).item() == pytest.approx(2.0)
+    assert aggregate(vals, mask, "seq-mean-token-sum").item() == pytest.approx(6.0)
+    assert aggregate(vals, mask, "seq-mean-token-mean").item() == pytest.approx(3.0)
+    assert aggregate(vals, mask, "token-mean").item() == pytest.approx(3.0)
+
+
+def test_ratio_clamps_on_both_sides():
+    one = torch.ones(1, 1)
+    # PPO: the log-ratio is clamped to +-20 before the exp
+    pg, _ = ppo_clip(torch.tensor([[25.0]]), torch.zeros(1, 1), -one, one)
+    assert pg.item() == pytest.approx(math.exp(20.0), rel=1e-5)
+    pg, _ = ppo_clip(torch.tensor([[-25.0]]), torch.zeros(1, 1), one, one, clip_low=1.0)
+    assert pg.item() == pytest.approx(-math.exp(-20.0), rel=1e-5)
+    # CISPO: the same clamp on the weight's ratio (a huge clip_high leaves it unclipped below e^20)
+    pg, stats = cispo(torch.tensor([[25.0]]), torch.zeros(1, 1), -one, one, clip_high=3e8)
+    assert pg.item() == pytest.approx(3e8 + 1, rel=1e-5) and stats["clip_frac"] == 1.0
+    pg, stats = cispo(torch.tensor([[19.5]]), torch.zeros(1, 1), -one, one, clip_high=3e8)
+    assert pg.item() == pytest.approx(math.exp(19.5), rel=1e-5) and stats["clip_frac"] == 0.0
+    pg, _ = cispo(torch.tensor([[-25.0]]), torch.zeros(1, 1), -one, one)
+    assert pg.item() == pytest.approx(math.exp(-20.0), rel=1e-5)
+    # GSPO: the token log-ratio is capped at 10
+    pg, _ = gspo(torch.tensor([[12.0]]), torch.zeros(1, 1), -one, one)
+    assert pg.item() == pytest.approx(math.exp(10.0), rel=1e-5)
+
+
+def test_gspo_default_clip_range_is_the_papers():
+    one = torch.ones(1, 1)
+    # s = 0.999 < 1 - 3e-4 with A = -1: max(s, 1 - 3e-4) = 0.9997; s = 1.001 > 1 + 4e-4 with A = 1: -1.0004
+    pg, stats = gspo(torch.tensor([[math.log(0.999)]]), torch.zeros(1, 1), -one, one)
+    assert pg.item() == pytest.approx(0.9997, abs=1e-6) and stats["clip_frac"] == 1.0
+    pg, _ = gspo(torch.tensor([[math.log(1.001)]]), torch.zeros(1, 1), one, one)
+    assert pg.item() == pytest.approx(-1.0004, abs=1e-6)
+    pg, stats = gspo(torch.tensor([[math.log(0.9998)]]), torch.zeros(1, 1), -one, one)  # inside: unclipped
+    assert pg.item() == pytest.approx(0.9998, abs=1e-6) and stats["clip_frac"] == 0.0

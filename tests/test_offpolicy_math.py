@@ -130,3 +130,17 @@ def test_rollout_correction_weights_and_rejection():
     none = batch([[0.0]], [[NAN]], [[1.0]])
     assert rollout_correction(none, SimpleNamespace(tis_cap=2.0, mis_band=(0.5, 2.0), mis_level="sequence")) == {}
     assert none.is_weights is None and none.loss_mask.tolist() == [[1.0]]
+
+
+def test_sequence_keep_negative_sums_and_one_token_rows():
+    # a sequence ratio below 1 is not clamped up: -25 is bounded to -20 (ratio e^-20), -ln 4 is 1/4
+    lr = torch.tensor([[-25.0, 0.0], [-2 * LN2, 0.0], [LN2, 0.0]])
+    known = torch.tensor([[True, False], [True, False], [True, False]])  # one known token each
+    assert sequence_keep(lr, known, (0.2, 0.3), "sequence").tolist() == [False, True, False]
+    assert sequence_keep(lr, known, (math.exp(-20) * 0.999, math.exp(-20) * 1.001), "sequence").tolist() == [
+        True, False, False]
+    # geometric with one known token: the mean is the token's own log-ratio (ratio 2, not sqrt 2)
+    assert sequence_keep(lr, known, (1.9, 2.1), "geometric").tolist() == [False, False, True]
+    for level in ("arithmetic", "Sequence", ""):  # any other level, on either side of the valid names
+        with pytest.raises(ValueError, match="'sequence' or 'geometric'"):
+            sequence_keep(lr, known, (0.5, 2.0), level)
