@@ -144,3 +144,16 @@ def test_sequence_keep_negative_sums_and_one_token_rows():
     for level in ("arithmetic", "Sequence", ""):  # any other level, on either side of the valid names
         with pytest.raises(ValueError, match="'sequence' or 'geometric'"):
             sequence_keep(lr, known, (0.5, 2.0), level)
+
+
+def test_mis_rejected_share_with_one_judged_row():
+    # one row judged (ratio 8, outside the band: dropped), one with nothing known: the share is 1 of 1
+    b = batch([[-1.0 + 3 * LN2, -1.0], [0.0, 0.0]], [[-1.0, -1.0], [NAN, NAN]], [[1.0, 1.0], [1.0, 1.0]])
+    stats = rollout_correction(b, SimpleNamespace(tis_cap=None, mis_band=(0.5, 4.0), mis_level="sequence"))
+    assert stats["offpolicy/mis_rejected"] == 1.0 and b.loss_mask.tolist() == [[0.0, 0.0], [1.0, 1.0]]
+
+
+def test_quantiles_subsample_step_on_an_exact_multiple_of_the_limit():
+    x = torch.zeros(1 << 25)  # twice the limit: every 2nd value, which are all the zeros (ones at odd places)
+    x[1::2] = 1.0
+    assert quantiles(x, (0.0, 0.5, 1.0)) == [0.0, 0.0, 0.0]
