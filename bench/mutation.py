@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -232,9 +233,15 @@ def _import_what_the_tests_imported(listing: str) -> None:
     ``torch.distributed.tensor`` and sympy, seconds per mutant otherwise); never a project module."""
     names = json.loads(Path(listing).read_text()) if Path(listing).exists() else []
     for name in names:
-        if name not in sys.modules and _third_party(name):
-            with contextlib.suppress(Exception):
-                __import__(name)
+        if name in sys.modules or not _third_party(name):
+            continue
+        before = set(sys.modules)
+        with contextlib.suppress(Exception):
+            __import__(name)
+        new = set(sys.modules) - before
+        if any(not _third_party(m) for m in new):  # it imports the project (a plugin, a test helper): undo it
+            for m in new:
+                del sys.modules[m]
     _check_no_project_modules()
     tree = [m for m, mod in list(sys.modules.items()) if _third_party(m) and _in_tree(mod)]
     if tree:
@@ -338,12 +345,13 @@ class ForkServer:
 
 # -- one module's campaign --------------------------------------------------------------------------------
 def init_session(target: Target, tree: Path, work: Path, name: str, timeout: float, test_command: str,
-                 sample: int = 0) -> Path:
+                 sample: int = 0, only_mutants: set[tuple[int, str, int]] | None = None) -> Path:
     """Write the cosmic-ray config of ``target`` (``cosmic-ray exec <config> <session>`` reruns it), initialise
     its session, and mark as skipped the mutants of operators :func:`keep_operator` drops and those outside
     ``target.only``. ``sample`` > 0: keep at most that many of the rest, every k-th in source order (a
-    systematic sample over the whole file; the others are skipped as ``"not sampled"``). Returns the
-    session file."""
+    systematic sample over the whole file; the others are skipped as ``"not sampled"``). ``only_mutants``:
+    ``(line, operator, occurrence)`` of the mutants to run (a previous run's survivors); the others are
+    skipped as ``"killed before"``. Returns the session file."""
     from cosmic_ray.commands import init
     from cosmic_ray.config import load_config
     from cosmic_ray.work_db import use_db
@@ -375,6 +383,14 @@ def init_session(target: Target, tree: Path, work: Path, name: str, timeout: flo
             for k, item in enumerate(rest):
                 if k % step:
                     db.set_result(item.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output="not sampled"))
+        if only_mutants is not None:
+            for item in list(db.pending_work_items):
+                m = item.mutations[0]
+                if (m.start_pos[0], m.operator_name.removeprefix("core/"), m.occurrence) not in only_mutants:
+                    db.set_result(item.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output="killed before"))
+            left = sum(1 for _ in db.pending_work_items)
+            if left != len(only_mutants):
+                raise ValueError(f"{name}: {len(only_mutants)} survivors to rerun, {left} found: run the module whole")
     return session
 
 
@@ -434,18 +450,27 @@ def collect(session: Path, tree: Path, target: Target) -> dict:
 
 
 def run_target(name: str, target: Target, tree: Path, work: Path, dry_run: bool = False, preload: bool = True,
-               sample: int = 0) -> dict:
+               sample: int = 0, previous: dict | None = None) -> dict:
     """Mutation-test ``target`` in the copied ``tree`` (``work``: the sessions' folder). The unmutated tests
     must pass first (``RuntimeError`` with their log otherwise). ``dry_run``: count the mutants, run nothing;
     ``preload``: import the heavy libraries once in the test server (off for a project that needs none);
-    ``sample``: run at most that many mutants (see :func:`init_session`; 0: all)."""
+    ``sample``: run at most that many mutants (see :func:`init_session`; 0: all); ``previous``: this module's
+    last result, whose survivors alone are run again (tests were added since; the mutants it killed stay
+    killed), ``ValueError`` if the module's source changed since."""
     env = dict(target.env)
+    sha = hashlib.sha256((tree / target.path).read_bytes()).hexdigest()
+    only = None
+    if previous is not None:
+        if previous.get("source_sha256", sha) != sha:
+            raise ValueError(f"{name}: {target.path} changed since its last run: run it whole")
+        only = {(x["line"], x["operator"], x["occurrence"]) for x in previous["survivors"]}
+        sample = 0
     test_args = [*PYTEST_ARGS, *target.tests]
     started = time.time()
     client = tree / "bench" / "mutation.py"  # the copy's: editing this file never disturbs a running campaign
     client = client if client.exists() else Path(__file__).resolve()
     if dry_run:
-        session = init_session(target, tree, work, name, 0.0, "true", sample)
+        session = init_session(target, tree, work, name, 0.0, "true", sample, only)
         baseline = 0.0
     else:
         with ForkServer(tree, env, preload) as server:
@@ -459,11 +484,15 @@ def run_target(name: str, target: Target, tree: Path, work: Path, dry_run: bool 
                 raise RuntimeError(f"{name}: the unmutated tests fail (exit {code}): see {log}\n"
                                    + log.read_text()[-3000:])
             cmd = shlex.join([sys.executable, str(client), "test", "--socket", server.sock, "--", *test_args])
-            session = init_session(target, tree, work, name, max(30.0, 5 * baseline + 15), cmd, sample)
+            session = init_session(target, tree, work, name, max(30.0, 5 * baseline + 15), cmd, sample, only)
             execute_session(tree, work, name, session, env)
     out = collect(session, tree, target)
+    if previous is not None:  # the mutants killed before count as killed; the survivors are this run's
+        out = {**out, **{k: previous[k] + out[k] for k in ("killed", "timeout", "errors")},
+               "mutants": previous["mutants"], "unsampled": previous.get("unsampled", 0), "survivors_rerun": True}
+        out["surviving_share"] = round(out["survived"] / max(out["mutants"], 1), 4)
     return {"path": target.path, "tests": list(target.tests), "only": list(target.only), **out,
-            "baseline_s": round(baseline, 2), "seconds": round(time.time() - started, 1)}
+            "baseline_s": round(baseline, 2), "seconds": round(time.time() - started, 1), "source_sha256": sha}
 
 
 # -- report -----------------------------------------------------------------------------------------------
@@ -486,6 +515,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     p.add_argument("--dry-run", action="store_true", help="count the mutants of each module; run no test")
     p.add_argument("--out", default=str(OUT), help="JSON results (merged with the modules already there)")
     p.add_argument("--keep", action="store_true", help="keep the copied tree and the sessions (printed)")
+    p.add_argument("--survivors", action="store_true",
+                   help="run only the survivors of each module's last run in --out (after adding tests)")
     p.add_argument("--sample", type=int, default=0, metavar="N",
                    help="at most N mutants per module, every k-th in source order (default: all)")
     args = p.parse_args(argv)
@@ -501,7 +532,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             print(f"[mutation] {name}: {TARGETS[name].path} with {' '.join(TARGETS[name].tests)}", flush=True)
             try:
                 tree = copy_tree(work / name)  # per module: tests written meanwhile count for the next one
-                results[name] = r = run_target(name, TARGETS[name], tree, work, args.dry_run, sample=args.sample)
+                prev = None
+                if args.survivors:
+                    old = json.loads(Path(args.out).read_text())["modules"] if Path(args.out).exists() else {}
+                    if name not in old:
+                        raise ValueError(f"{name}: no previous run in {args.out} to take survivors from")
+                    prev = old[name]
+                results[name] = r = run_target(name, TARGETS[name], tree, work, args.dry_run, sample=args.sample,
+                                               previous=prev)
             except (RuntimeError, ValueError) as e:  # the next module still runs
                 print(f"[mutation] {name}: FAILED: {e}", flush=True)
                 failed[name] = str(e)

@@ -103,6 +103,11 @@ def test_a_small_campaign_counts_kills_and_names_the_survivor(mut, tmp_path):
     assert r["surviving_share"] == round(1 / 6, 4) and (tmp_path / "tiny.py").read_text() == TINY  # restored
     assert mut.table({"tiny": r}).splitlines()[-1] == "| tiny | `tiny.py` | 6 | 5 | 1 | 0 | 0 | 16.7% |"
     json.dumps(r)
+    again = mut.run_target("tiny", target, tmp_path, work, preload=False, previous=r)  # its survivor alone
+    assert (again["mutants"], again["killed"], again["survived"], again["survivors_rerun"]) == (6, 5, 1, True)
+    assert again["survivors"] == r["survivors"] and again["surviving_share"] == r["surviving_share"]
+    with pytest.raises(ValueError, match="changed since its last run"):
+        mut.run_target("tiny", target, tmp_path, work, preload=False, previous={**r, "source_sha256": "0" * 64})
     dry = mut.run_target("tiny", mut.Target("tiny.py", ("test_tiny.py",)), tmp_path, work, dry_run=True, preload=False)
     assert dry["mutants"] == dry["pending"] > 6 and dry["killed"] == dry["survived"] == 0  # the whole file
     whole = dry["mutants"]
