@@ -261,3 +261,42 @@ def test_gspo_default_clip_range_is_the_papers():
     assert pg.item() == pytest.approx(-1.0004, abs=1e-6)
     pg, stats = gspo(torch.tensor([[math.log(0.9998)]]), torch.zeros(1, 1), -one, one)  # inside: unclipped
     assert pg.item() == pytest.approx(0.9998, abs=1e-6) and stats["clip_frac"] == 0.0
+
+
+def test_all_masked_lm_head_rows_give_zeros_and_zero_gradients():
+    from training.algos.losses import masked_lm_head_logprobs
+
+    h = torch.ones(2, 3, requires_grad=True)
+    w = torch.ones(4, 3, requires_grad=True)
+    lp, ent = masked_lm_head_logprobs(h, w, torch.tensor([0, 1]), torch.zeros(2))
+    assert lp.tolist() == [0.0, 0.0] and ent.tolist() == [0.0, 0.0]
+    (lp.sum() + ent.sum()).backward()
+    assert h.grad.abs().sum().item() == 0.0 and w.grad.abs().sum().item() == 0.0
+
+
+def test_registering_a_taken_name_needs_replace():
+    from training.algos.losses import (
+        KL_ESTIMATORS,
+        LOSS_AGGS,
+        POLICY_LOSSES,
+        register_kl,
+        register_policy_loss,
+    )
+
+    with pytest.raises(ValueError):
+        register_policy_loss("ppo_clip")(ppo_clip)
+    with pytest.raises(ValueError):
+        register_loss_agg("token-mean", "tokens")(lambda kept, mask, scale: kept.sum())
+    with pytest.raises(ValueError):
+        register_kl("k3")(lambda lp, ref: lp - ref)
+    assert POLICY_LOSSES.get("ppo_clip").fn is ppo_clip and LOSS_AGGS.get("token-mean").kernel_mode == 0
+    assert KL_ESTIMATORS.get("k3").kernel_id == 3
+
+
+def test_dual_clip_accepts_any_bound_above_1_and_kl_is_off_by_default():
+    lp = torch.log(torch.tensor([[5.0]]))
+    pg, stats = ppo_clip(lp, torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1), clip_ratio_c=1.5)
+    assert pg.item() == pytest.approx(1.5) and stats["clip_frac_lower"] == 1.0
+    loss, stats = composed(logprobs=lp, old_logprobs=lp, advantages=torch.ones(1, 1), mask=torch.ones(1, 1),
+                           ref_logprobs=torch.zeros(1, 1))  # a reference without kl_coef: no KL term
+    assert "kl" not in stats and loss.item() == pytest.approx(-1.0)
