@@ -165,3 +165,17 @@ def test_an_episode_split_into_sequences_counts_once():
 def test_unknown_estimator():
     with pytest.raises(ValueError):
         estimate("no_such_estimator", torch.zeros(1), torch.zeros(1, dtype=torch.long), torch.ones(1, 1), [traj(0)])
+
+
+def test_stratified_keys_never_collide_across_groups():
+    # groups 0, 1, 0, 1 and strata 0, 0, 1, 1: four (group, stratum) cells of one trajectory each, so SAN is 0
+    # everywhere even where a group-minus-stratum key would merge (group 1, stratum 0) with (group 0, stratum 1)
+    r = torch.tensor([1.0, 2.0, 5.0, 3.0])
+    got = A.stratified_grpo_advantages(r, torch.tensor([0, 1, 0, 1]), torch.tensor([0, 0, 1, 1]), alpha=1.0)
+    assert close(got, [0.0, 0.0, 0.0, 0.0])
+
+
+def test_turns_to_tokens_with_one_turn_column():
+    # K = 1: the prompt (turn 0) and a turn beyond K get 0, never an index past the single column
+    got = A.turns_to_tokens(torch.tensor([[7.0]]), torch.tensor([[0, 1, 2, 1]]), torch.ones(1, 4))
+    assert got.tolist() == [[0.0, 7.0, 0.0, 7.0]]
