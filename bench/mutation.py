@@ -70,7 +70,8 @@ class Target:
 TARGETS: dict[str, Target] = {
     "losses": Target("training/algos/losses.py", ("tests/test_losses_exact.py", "tests/test_policy_losses.py")),
     "advantages": Target("training/algos/advantages.py", ("tests/test_advantages_exact.py", "tests/test_advantages.py")),
-    "estimators": Target("training/algos/estimators.py", ("tests/test_advantages_exact.py", "tests/test_advantages.py")),
+    "estimators": Target("training/algos/estimators.py", ("tests/test_advantages_exact.py", "tests/test_advantages.py",
+                                                         "tests/test_turn_credit.py")),
     "turn_credit": Target("training/algos/turn_credit.py", ("tests/test_turn_credit.py",)),
     "masking": Target("training/masking.py", ("tests/test_masking.py",)),
     "offpolicy": Target("training/algos/offpolicy.py", ("tests/test_offpolicy_math.py",)),

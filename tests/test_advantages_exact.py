@@ -179,3 +179,37 @@ def test_turns_to_tokens_with_one_turn_column():
     # K = 1: the prompt (turn 0) and a turn beyond K get 0, never an index past the single column
     got = A.turns_to_tokens(torch.tensor([[7.0]]), torch.tensor([[0, 1, 2, 1]]), torch.ones(1, 4))
     assert got.tolist() == [[0.0, 7.0, 0.0, 7.0]]
+
+
+def test_ppo_estimator_returns_carry_the_search_cost_and_the_kl_penalty():
+    from training.algos.estimators import AdvantageInputs, compute_advantages
+
+    # one row, two searches at 0.25 each: outcome 1 - 0.5 on the last policy token; KL 0.5 * [0.5, 1.0] per token
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    searched = torch.tensor([[True, True]])
+    inp = AdvantageInputs(rewards=torch.tensor([1.0]), groups=torch.tensor([0]), mask=mask,
+                          token_turns=torch.tensor([[1, 2, 0]]), turn_valid=torch.ones(1, 2, dtype=torch.bool),
+                          is_search=searched, search_calls=torch.tensor([2]), trajs=[traj(0)],
+                          values=torch.zeros(1, 3), kl_tokens=torch.tensor([[0.5, 1.0, 9.0]]))
+    tc = SimpleNamespace(algorithm="ppo", kl_coef=0.5, search_cost=0.25, gamma=1.0, lam=1.0)
+    out = compute_advantages(tc, inp)
+    # token rewards [-0.25, 0.5 - 0.5, 0] -> returns-to-go [-0.25, 0, 0]
+    assert close(out["returns"], [[-0.25, 0.0, 0.0]])
+
+
+def test_igpo_estimator_turn_rewards_rows_of_different_lengths():
+    from training.algos.estimators import AdvantageInputs, compute_advantages
+
+    # row 0: two turns (a search, then the answer: reward 1); row 1: one turn (the answer: reward 0)
+    valid = torch.tensor([[True, True, False], [True, False, False]])
+    searched = torch.tensor([[True, False, False], [False, False, False]])
+    mask, turns = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]), torch.tensor([[1, 2, 2], [1, 1, 0]])
+    inp = AdvantageInputs(rewards=torch.tensor([1.0, 0.0]), groups=torch.tensor([0, 0]), mask=mask, token_turns=turns,
+                          turn_valid=valid, is_search=searched, search_calls=torch.tensor([1, 0]),
+                          trajs=[traj(0), traj(0)], gold_probs=[[0.1, 0.4, 0.9], [0.2, 0.5]])
+    tc = SimpleNamespace(algorithm="igpo", kl_coef=0.0, search_cost=0.1, ig_coef=2.0, gamma=1.0)
+    got = compute_advantages(tc, inp)["advantages"]
+    # gains [0.3, 0.5] and [0.3]; 2 * gain - 0.1 per search; each row's last valid turn holds its outcome
+    turn_r = torch.tensor([[2 * 0.3 - 0.1, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    want = A.turns_to_tokens(A.igpo_turn_advantages(turn_r, valid, inp.groups, 1.0), turns, mask)
+    assert close(got, want.tolist())
