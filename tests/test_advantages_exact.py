@@ -201,15 +201,34 @@ def test_igpo_estimator_turn_rewards_rows_of_different_lengths():
     from training.algos.estimators import AdvantageInputs, compute_advantages
 
     # row 0: two turns (a search, then the answer: reward 1); row 1: one turn (the answer: reward 0)
+    # (minus its KL penalty 0.5 * [0.6, 0.4], and the search cost when that turn searched, as row 1's does)
     valid = torch.tensor([[True, True, False], [True, False, False]])
-    searched = torch.tensor([[True, False, False], [False, False, False]])
+    searched = torch.tensor([[True, False, False], [True, False, False]])
     mask, turns = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]), torch.tensor([[1, 2, 2], [1, 1, 0]])
     inp = AdvantageInputs(rewards=torch.tensor([1.0, 0.0]), groups=torch.tensor([0, 0]), mask=mask, token_turns=turns,
-                          turn_valid=valid, is_search=searched, search_calls=torch.tensor([1, 0]),
-                          trajs=[traj(0), traj(0)], gold_probs=[[0.1, 0.4, 0.9], [0.2, 0.5]])
-    tc = SimpleNamespace(algorithm="igpo", kl_coef=0.0, search_cost=0.1, ig_coef=2.0, gamma=1.0)
+                          turn_valid=valid, is_search=searched, search_calls=torch.tensor([1, 1]),
+                          trajs=[traj(0), traj(0)], gold_probs=[[0.1, 0.4, 0.9], [0.2, 0.5]],
+                          kl_tokens=torch.tensor([[0.2, 0.2, 0.2], [0.4, 0.0, 9.0]]))
+    tc = SimpleNamespace(algorithm="igpo", kl_coef=0.5, search_cost=0.1, ig_coef=2.0, gamma=1.0)
     got = compute_advantages(tc, inp)["advantages"]
     # gains [0.3, 0.5] and [0.3]; 2 * gain - 0.1 per search; each row's last valid turn holds its outcome
-    turn_r = torch.tensor([[2 * 0.3 - 0.1, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    turn_r = torch.tensor([[2 * 0.3 - 0.1, 1.0 - 0.3, 0.0], [0.0 - 0.2 - 0.1, 0.0, 0.0]])
     want = A.turns_to_tokens(A.igpo_turn_advantages(turn_r, valid, inp.groups, 1.0), turns, mask)
     assert close(got, want.tolist())
+
+
+def test_outcome_turn_rewards_and_registration_defaults():
+    from training.algos.estimators import ADV_ESTIMATORS, AdvantageInputs, outcome_turn_rewards
+
+    # the outcome minus 0.5 * KL on each row's last valid turn, -0.25 on every valid search turn
+    valid = torch.tensor([[True, True, False], [True, False, False]])
+    searched = torch.tensor([[True, True, True], [False, False, False]])  # row 0's third turn does not exist
+    inp = AdvantageInputs(rewards=torch.tensor([1.0, 2.0]), groups=torch.tensor([0, 0]), mask=torch.ones(2, 2),
+                          token_turns=torch.ones(2, 2, dtype=torch.long), turn_valid=valid, is_search=searched,
+                          search_calls=torch.tensor([3, 0]), trajs=[traj(0), traj(0)],
+                          kl_tokens=torch.tensor([[0.5, 0.5], [1.0, 1.0]]))
+    got = outcome_turn_rewards(inp, SimpleNamespace(search_cost=0.25, kl_coef=0.5))
+    assert close(got, [[-0.25, -0.25 + 1.0 - 0.5, 0.0], [2.0 - 1.0, 0.0, 0.0]])
+    # registered without groups=True: the estimator needs no group (PPO), with it: it does
+    assert not ADV_ESTIMATORS.get("ppo").groups and ADV_ESTIMATORS.get("ppo").critic
+    assert ADV_ESTIMATORS.get("gigpo").groups and ADV_ESTIMATORS.get("evidence_igpo").groups
