@@ -489,8 +489,11 @@ def run_target(name: str, target: Target, tree: Path, work: Path, dry_run: bool 
             execute_session(tree, work, name, session, env)
     out = collect(session, tree, target)
     if previous is not None:  # the mutants killed before count as killed; the survivors are this run's
+        still = {(x["line"], x["operator"], x["occurrence"]) for x in out["survivors"]}
+        since = [x for x in previous["survivors"] if (x["line"], x["operator"], x["occurrence"]) not in still]
         out = {**out, **{k: previous[k] + out[k] for k in ("killed", "timeout", "errors")},
-               "mutants": previous["mutants"], "unsampled": previous.get("unsampled", 0), "survivors_rerun": True}
+               "mutants": previous["mutants"], "unsampled": previous.get("unsampled", 0), "survivors_rerun": True,
+               "killed_since": previous.get("killed_since", []) + since}  # survivors the added tests kill
         out["surviving_share"] = round(out["survived"] / max(out["mutants"], 1), 4)
     return {"path": target.path, "tests": list(target.tests), "only": list(target.only), **out,
             "baseline_s": round(baseline, 2), "seconds": round(time.time() - started, 1), "source_sha256": sha}

@@ -106,6 +106,12 @@ def test_a_small_campaign_counts_kills_and_names_the_survivor(mut, tmp_path):
     again = mut.run_target("tiny", target, tmp_path, work, preload=False, previous=r)  # its survivor alone
     assert (again["mutants"], again["killed"], again["survived"], again["survivors_rerun"]) == (6, 5, 1, True)
     assert again["survivors"] == r["survivors"] and again["surviving_share"] == r["surviving_share"]
+    assert again["killed_since"] == []
+    # a survivor the tests kill now (as if `x >= lo -> x == lo` had survived before) moves to killed_since
+    eq = {"line": 2, "operator": "ReplaceComparisonOperator_GtE_Eq", "occurrence": 0, "source": "", "diff": ""}
+    before = {**r, "killed": 4, "survived": 2, "survivors": [*r["survivors"], eq]}
+    again = mut.run_target("tiny", target, tmp_path, work, preload=False, previous=before)
+    assert (again["mutants"], again["killed"], again["survived"]) == (6, 5, 1) and again["killed_since"] == [eq]
     with pytest.raises(ValueError, match="changed since its last run"):
         mut.run_target("tiny", target, tmp_path, work, preload=False, previous={**r, "source_sha256": "0" * 64})
     dry = mut.run_target("tiny", mut.Target("tiny.py", ("test_tiny.py",)), tmp_path, work, dry_run=True, preload=False)
