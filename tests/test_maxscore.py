@@ -119,4 +119,7 @@ def test_threads_split_the_batch_and_nothing_else():
         assert pool.submit(lambda: 5).result() == 5  # a pool passed in is left running
     single = search(*arrs, queries[:1], 4, n_threads=8)  # one query: one thread
     assert (single[0] == one[0][:1]).all()
+    for n_threads in (0, -2):  # fewer than one thread asked for: the calling thread alone
+        got = search(*arrs, queries, 4, n_threads=n_threads)
+        assert (got[0] == one[0]).all() and (got[1] == one[1]).all()
     assert default_threads() >= 1
