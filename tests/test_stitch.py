@@ -155,6 +155,8 @@ def test_encode_delta_tokenises_each_content_apart_from_the_frame():
     assert encode_delta(tok, "x-ab-ab", ["ab", "ab"]) == [ord("x"), ord("-"), 999, ord("-"), 999]
     assert encode_delta(tok, "xaby", ["", "zz", "a"]) == [ord("x"), ord("a"), ord("b"), ord("y")]  # absent: skipped
     assert encode_delta(tok, "", []) == []
+    # an empty content after a found one is skipped too, never a match at 0 that rewinds to the start
+    assert encode_delta(tok, "xaby", ["b", ""]) == [ord("x"), ord("a"), ord("b"), ord("y")]
 
 
 def test_chat_messages_shapes_openai_messages_for_templates():
