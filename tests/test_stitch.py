@@ -217,3 +217,13 @@ def test_turn_action():
     assert turn_action("", [call, call], None) == ("tool", None)
     assert turn_action("", [other], None) == ("tool", None)
     assert turn_action("", [{"function": {"name": "search", "arguments": '{"query": 3}'}}], None) == ("search", None)
+
+
+def test_each_turn_of_a_continued_sequence_counts_its_own_tool_tokens():
+    log = EpisodeLog("ep")
+    log.add(Call([1, 2], [3], None, "a", action="search", query="q"))
+    log.add(Call([1, 2, 3, 4], [5], None, "b", action="search", query="r"))  # one tool token after turn 1
+    log.add(Call([1, 2, 3, 4, 5, 6, 7], [8], None, "c", action="answer"))  # two after turn 2
+    (t,) = log.trajectories("q0", "Q?", ["x"])
+    assert [(x.index, x.n_tool_tokens) for x in t.turns] == [(1, 1), (2, 2), (3, 0)]
+    assert t.turn_ids == [0, 0, 1, 1, 2, 2, 2, 3]
