@@ -285,10 +285,7 @@ def _run_forked(conn: socket.socket, srv: socket.socket, req: dict) -> int:
 
 
 def _recv_all(conn: socket.socket) -> bytes:
-    parts = []
-    while chunk := conn.recv(65536):
-        parts.append(chunk)
-    return b"".join(parts)
+    return b"".join(iter(lambda: conn.recv(65536), b""))
 
 
 def _recv_line(conn: socket.socket) -> bytes:
