@@ -158,6 +158,13 @@ def test_gigpo_defaults_are_gamma_1_and_omega_1():
     groups = torch.zeros(4, dtype=torch.long)
     adv = C.gigpo_advantages(rewards, groups, turn_r, valid, states)
     close(adv, [[3.0, 2.6547, 1.5], [-1.0, -1.07735, -0.5], [-1.0, -1.07735, 0.0], [-1.0, -0.5, 0.0]])
+    # rewards on two turns of different depth: the discount changes the step advantages, not just their scale
+    turn_r[1, 0] = 0.5
+    adv = C.gigpo_advantages(rewards, groups, turn_r, valid, states)
+    close(adv, C.gigpo_advantages(rewards, groups, turn_r, valid, states, gamma=1.0, omega=1.0).tolist())
+    for gamma in (0.0, 2.0):
+        other = C.gigpo_advantages(rewards, groups, turn_r, valid, states, gamma=gamma, omega=1.0)
+        assert (other - adv).abs().max() > 0.01, gamma
 
 
 def test_gigpo_step_advantage_divides_by_std_plus_eps():
