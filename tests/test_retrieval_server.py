@@ -226,11 +226,11 @@ def _post_together(app, url: str, rec, payloads: list[dict]) -> list[httpx2.Resp
     lead = threading.Thread(target=post, args=(len(payloads), {"queries": ["lead"], "topk": 1}))
     lead.start()
     queue = app.state.batcher._queue
-    _wait(lambda: rec.calls and rec.calls[0][0] == ["lead"])  # the lead's search holds the batcher
+    _wait(lambda: rec.calls and rec.calls[0][0] == ["lead"], "the lead request's search")  # it holds the batcher
     threads = [threading.Thread(target=post, args=(i, p)) for i, p in enumerate(payloads)]
     for t in threads:
         t.start()
-    _wait(lambda: queue.qsize() == len(payloads))
+    _wait(lambda: queue.qsize() == len(payloads), f"{len(payloads)} requests queued behind the lead")
     rec.gate.set()
     for t in [lead, *threads]:
         t.join()
@@ -238,11 +238,12 @@ def _post_together(app, url: str, rec, payloads: list[dict]) -> list[httpx2.Resp
     return out[:-1]
 
 
-def _wait(cond, timeout: float = 20.0) -> None:
+def _wait(cond, what: str, timeout: float = 20.0) -> None:
+    """Wait until ``cond()``; fail naming ``what`` (the state that never came) after ``timeout`` s."""
     end = time.time() + timeout
     while not cond():
         if time.time() > end:
-            raise TimeoutError("condition not met")
+            pytest.fail(f"{what}: not reached within {timeout} s")
         time.sleep(0.01)
 
 
@@ -696,15 +697,25 @@ def test_queries_over_max_pending_get_503_with_retry_after_and_the_server_keeps_
     with _Server(app) as s:
         lead = threading.Thread(target=post, args=("lead", ["lead"]))
         lead.start()
-        _wait(lambda: rec.calls and rec.calls[0][0] == ["lead"])  # 1 query pending (being searched)
+        _wait(lambda: rec.calls and rec.calls[0][0] == ["lead"], "the lead request's search")  # 1 query pending
         second = threading.Thread(target=post, args=("two", ["a", "b"]))
         second.start()
-        _wait(lambda: app.state.batcher.pending == 3)  # 3 pending: at the limit, still taken
-        post("over", ["c"])  # a 4th query: refused without waiting
+        # 3 pending: at the limit, still taken (a refusal answers at once: fail then, naming the limit)
+        _wait(lambda: app.state.batcher.pending == 3 or "two" in out, "the second request's admission")
+        if "two" in out:
+            pytest.fail(f"max_pending_queries=3: a request taking the pending queries to 3 (at the limit, not past "
+                        f"it) was refused: {out['two'].status_code} {out['two'].text}")
+        over = threading.Thread(target=post, args=("over", ["c"]))  # a 4th query: refused without waiting
+        over.start()
+        _wait(lambda: "over" in out or app.state.batcher.pending > 3, "the 4th query's answer")
+        if "over" not in out:
+            rec.gate.set()
+            pytest.fail("max_pending_queries=3: a request taking the pending queries to 4 was admitted, not refused "
+                        "with 503")
         assert out["over"].status_code == 503 and out["over"].headers["retry-after"] == "1"
         assert "max_pending_queries" in out["over"].json()["error"]
         rec.gate.set()
-        for t in (lead, second):
+        for t in (lead, second, over):
             t.join()
         assert out["lead"].status_code == 200 and out["two"].status_code == 200
         assert app.state.batcher.pending == 0

@@ -166,14 +166,14 @@ def test_reply_bytes_in_flight_are_bounded_413_alone_503_together():
         assert rec.calls == []  # refused before searching
         lead = threading.Thread(target=post, args=("lead", ["lead"], 6))  # 6 hits, held in flight
         lead.start()
-        _wait(lambda: rec.calls)
+        _wait(lambda: rec.calls, "the lead request's search")
         assert httpx2.get(s.url + "/health").json()["reply_bytes_in_flight"] == 6 * DEFAULT_BYTES_PER_HIT
         post("over", ["x"], 5)  # 6 + 5 > 10
         assert out["over"].status_code == 503 and out["over"].headers["retry-after"] == "1"
         assert "max_reply_bytes" in out["over"].json()["error"]
         fits = threading.Thread(target=post, args=("fits", ["x"], 4))  # 6 + 4 = 10: admitted, behind the lead
         fits.start()
-        _wait(lambda: app.router.routes[0].endpoint.reply_bytes == limit)
+        _wait(lambda: app.router.routes[0].endpoint.reply_bytes == limit, "the bytes in flight at the bound")
         rec.gate.set()
         lead.join()
         fits.join()

@@ -147,3 +147,45 @@ def test_evidence_igpo_hand_computed():
     # the probability-free gain needs no gold-answer forward pass
     entry = E.ADV_ESTIMATORS.get("evidence_igpo")
     assert E.gold_probs not in entry.prepare and entry.groups
+
+
+def test_gigpo_defaults_are_gamma_1_and_omega_1():
+    valid, _ = turn_table(GROUP)
+    rewards = torch.tensor([t.reward for t in GROUP])
+    turn_r = torch.zeros(4, 3)
+    turn_r[0, 2] = 1.0  # only on a's last turn: its earlier turns' returns depend on gamma
+    states = C.anchor_states(GROUP, 3)
+    groups = torch.zeros(4, dtype=torch.long)
+    adv = C.gigpo_advantages(rewards, groups, turn_r, valid, states)
+    close(adv, [[3.0, 2.6547, 1.5], [-1.0, -1.07735, -0.5], [-1.0, -1.07735, 0.0], [-1.0, -0.5, 0.0]])
+    # rewards on two turns of different depth: the discount changes the step advantages, not just their scale
+    turn_r[1, 0] = 0.5
+    adv = C.gigpo_advantages(rewards, groups, turn_r, valid, states)
+    close(adv, C.gigpo_advantages(rewards, groups, turn_r, valid, states, gamma=1.0, omega=1.0).tolist())
+    for gamma in (0.0, 2.0):
+        other = C.gigpo_advantages(rewards, groups, turn_r, valid, states, gamma=gamma, omega=1.0)
+        assert (other - adv).abs().max() > 0.01, gamma
+
+
+def test_gigpo_step_advantage_divides_by_std_plus_eps():
+    # one step group of two returns 1 and 0: mean .5, unbiased std sqrt(.5); eps .5 -> +-.5 / (.70711 + .5)
+    ret = torch.tensor([[1.0], [0.0]])
+    valid = torch.ones(2, 1, dtype=torch.bool)
+    got = C.gigpo_step_advantages(ret, valid, torch.zeros(2, dtype=torch.long), [[()], [()]], eps=0.5)
+    close(got, [[0.414214], [-0.414214]], atol=1e-5)
+
+
+def _indexed(question: str, turns: list[tuple[int, str]]) -> Trajectory:
+    return Trajectory(question, question, ["Paris"], turns=[
+        Turn(k, f"<search> q{k} </search>", "search", query=f"q{k}", observation=o) for k, o in turns])
+
+
+def test_turns_outside_1_to_K_are_ignored_and_turn_K_counts():
+    # a turn numbered 0 is not column -1, and a turn numbered K is the last column
+    t = _indexed("q", [(0, "Paris z"), (1, "a"), (2, "Paris b")])
+    assert C.anchor_states([t], 3) == [[("Paris z",), ("Paris z", "a"), None]]
+    close(C.evidence_gain([t], 3), [[0, 1, 0]])
+    close(C.evidence_gain([t], 2), [[0, 1]])  # the answer at turn K = 2
+    # a trajectory skipped (the question holds the answer) does not stop the next ones
+    skipped = _indexed("Is Paris big?", [(1, "Paris")])
+    close(C.evidence_gain([skipped, t, _indexed("q", [(1, "Paris")])], 2), [[0, 0], [0, 1], [1, 0]])
