@@ -251,6 +251,8 @@ def test_rexrag_behaviour_logprobs_on_the_batch_by_hand(tok, retriever):
     assert float(row[keep + L - 1]) == pytest.approx(math.log(0.5))  # the policy's own continuation
     assert not m[4, : first - 1].any() and torch.equal(mu[~m], batch.old_logprobs[~m])
     assert torch.equal(batch.ratio_logprobs(), mu)
+    micro = batch.select(torch.tensor([0, 4]))  # micro-batches carry it to the loss
+    assert torch.equal(micro.ratio_logprobs(), mu[[0, 4], : micro.loss_mask.shape[1]])
     off = TrainConfig.model_validate({"rollout": {"strategy": "rexrag", "strategy_options": {"correction": False}}})
     batch.behaviour_logprobs = None
     rexrag_behaviour_logprobs(SimpleNamespace(batch=batch, trajs=trajs, tc=off))

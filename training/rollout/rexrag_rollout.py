@@ -127,9 +127,10 @@ def probe_tensors(trajs: list[Trajectory], T: int) -> tuple[torch.Tensor, ...]:
 def rexrag_behaviour_logprobs(ctx: Any) -> None:
     """The prepare step of ``rexrag``: ``ctx.batch.behaviour_logprobs`` ``[N, T-1]`` float32, ``log mu`` at
     the policy tokens (``old_logprobs`` elsewhere), when the batch holds a probe and the strategy's
-    ``correction`` is on; left ``None`` otherwise (the ratio then uses ``old_logprobs``). The error rate is
-    kept above 0 (``1 / ordinary rows``) for a batch whose ordinary rows are all right (a probe's group can
-    only come from a wrong one, so this happens only when its wrong row was dropped, e.g. by a fault)."""
+    ``correction`` is on; left ``None`` otherwise (the ratio then uses ``old_logprobs``). ``alpha`` and ``err``
+    are those of this rank's rows under torchrun. The error rate is kept above 0 (``1 / ordinary rows``) for a
+    batch whose ordinary rows are all right (a probe can only come from a wrong one, so this happens only when
+    that row was dropped, e.g. by a fault)."""
     b = ctx.batch
     if not getattr(ctx.tc.rollout.strategy_options, "correction", True):
         return
