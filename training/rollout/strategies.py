@@ -38,9 +38,9 @@ from training.algos.options import check_range
 from training.algos.rexrag import DEFAULT_HINTS, RexRagOptions
 from training.algos.ssp import SSPOptions
 from training.registry import Options, Registry, options_class
-from training.rollout.arpo_rollout import arpo_groups
-from training.rollout.rexrag_rollout import rexrag_behaviour_logprobs, rexrag_groups
-from training.rollout.ssp_rollout import ssp_groups
+
+# The strategies' own modules import the agent loop (LangGraph), which the config, importing this registry,
+# does not need: they are imported when a strategy runs.
 
 StrategyFn = Callable[[Any, list[QAExample], int, Any, random.Random], tuple[list[Trajectory], dict[str, float]]]
 
@@ -151,6 +151,8 @@ def _check_arpo(opts: ARPORolloutOptions, rollout_cfg: Any) -> None:
                            description="ARPO: global samples plus entropy-adaptive branches after tool results")
 def arpo(worker: Any, questions: list[QAExample], group_size: int, opts: ARPORolloutOptions,
          rng: random.Random) -> tuple[list[Trajectory], dict[str, float]]:
+    from training.rollout.arpo_rollout import arpo_groups
+
     return arpo_groups(worker, questions, opts.core(group_size), rng)
 
 
@@ -174,10 +176,19 @@ class RexRagRolloutOptions(Options):
         return RexRagOptions(probe_prob=self.probe_prob, hints=self.hints)
 
 
-@register_rollout_strategy("rexrag", options=RexRagRolloutOptions, prepare=(rexrag_behaviour_logprobs,),
+def rexrag_correction(ctx: Any) -> None:
+    """REX-RAG's prepare step: :func:`training.rollout.rexrag_rollout.rexrag_behaviour_logprobs`."""
+    from training.rollout.rexrag_rollout import rexrag_behaviour_logprobs
+
+    rexrag_behaviour_logprobs(ctx)
+
+
+@register_rollout_strategy("rexrag", options=RexRagRolloutOptions, prepare=(rexrag_correction,),
                            description="REX-RAG: probe wrong answers with a reasoning hint; importance-corrected")
 def rexrag(worker: Any, questions: list[QAExample], group_size: int, opts: RexRagRolloutOptions,
            rng: random.Random) -> tuple[list[Trajectory], dict[str, float]]:
+    from training.rollout.rexrag_rollout import rexrag_groups
+
     return rexrag_groups(worker, questions, group_size, opts.core(), rng)
 
 
@@ -221,6 +232,8 @@ class SSPRolloutOptions(Options):
                            description="search self-play: the policy proposes questions from answers and solves them")
 def ssp(worker: Any, questions: list[QAExample], group_size: int, opts: SSPRolloutOptions,
         rng: random.Random) -> tuple[list[Trajectory], dict[str, float]]:
+    from training.rollout.ssp_rollout import ssp_groups
+
     return ssp_groups(worker, questions, group_size, opts.proposals or group_size, opts.core(), rng)
 
 
