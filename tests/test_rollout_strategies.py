@@ -323,3 +323,31 @@ def test_ssp_counts_a_step_as_rollout_groups_through_the_worker(tok, retriever):
     tc = train_cfg(strategy="ssp", group_size=2, strategy_options={"min_question_words": 4, "proposals": 1})
     trajs, stats = rollout(w, [QUESTIONS[0]], tc)
     assert [t.group for t in trajs] == [0, 1, 1] and stats["ssp/valid_rate"] == 1.0
+
+
+@pytest.mark.parametrize("correction", [True, False])
+def test_rexrag_trains_with_the_corrected_ratio(correction, tiny_policy_dir, retriever, tmp_path):
+    """One RL step whose rollout backend is the scripted prober: 2 x 2 wrong answers, all probed. With the
+    correction the ratio's denominator is the mixture (ordinary rows: (1 - 1/2) pi_old, a ratio of 2 on-policy;
+    hint tokens: 1/2 pi_old + 1/2, a ratio near 0 for the untrained policy), so the mean ratio moves away
+    from 1; without it the ratio is pi / pi_old = 1 on-policy."""
+    from agent.backends.hf import load_model_and_tokenizer
+    from sleuth.config import load_config
+    from tests.conftest import run_rl
+
+    torch.set_num_threads(1)
+    model, tk = load_model_and_tokenizer(str(tiny_policy_dir), device="cpu")
+    cfg = load_config(None, ["train.steps=1", "train.rollout.questions_per_step=2", "train.rollout.group_size=2",
+                             "agent.max_turns=3", "agent.max_new_tokens=12", "agent.max_total_tokens=256",
+                             "agent.max_obs_tokens=60", "agent.short_prompt=true", "agent.format_reward=0",
+                             "train.rollout.strategy=rexrag", "train.rollout.strategy_options.probe_prob=1.0",
+                             f"train.rollout.strategy_options.hints=[{HINT!r}]",
+                             f"train.rollout.strategy_options.correction={str(correction).lower()}"])
+    out = run_rl(cfg, model, tk, retriever, [QUESTIONS[1]], tmp_path,
+                 llm_factory=lambda m, t: ScriptedLLM(t, probe_script))
+    rec = out["last"]
+    assert rec["rexrag/probes"] == 4.0 and rec["rexrag/probe_em"] == 1.0 and rec["reward"] == 0.5
+    if correction:
+        assert abs(rec["ratio_mean"] - 1.0) > 0.05
+    else:
+        assert rec["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
