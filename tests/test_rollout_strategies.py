@@ -78,6 +78,19 @@ def test_plain_gives_the_same_trajectories_as_the_worker(tok, retriever):
     assert [t.group for t in trajs] == [0, 0, 0, 1, 1, 1] and stats == {"rollout_errors": 0.0, "rollout_dropped": 0.0}
 
 
+def test_the_strategy_rng_leaves_torchs_generator_as_it_was():
+    """The strategies' draws are seeded by torch's generator state without advancing it: plain sampling keeps
+    exactly the trajectories of before, and the same state (a resumed run) gives the same draws."""
+    from training.rollout.strategies import strategy_rng
+
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    first = strategy_rng().random()
+    assert torch.equal(torch.get_rng_state(), state) and strategy_rng().random() == first
+    torch.rand(1)
+    assert strategy_rng().random() != first
+
+
 @pytest.mark.parametrize(("rollout", "message"), [
     ({"strategy": "arpoo"}, "unknown rollout strategy 'arpoo' (train.rollout.strategy)"),
     ({"strategy": "arpo", "strategy_options": {"global_sample": 2}},

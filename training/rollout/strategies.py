@@ -7,8 +7,9 @@ group is ``i``; a strategy may add groups of its own after them) and ``stats`` a
 ``opts`` is its own frozen :class:`training.registry.Options` dataclass, nested in the config as
 ``train.rollout.strategy_options`` and validated when the config is loaded (unknown keys and values out of
 range are errors, and so are settings that do not fit the rest of the rollout section, e.g. more ARPO global
-samples than the group holds: the entry's ``check``); ``rng`` is a ``random.Random`` seeded from torch's
-generator, so a resumed run draws the same. An entry may bring ``prepare`` steps
+samples than the group holds: the entry's ``check``); ``rng`` is a ``random.Random`` seeded by torch's
+generator state without advancing it (:func:`strategy_rng`), so a resumed run draws the same and ``plain``
+samples exactly the trajectories it sampled before strategies existed. An entry may bring ``prepare`` steps
 (:class:`training.algos.estimators.PrepareContext`) that the score phase runs after the estimator's, to write
 what its update needs onto the batch (REX-RAG's behaviour log-probs). The trainer names no strategy.
 
@@ -24,6 +25,7 @@ Built in:
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,9 +82,11 @@ def register_rollout_strategy(name: str, *, options: type[Options] = Options,
 
 
 def strategy_rng() -> random.Random:
-    """A ``random.Random`` seeded from torch's global generator (checkpointed with the run, so a resumed
-    run's strategy draws the same)."""
-    return random.Random(int(torch.randint(0, 2**31 - 1, ()).item()))
+    """A ``random.Random`` seeded by a hash of torch's global generator state, which is checkpointed with the
+    run (a resumed run's strategy draws the same). The generator is not advanced: a strategy that draws
+    nothing (``plain``) leaves the episodes' sampling exactly as it was."""
+    state = torch.random.get_rng_state().numpy().tobytes()
+    return random.Random(int.from_bytes(hashlib.sha256(state).digest()[:8], "little"))
 
 
 def sample_groups(worker: Any, questions: list[QAExample], tc: Any) -> tuple[list[Trajectory], dict[str, float]]:
