@@ -33,6 +33,10 @@ class Batch:
     * ``rollout_logprobs``: optional ``[N, T-1]`` float32, aligned with ``loss_mask``: the behaviour policy's
       log-probs as the rollout backend reported them when it sampled (:attr:`agent.trajectory.Trajectory.
       logprobs`), NaN in the rows of trajectories without them; ``None`` when no trajectory has them;
+    * ``behaviour_logprobs``: optional ``[N, T-1]`` float32: the log-probs of the distribution the batch was
+      sampled from when it is not the old policy (REX-RAG's mixture of the policy and its probe policy,
+      :func:`training.rollout.rexrag_rollout.rexrag_behaviour_logprobs`): the PPO ratio's denominator in
+      their place (:meth:`ratio_logprobs`); ``None``: ``old_logprobs``;
     * ``is_weights``: optional ``[N, T-1]`` float32: the rollout correction's per-token importance weights on
       the policy-gradient term (:func:`training.algos.offpolicy.rollout_correction`);
     * ``token_advantages``, ``returns``, ``old_values``: optional ``[N, T-1]`` float32, aligned with
@@ -61,6 +65,7 @@ class Batch:
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
+    behaviour_logprobs: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None
     token_advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
@@ -87,6 +92,11 @@ class Batch:
             if isinstance(v, torch.Tensor) and v.dim() == 2:
                 sub[k] = v[:, :width] if v.shape[1] == T else v[:, : max(width - 1, 0)]
         return Batch(**sub)
+
+    def ratio_logprobs(self) -> torch.Tensor:
+        """``[N, T-1]``: the policy-gradient ratio's denominator, ``behaviour_logprobs`` when set, else
+        ``old_logprobs``."""
+        return self.behaviour_logprobs if self.behaviour_logprobs is not None else self.old_logprobs
 
     @property
     def lengths(self) -> torch.Tensor:

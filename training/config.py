@@ -49,6 +49,7 @@ from training.algos.estimators import ADV_ESTIMATORS
 from training.algos.losses import KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
 from training.algos.rewards import REWARDS
 from training.registry import Options, Registry
+from training.rollout.strategies import ROLLOUT_STRATEGIES
 from training.sft_data import SFT_DATA
 
 
@@ -66,6 +67,7 @@ LossAggName = choice(LOSS_AGGS)
 KLName = choice(KL_ESTIMATORS)
 RewardName = choice(REWARDS)
 SFTDataName = choice(SFT_DATA)
+StrategyName = choice(ROLLOUT_STRATEGIES)
 
 
 def _default_retry_waits() -> list[float]:
@@ -249,6 +251,11 @@ class RolloutConfig(Section):
 
     questions_per_step: int = Field(8, ge=1)
     group_size: int = Field(4, ge=1, description="episodes per question")
+    strategy: StrategyName = Field("plain", description="how a group's episodes are sampled (a registered rollout "
+                                   "strategy: plain, arpo, rexrag, ssp, ...)")
+    strategy_options: SerializeAsAny[Options] = Field(
+        default_factory=Options, description="the rollout strategy's own settings (its registered options class: "
+                                             "unknown keys are errors)")
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal, refill")
     dynamic_sampling_max_tries: int = Field(3, ge=1, description="extra rollout rounds to refill a batch")
     retry_waits: list[float] = Field(
@@ -309,6 +316,14 @@ class RolloutConfig(Section):
                 raise ValueError(f"train.rollout.engines: an engine is listed twice: {v}")
         return v
 
+    @field_validator("strategy_options", mode="before")
+    @classmethod
+    def _strategy_options(cls, v: Any, info: ValidationInfo) -> Any:
+        name = info.data.get("strategy")
+        if name is None:
+            return Options()
+        return registered_options(ROLLOUT_STRATEGIES, name, v, "train.rollout.strategy_options")
+
     @field_validator("retry_waits")
     @classmethod
     def _waits(cls, v: list[float]) -> list[float]:
@@ -318,6 +333,15 @@ class RolloutConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
+        entry = ROLLOUT_STRATEGIES.get(self.strategy)
+        if type(self.strategy_options) is not entry.options:  # the default, or after the name was assigned
+            self.__dict__["strategy_options"] = registered_options(ROLLOUT_STRATEGIES, self.strategy,
+                                                                   self.strategy_options, "train.rollout.strategy_options")
+        if entry.check is not None:
+            entry.check(self.strategy_options, self)
+        if self.asynchronous and self.strategy != "plain":
+            raise ValueError(f"train.rollout.asynchronous samples plain groups in the background: set "
+                             f"train.rollout.strategy=plain or train.rollout.asynchronous=false (got {self.strategy})")
         if self.asynchronous and self.dynamic_sampling:
             raise ValueError("train.rollout.asynchronous runs the agent loop without dynamic sampling: set "
                              "train.rollout.dynamic_sampling=false or train.rollout.asynchronous=false")
@@ -421,9 +445,13 @@ class TrainConfig(Section):
         ``pydantic.ValidationError`` as the constructor does. Another estimator (policy loss) starts from its
         own default options unless ``changes`` gives them."""
         data = self.model_dump()
-        for name, opts in (("adv_estimator", "options"), ("policy_loss", "loss_options"), ("reward", "reward_options")):
-            if f"algorithm.{name}" in changes and f"algorithm.{opts}" not in changes:
-                data["algorithm"][opts] = {}
+        for name, opts in (("algorithm.adv_estimator", "algorithm.options"),
+                           ("algorithm.policy_loss", "algorithm.loss_options"),
+                           ("algorithm.reward", "algorithm.reward_options"),
+                           ("rollout.strategy", "rollout.strategy_options")):
+            if name in changes and opts not in changes:
+                section, key = opts.split(".")
+                data[section][key] = {}
         for key, value in changes.items():
             *path, last = key.split(".")
             d = data

@@ -69,6 +69,7 @@ from training.rollout.faults import FAULT_COUNTS
 from training.rollout.fleet_run import open_fleet
 from training.rollout.fleet_run import push as fleet_push
 from training.rollout.producer import AsyncRollouts, rollout_copy
+from training.rollout.strategies import prepare_steps as strategy_prepare_steps
 from training.rollout.weight_sync import check_tensors, probe_ids, verify_engine
 from training.rollout.worker import RolloutWorker, rollout, rollout_stats
 from training.run_state import RunState, open_run, relog_saved_record, restore_rng_streams, save_run
@@ -99,11 +100,15 @@ def score(state: RunState, batch: Batch, trajs: list[Trajectory], tc: Any, token
           worker: RolloutWorker | None = None, step: int = 0) -> None:
     """Set ``batch.rewards`` to the rewards trained on (``train.algorithm.reward``,
     :func:`training.algos.rewards.training_rewards`), fill ``batch.old_logprobs`` / ``batch.ref_logprobs``, then
-    run the registered estimator's prepare steps (:func:`training.algos.estimators.prepare_inputs`), which write
-    what it needs onto the batch."""
+    run the registered estimator's prepare steps (:func:`training.algos.estimators.prepare_inputs`) and then the
+    rollout strategy's (:func:`training.rollout.strategies.prepare_steps`), which write what they need onto the
+    batch."""
     batch.rewards = training_rewards(tc.algorithm, trajs, batch.groups)
     score_logprobs(state.fwd, state.ref_model, batch, tc)
-    E.prepare_inputs(prepare_context(state, batch, trajs, tc, tokenizer, max_len, worker, step))
+    ctx = prepare_context(state, batch, trajs, tc, tokenizer, max_len, worker, step)
+    E.prepare_inputs(ctx)
+    for prepare in strategy_prepare_steps(tc):  # what the rollout strategy's update needs (REX-RAG's mixture)
+        prepare(ctx)
 
 
 def prepare_context(state: RunState, batch: Batch, trajs: list[Trajectory], tc: Any, tokenizer: Any, max_len: int,
@@ -272,10 +277,14 @@ def check_setup(tc: Any, agent_cfg: Any) -> None:
     section alone does not decide (it validates itself, :mod:`training.config`): greedy rollouts (log-probs
     are scored at the rollout temperature), packing on a transformers without packed-sequence masks
     (:func:`training.model.forward.check_packed_masks`), asynchronous rollouts with an external agent (it
-    does not run in the background producer)."""
+    does not run in the background producer), a rollout strategy other than ``plain`` with an external agent
+    (it steps the built-in loop)."""
     if tc.rollout.asynchronous and getattr(agent_cfg, "kind", "builtin") == "external":
         raise ValueError("train.rollout.asynchronous runs the built-in agent loop: set agent.kind=builtin, or "
                          "train.rollout.asynchronous=false")
+    if tc.rollout.strategy != "plain" and getattr(agent_cfg, "kind", "builtin") == "external":
+        raise ValueError(f"train.rollout.strategy={tc.rollout.strategy} steps the built-in agent loop: set "
+                         "agent.kind=builtin, or train.rollout.strategy=plain")
     if not agent_cfg.temperature > 0:
         raise ValueError(f"RL needs sampled rollouts: agent.temperature must be > 0, got {agent_cfg.temperature}")
     if tc.rollout.fleet and tc.optim.lora:

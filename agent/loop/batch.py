@@ -19,6 +19,7 @@ hold back the batches of the others.
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Callable
 from typing import Any, TypedDict
 
@@ -92,37 +93,74 @@ async def judge_step(state: BatchState, config: RunnableConfig) -> BatchState:
     return await _run_each("judge", judge, None, state, config)
 
 
+async def branch_step(state: BatchState, config: RunnableConfig) -> BatchState:
+    """After a tool step: the run's ``after_tool(episodes)`` hook (``config["configurable"]``) returns new
+    episode states (e.g. copies of partial episodes, :func:`fork`), which join the batch."""
+    added = config["configurable"]["after_tool"](state["episodes"])
+    state["episodes"].extend(added)
+    return {"episodes": state["episodes"]}
+
+
 def _next_step(state: BatchState) -> str:
     waiting = {st[NEXT] for st in state["episodes"]}
     return "policy" if "policy" in waiting else "tool" if "tool" in waiting else "judge"
 
 
-def build_batch_graph():
+def build_batch_graph(branching: bool = False):
     """Compile the batch graph: ``policy`` and ``tool`` steps alternate while an episode waits for one
-    (``policy`` first), then one ``judge`` step."""
+    (``policy`` first), then one ``judge`` step. ``branching``: a ``branch`` step (:func:`branch_step`)
+    follows every ``tool`` step."""
     g = StateGraph(BatchState)
-    for name, fn in [("policy", policy_step), ("tool", tool_step), ("judge", judge_step)]:
+    nodes = [("policy", policy_step), ("tool", tool_step), ("judge", judge_step)]
+    for name, fn in nodes + ([("branch", branch_step)] if branching else []):
         g.add_node(name, fn)
     g.add_edge(START, "policy")
     g.add_conditional_edges("policy", _next_step, ["policy", "tool", "judge"])
-    g.add_conditional_edges("tool", _next_step, ["policy", "tool", "judge"])
+    if branching:
+        g.add_edge("tool", "branch")
+        g.add_conditional_edges("branch", _next_step, ["policy", "tool", "judge"])
+    else:
+        g.add_conditional_edges("tool", _next_step, ["policy", "tool", "judge"])
     g.add_edge("judge", END)
     return g.compile()
 
 
 BATCH_GRAPH = build_batch_graph()
+BRANCH_GRAPH = build_batch_graph(branching=True)
+
+AfterTool = Callable[[list[EpisodeState]], list[EpisodeState]]
+
+
+def fork(state: EpisodeState) -> EpisodeState:
+    """An independent copy of a running episode's state (its trajectory deep-copied): it continues from the
+    same tokens, and samples its own continuation."""
+    return copy.deepcopy(state)
+
+
+async def arun_states(ctx: AgentContext, states: list[EpisodeState],
+                      after_tool: AfterTool | None = None) -> list[Trajectory]:
+    """Run episode states to their ends as one graph run: fresh ones (:func:`agent.loop.nodes.new_episode`)
+    or episodes resumed from a prefix (a trajectory cut and extended by the caller, at its ``turn``). An
+    episode waits for the node of its state's ``"next"`` key (default ``"policy"``). With ``after_tool``,
+    the hook runs after every tool step on all the episodes and the states it returns join the run (ARPO's
+    branching). Returns the trajectories of ``states`` then of the added ones, in order."""
+    states = list(states)
+    for st in states:
+        st.setdefault(NEXT, "policy")
+    if states:
+        rounds = 3 if after_tool is not None else 2
+        config: RunnableConfig = {"configurable": {"ctx": ctx, "after_tool": after_tool},
+                                  "recursion_limit": rounds * ctx.agent_cfg.max_turns + 8}
+        graph = BATCH_GRAPH if after_tool is None else BRANCH_GRAPH
+        await graph.ainvoke({"episodes": states}, config=config)
+    return [st["traj"] for st in states]
 
 
 async def arun_batch(ctx: AgentContext, episodes: list[tuple[QAExample, int]]) -> list[Trajectory]:
     """Run one episode per ``(example, group)`` in ``episodes`` to its end, as one graph run; trajectories
     in the same order. Raises what building a prompt raises (a setup error that would fail every episode),
     before any episode runs."""
-    states = [new_episode(ctx, ex, group) | {NEXT: "policy"} for ex, group in episodes]
-    if states:
-        config: RunnableConfig = {"configurable": {"ctx": ctx},
-                                  "recursion_limit": 2 * ctx.agent_cfg.max_turns + 8}
-        await BATCH_GRAPH.ainvoke({"episodes": states}, config=config)
-    return [st["traj"] for st in states]
+    return await arun_states(ctx, [new_episode(ctx, ex, group) for ex, group in episodes])
 
 
 async def arun_episodes(ctx: AgentContext, examples: list[QAExample], n_samples: int = 1) -> list[Trajectory]:
@@ -157,3 +195,13 @@ def run_episodes(
         torch.manual_seed(seed)
     ctx = make_context(llm, retriever, cfg, temperature=temperature, top_k=top_k, judge=judge)
     return run_sync(arun_episodes(ctx, examples, n_samples))  # also inside a running event loop (Jupyter)
+
+
+def run_states(build: Callable[[AgentContext], list[EpisodeState]], llm: LLM, retriever: Retriever | None,
+               cfg: Any, *, after_tool: AfterTool | None = None, top_k: int = 3,
+               judge: Judge | None = None) -> list[Trajectory]:
+    """Synchronous entry point of :func:`arun_states`: ``build(ctx)`` makes the episode states in the run's
+    :class:`agent.loop.nodes.AgentContext` (its tokenizer, protocol and judge), then they run to their ends
+    (with the ``after_tool`` hook)."""
+    ctx = make_context(llm, retriever, cfg, top_k=top_k, judge=judge)
+    return run_sync(arun_states(ctx, build(ctx), after_tool))

@@ -56,6 +56,7 @@ from training.algos.advantages import (
     turns_to_tokens,
 )
 from training.algos.aepo import AEPOOptions, aepo_select, aepo_temperature, replace_rows
+from training.algos.arpo import ATTRIBUTIONS, hard_attributed_advantages
 from training.algos.options import check_range
 from training.algos.rewards import (
     gold_answer_probs,
@@ -532,6 +533,43 @@ def _aepo(inp: AdvantageInputs, opts: AEPOOptions, alg: Any) -> dict[str, torch.
     if rows is not None and rows.any():
         adv = torch.where(rows, torch.ones_like(adv), adv)
     tok = to_token_advantages(adv, inp.mask)
+    if alg.search_cost > 0:
+        tok = tok + turns_to_tokens(search_cost_to_go(inp.is_search, inp.turn_valid, alg.search_cost),
+                                    inp.token_turns, inp.mask)
+    return {"advantages": tok}
+
+
+# -- ARPO's advantage attribution -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class ARPOAdvOptions(Options):
+    """ARPO's advantage attribution over the shared prefixes of a branched group (Dong et al., 2025, arXiv
+    2507.19849, Sec. 3.3): ``soft`` (default, the paper's choice and what the authors' code runs: plain GRPO
+    rows, a shared token trained once per row that holds it) or ``hard`` (each shared token gets the mean
+    advantage of the rows that share it, :func:`training.algos.arpo.hard_attributed_advantages`)."""
+
+    attribution: str = "soft"
+
+    def __post_init__(self) -> None:
+        if self.attribution not in ATTRIBUTIONS:
+            raise ValueError(f"ARPO's attribution must be one of {ATTRIBUTIONS}, got {self.attribution!r}")
+
+
+@register_adv_est("arpo", groups=True, options=ARPOAdvOptions)
+def _arpo(inp: AdvantageInputs, opts: ARPOAdvOptions, alg: Any) -> dict[str, torch.Tensor]:
+    """GRPO's advantages over each group (branches included; the outcome minus the KL penalty with
+    ``kl_mode=reward``), given to the policy tokens as they are (``soft``) or averaged over the rows that share
+    each token (``hard``: the shared prefix of a branch and its source is one decision, credited once with
+    their mean); plus the per-turn search cost. Use it with ``train.rollout.strategy=arpo``."""
+    rewards = inp.rewards - alg.kl_coef * inp.kl_seq()
+    adv = gathered_outcome(lambda r, g, s, o: grpo_advantages(r, g), rewards, inp.groups, inp.search_calls, opts)
+    if opts.attribution == "soft":
+        tok = to_token_advantages(adv, inp.mask)
+    else:
+        hard = hard_attributed_advantages(adv, [t.token_ids for t in inp.trajs], inp.groups.tolist())  # [N, T_max]
+        tok = torch.zeros_like(inp.mask, dtype=torch.float32)
+        width = min(max(hard.shape[1] - 1, 0), tok.shape[1])
+        tok[:, :width] = hard[:, 1 : width + 1]  # token t+1 at target position t, as the loss mask
+        tok = tok * inp.mask.float()
     if alg.search_cost > 0:
         tok = tok + turns_to_tokens(search_cost_to_go(inp.is_search, inp.turn_valid, alg.search_cost),
                                     inp.token_turns, inp.mask)

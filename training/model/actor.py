@@ -84,7 +84,7 @@ def policy_grads(fwd: LogprobModule, micro: list[Batch], n_real: int, cfg: Any, 
         mask = mb.loss_mask.to(lp.device)
         use_ref = mb.ref_logprobs is not None and cfg.algorithm.kl_mode == "loss"
         value, step_stats = policy_loss(
-            lp, mb.old_logprobs.to(lp.device), mb.token_advantages.to(lp.device), mask, loss,
+            lp, mb.ratio_logprobs().to(lp.device), mb.token_advantages.to(lp.device), mask, loss,
             ref_logprobs=mb.ref_logprobs.to(lp.device) if use_ref else None, entropy=ent,
             is_weights=mb.is_weights.to(lp.device) if mb.is_weights is not None else None)
         if not torch.isfinite(value) and W == 1:

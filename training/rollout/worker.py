@@ -4,7 +4,8 @@ questions arrive from a checkpointed stream.
 * :class:`DataStream`: an endless, seeded, epoch-shuffled stream of training questions;
 * :class:`RolloutWorker`: the rollout backend, retriever, agent settings and judge, one call per group of
   episodes (:func:`agent.loop.batch.run_episodes`);
-* :func:`rollout`: ``train.rollout.group_size`` episodes per question, with DAPO's dynamic sampling (Yu et al., 2025)
+* :func:`rollout`: ``train.rollout.group_size`` episodes per question, sampled by the rollout strategy
+  ``train.rollout.strategy`` (:mod:`training.rollout.strategies`; by default independent episodes), with DAPO's dynamic sampling (Yu et al., 2025)
   dropping groups whose rewards are all equal and refilling the batch from the stream;
 * :func:`rollout_stats`: the episode-level means logged each step.
 """
@@ -21,6 +22,7 @@ from retrieval.base import Retriever
 from training.infra.distributed import all_reduce_max, all_reduce_min, world
 from training.infra.monitors import health_stats
 from training.rollout.faults import drop_failed, run_episodes_retrying
+from training.rollout.strategies import sample_groups
 
 
 class DataStream:
@@ -88,7 +90,9 @@ def flat_groups(trajs: list[Trajectory]) -> set[int]:
 
 def rollout(worker: RolloutWorker, questions: list[QAExample], tc: Any,
             data: DataStream | None = None) -> tuple[list[Trajectory], dict[str, float]]:
-    """Sample ``tc.rollout.group_size`` episodes per question (``tc``: a :class:`training.config.TrainConfig`).
+    """Sample ``tc.rollout.group_size`` episodes per question (``tc``: a :class:`training.config.TrainConfig`) with
+    the rollout strategy ``tc.rollout.strategy`` (:func:`training.rollout.strategies.sample_groups`; its
+    statistics join ``stats``).
     With ``rollout.dynamic_sampling`` (DAPO), groups whose rewards are all equal are dropped and up to
     ``rollout.dynamic_sampling_max_tries`` extra rounds of fresh questions from ``data`` refill the batch to
     ``len(questions)`` groups (:func:`dynamic_sampling`). Episodes that still failed on a service outage
@@ -96,10 +100,10 @@ def rollout(worker: RolloutWorker, questions: list[QAExample], tc: Any,
     ``rollout_errors`` and ``rollout_dropped``; ``RuntimeError`` when every episode failed). Returns
     ``(trajectories, stats)``; group ids are renumbered 0..G-1."""
     before = dict(worker.external.stats) if worker.external is not None else None
-    trajs = worker.episodes(questions, tc.rollout.group_size)
-    stats: dict[str, float] = {}
+    trajs, stats = sample_groups(worker, questions, tc)
     if tc.rollout.dynamic_sampling and data is not None:
-        trajs, stats = dynamic_sampling(worker, trajs, len(questions), tc, data)
+        trajs, ds_stats = dynamic_sampling(worker, trajs, len(questions), tc, data)
+        stats.update(ds_stats)
     trajs, fault_stats = drop_failed(trajs)  # episodes that still failed: left out of the update, counted
     stats.update(fault_stats)
     if before is not None:  # the proxy's counters this step: calls, and splits (templates rewriting history)
@@ -137,7 +141,7 @@ def dynamic_sampling(worker: RolloutWorker, trajs: list[Trajectory], want: int, 
         fresh = data.next(need_all * W)[rank::W][:need]
         if not fresh:
             continue
-        more = worker.episodes(fresh, tc.rollout.group_size)
+        more, _ = sample_groups(worker, fresh, tc)
         for t in more:
             t.group += offset
         offset = max(offset, *(t.group + 1 for t in more))  # an external episode may be several sequences
