@@ -31,8 +31,9 @@ def test_synthetic_config_lives_under_the_quickstart_out_dir_unless_told_otherwi
     assert (syn.data.corpus, syn.data.train, syn.data.test) == tuple(str(out / "data" / f"{k}.jsonl")
                                                                      for k in ("corpus", "train", "test"))
     # the recipe of bench/learning.py's winning estimator, at the quickstart's budget
-    assert (syn.train.algorithm, syn.train.steps, syn.train.ppo_epochs, syn.train.lr) == ("evidence_igpo", 120, 2, 5e-4)
-    assert (syn.train.questions_per_step, syn.train.group_size, syn.retrieval.top_k) == (8, 8, 1)
+    alg = syn.train.algorithm
+    assert (alg.adv_estimator, syn.train.steps, alg.ppo_epochs, syn.train.optim.lr) == ("evidence_igpo", 120, 2, 5e-4)
+    assert (syn.train.rollout.questions_per_step, syn.train.rollout.group_size, syn.retrieval.top_k) == (8, 8, 1)
     assert (syn.sft.epochs, syn.sft.max_examples, syn.policy.tiny.hidden_size) == (80, 60, 64)
     # overrides: out_dir moves data and index with it; an explicit index or data path is kept
     syn = synthetic_config(cfg, SYNTHETIC_CONFIG, [f"out_dir={tmp_path / 'elsewhere'}", "train.steps=5"])
