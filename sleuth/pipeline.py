@@ -174,7 +174,12 @@ def tiny_policy_path(cfg: Config, log=print) -> Path:
     if not (path / "config.json").exists():
         paths = data_paths(cfg)
         log(f"training a BPE tokenizer and building the tiny Qwen2 policy in {path}")
-        extra = external_agent_texts(cfg) if cfg.agent.kind == "external" else []
+        extra: list[str] = []
+        if cfg.agent.kind == "external":
+            try:
+                extra = external_agent_texts(cfg)
+            except ValueError as e:  # the agent's oracle episodes failed: a tokenizer of the corpus alone
+                log(f"warning: the tiny policy's tokenizer learns the corpus only ({e})")
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         create_tiny_policy(tmp, read_corpus(paths["corpus"]), read_qa(paths["train"]), cfg.policy.tiny, cfg.seed, extra)

@@ -135,8 +135,19 @@ def estimate(name, rewards, groups, mask, trajs, turns=None, is_search=None, kl_
     inp = AdvantageInputs(rewards=rewards, groups=groups, mask=mask, token_turns=turns,
                           turn_valid=torch.ones_like(is_search), is_search=is_search,
                           search_calls=is_search.long().sum(-1), trajs=trajs, kl_tokens=kl_tokens)
-    cfg = {"algorithm": name, "kl_coef": 0.0, "search_cost": 0.0, "stratified_alpha": 0.5, **tc}
-    return compute_advantages(SimpleNamespace(**cfg), inp)["advantages"]
+    return compute_advantages(train_config(name, **{"kl_coef": 0.0, "search_cost": 0.0, **tc}), inp)["advantages"]
+
+
+def train_config(name, options=None, **alg):
+    """A train config whose ``train.algorithm`` section runs the registered estimator ``name`` with the
+    settings ``alg`` (``kl_coef``, ``search_cost``, ``gamma``, ``lam``) and its options ``options`` (a dict of
+    the fields of its registered Options class; its defaults when ``None``, the base Options for an unknown
+    name, which :func:`compute_advantages` then rejects)."""
+    from training.algos.estimators import ADV_ESTIMATORS
+    from training.registry import Options
+
+    cls = ADV_ESTIMATORS.get(name).options if name in ADV_ESTIMATORS else Options
+    return SimpleNamespace(algorithm=SimpleNamespace(adv_estimator=name, options=cls(**(options or {})), **alg))
 
 
 def test_outcome_estimators_broadcast_subtract_the_kl_and_charge_searches():
@@ -191,7 +202,7 @@ def test_ppo_estimator_returns_carry_the_search_cost_and_the_kl_penalty():
                           token_turns=torch.tensor([[1, 2, 0]]), turn_valid=torch.ones(1, 2, dtype=torch.bool),
                           is_search=searched, search_calls=torch.tensor([2]), trajs=[traj(0)],
                           values=torch.zeros(1, 3), kl_tokens=torch.tensor([[0.5, 1.0, 9.0]]))
-    tc = SimpleNamespace(algorithm="ppo", kl_coef=0.5, search_cost=0.25, gamma=1.0, lam=1.0)
+    tc = train_config("ppo", kl_coef=0.5, search_cost=0.25, gamma=1.0, lam=1.0)
     out = compute_advantages(tc, inp)
     # token rewards [-0.25, 0.5 - 0.5, 0] -> returns-to-go [-0.25, 0, 0]
     assert close(out["returns"], [[-0.25, 0.0, 0.0]])
@@ -207,9 +218,9 @@ def test_igpo_estimator_turn_rewards_rows_of_different_lengths():
     mask, turns = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]), torch.tensor([[1, 2, 2], [1, 1, 0]])
     inp = AdvantageInputs(rewards=torch.tensor([1.0, 0.0]), groups=torch.tensor([0, 0]), mask=mask, token_turns=turns,
                           turn_valid=valid, is_search=searched, search_calls=torch.tensor([1, 1]),
-                          trajs=[traj(0), traj(0)], gold_probs=[[0.1, 0.4, 0.9], [0.2, 0.5]],
+                          trajs=[traj(0), traj(0)], prepared={"gold_probs": [[0.1, 0.4, 0.9], [0.2, 0.5]]},
                           kl_tokens=torch.tensor([[0.2, 0.2, 0.2], [0.4, 0.0, 9.0]]))
-    tc = SimpleNamespace(algorithm="igpo", kl_coef=0.5, search_cost=0.1, ig_coef=2.0, gamma=1.0)
+    tc = train_config("igpo", options={"ig_coef": 2.0}, kl_coef=0.5, search_cost=0.1, gamma=1.0)
     got = compute_advantages(tc, inp)["advantages"]
     # gains [0.3, 0.5] and [0.3]; 2 * gain - 0.1 per search; each row's last valid turn holds its outcome
     turn_r = torch.tensor([[2 * 0.3 - 0.1, 1.0 - 0.3, 0.0], [0.0 - 0.2 - 0.1, 0.0, 0.0]])

@@ -12,6 +12,8 @@ import torch
 
 from training.algos.losses import (
     K3_MAX,
+    CISPOOptions,
+    LossConfig,
     aggregate,
     cispo,
     gspo,
@@ -25,6 +27,13 @@ from training.algos.losses import (
 )
 
 LN2 = math.log(2.0)
+#: GSPO's clip range in the paper (3e-4 / 4e-4; set explicitly, LossConfig's defaults are PPO's 0.2 / 0.2)
+GSPO_PAPER = {"clip_low": 3e-4, "clip_high": 4e-4}
+
+
+def cfg(loss: str, **kw) -> LossConfig:
+    """The settings of one policy term ``loss`` (the fields of :class:`LossConfig`)."""
+    return LossConfig(loss=loss, **kw)
 
 
 def close(x, want) -> bool:
@@ -92,38 +101,40 @@ def test_ppo_clip_both_sides_of_the_trust_region():
     old = torch.zeros(1, 3)
     adv = torch.tensor([[1.0, -1.0, 1.0]])
     mask = torch.ones(1, 3)
-    pg, stats = ppo_clip(lp, old, adv, mask, clip_low=0.2, clip_high=0.3)
+    pg, stats = ppo_clip(lp, old, adv, mask, cfg("ppo_clip", clip_low=0.2, clip_high=0.3))
     # token 0: max(-1.5, -1.3) = -1.3 (clipped); token 1: max(0.5, 0.8) = 0.8 (clipped); token 2: -1.1
     assert close(pg, [[-1.3, 0.8, -1.1]])
     assert stats == {"clip_frac": pytest.approx(2 / 3)}
-    pg, _ = ppo_clip(lp, old, adv, mask, clip_low=0.5, clip_high=0.5)  # nothing clipped
+    pg, _ = ppo_clip(lp, old, adv, mask, cfg("ppo_clip", clip_low=0.5, clip_high=0.5))  # nothing clipped
     assert close(pg, [[-1.5, 0.5, -1.1]])
     # exactly at the edge (ratio 1.5, clip_high 0.5): not counted as clipped
-    assert ppo_clip(lp[:, :1], old[:, :1], adv[:, :1], mask[:, :1], clip_high=0.5)[1]["clip_frac"] == 0.0
+    _, stats = ppo_clip(lp[:, :1], old[:, :1], adv[:, :1], mask[:, :1], cfg("ppo_clip", clip_high=0.5))
+    assert stats["clip_frac"] == 0.0
 
 
 def test_dual_clip_caps_negative_advantages():
     lp = torch.log(torch.tensor([[5.0, 2.0, 5.0]]))
     adv = torch.tensor([[-1.0, -1.0, 1.0]])
-    pg, stats = ppo_clip(lp, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_ratio_c=3.0)
+    pg, stats = ppo_clip(lp, torch.zeros(1, 3), adv, torch.ones(1, 3), cfg("ppo_clip", clip_ratio_c=3.0))
     # token 0: max(5, 1.2) = 5 -> capped at 3; token 1: 2 < 3 stays; token 2 (A > 0): max(-5, -1.2) = -1.2
     assert close(pg, [[3.0, 2.0, -1.2]])
     assert stats["clip_frac_lower"] == pytest.approx(1 / 3) and stats["clip_frac"] == pytest.approx(1 / 3)
-    pg, _ = ppo_clip(lp, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_ratio_c=5.0)  # at the bound: not capped
+    # at the bound: not capped
+    pg, _ = ppo_clip(lp, torch.zeros(1, 3), adv, torch.ones(1, 3), cfg("ppo_clip", clip_ratio_c=5.0))
     assert close(pg, [[5.0, 2.0, -1.2]])
     for c in (1.0, 0.5):
         with pytest.raises(ValueError, match="clip_ratio_c > 1"):
-            ppo_clip(lp, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_ratio_c=c)
+            ppo_clip(lp, torch.zeros(1, 3), adv, torch.ones(1, 3), cfg("ppo_clip", clip_ratio_c=c))
 
 
 def test_gspo_clips_whole_sequences():
     # row 0: log-ratios ln 2, 0 -> s = sqrt 2 (clipped to 1 + 0.1); row 1: 0, 0 -> s = 1
     lp = torch.tensor([[LN2, 0.0], [0.0, 0.0]], requires_grad=True)
     adv = torch.tensor([[1.0, 1.0], [-2.0, -2.0]])
-    pg, stats = gspo(lp, torch.zeros(2, 2), adv, torch.ones(2, 2), clip_low=0.1, clip_high=0.1)
+    pg, stats = gspo(lp, torch.zeros(2, 2), adv, torch.ones(2, 2), cfg("gspo", clip_low=0.1, clip_high=0.1))
     assert close(pg, [[-1.1, -1.1], [2.0, 2.0]])
     assert stats["clip_frac"] == pytest.approx(0.5)
-    pg, _ = gspo(lp, torch.zeros(2, 2), adv, torch.ones(2, 2), clip_low=0.5, clip_high=0.5)
+    pg, _ = gspo(lp, torch.zeros(2, 2), adv, torch.ones(2, 2), cfg("gspo", clip_low=0.5, clip_high=0.5))
     assert close(pg, [[-math.sqrt(2)] * 2, [2.0, 2.0]])
     pg.sum().backward()  # the GSPO-token gradient: -A * s on each token
     assert close(lp.grad, [[-math.sqrt(2)] * 2, [2.0, 2.0]])
@@ -132,12 +143,13 @@ def test_gspo_clips_whole_sequences():
 def test_cispo_clips_the_weight_not_the_gradient():
     lp = torch.log(torch.tensor([[2.0, 0.5, 1.0]])).requires_grad_()
     adv = torch.tensor([[1.0, 1.0, -1.0]])
-    pg, stats = cispo(lp, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_high=0.2)
+    pg, stats = cispo(lp, torch.zeros(1, 3), adv, torch.ones(1, 3), cfg("cispo", clip_high=0.2))
     assert close(pg, [[-1.2, -0.5, 1.0]])  # only the upper bound by default
     assert stats["clip_frac"] == pytest.approx(1 / 3)
     pg.sum().backward()
     assert close(lp.grad, [[-1.2, -0.5, 1.0]])  # every token keeps its gradient
-    pg, stats = cispo(lp, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_high=0.2, options={"cispo_clip_low": 0.25})
+    both = cfg("cispo", clip_high=0.2, options=CISPOOptions(clip_low=0.25))
+    pg, stats = cispo(lp, torch.zeros(1, 3), adv, torch.ones(1, 3), both)
     assert close(pg, [[-1.2, -0.75, 1.0]]) and stats["clip_frac"] == pytest.approx(2 / 3)
 
 
@@ -149,9 +161,12 @@ def test_token_logprobs():
     assert close(ent, [[LN2, h]])
 
 
-def composed(**kw):
-    """The composed actor loss with the keyword settings of the tests below."""
-    return policy_loss(**kw)
+def composed(*, logprobs, old_logprobs, advantages, mask, ref_logprobs=None, entropy=None, is_weights=None,
+             **settings):
+    """The composed actor loss with the keyword settings of the tests below (``settings``: the fields of
+    :class:`LossConfig`)."""
+    return policy_loss(logprobs, old_logprobs, advantages, mask, LossConfig(**settings), ref_logprobs=ref_logprobs,
+                       entropy=entropy, is_weights=is_weights)
 
 
 def test_composed_loss_and_its_statistics():
@@ -236,30 +251,31 @@ def test_k2_with_both_log_probs_nonzero_and_one_row_normalisers():
 def test_ratio_clamps_on_both_sides():
     one = torch.ones(1, 1)
     # PPO: the log-ratio is clamped to +-20 before the exp
-    pg, _ = ppo_clip(torch.tensor([[25.0]]), torch.zeros(1, 1), -one, one)
+    pg, _ = ppo_clip(torch.tensor([[25.0]]), torch.zeros(1, 1), -one, one, cfg("ppo_clip"))
     assert pg.item() == pytest.approx(math.exp(20.0), rel=1e-5)
-    pg, _ = ppo_clip(torch.tensor([[-25.0]]), torch.zeros(1, 1), one, one, clip_low=1.0)
+    pg, _ = ppo_clip(torch.tensor([[-25.0]]), torch.zeros(1, 1), one, one, cfg("ppo_clip", clip_low=1.0))
     assert pg.item() == pytest.approx(-math.exp(-20.0), rel=1e-5)
     # CISPO: the same clamp on the weight's ratio (a huge clip_high leaves it unclipped below e^20)
-    pg, stats = cispo(torch.tensor([[25.0]]), torch.zeros(1, 1), -one, one, clip_high=3e8)
+    pg, stats = cispo(torch.tensor([[25.0]]), torch.zeros(1, 1), -one, one, cfg("cispo", clip_high=3e8))
     assert pg.item() == pytest.approx(3e8 + 1, rel=1e-5) and stats["clip_frac"] == 1.0
-    pg, stats = cispo(torch.tensor([[19.5]]), torch.zeros(1, 1), -one, one, clip_high=3e8)
+    pg, stats = cispo(torch.tensor([[19.5]]), torch.zeros(1, 1), -one, one, cfg("cispo", clip_high=3e8))
     assert pg.item() == pytest.approx(math.exp(19.5), rel=1e-5) and stats["clip_frac"] == 0.0
-    pg, _ = cispo(torch.tensor([[-25.0]]), torch.zeros(1, 1), -one, one)
+    pg, _ = cispo(torch.tensor([[-25.0]]), torch.zeros(1, 1), -one, one, cfg("cispo"))
     assert pg.item() == pytest.approx(math.exp(-20.0), rel=1e-5)
     # GSPO: the token log-ratio is capped at 10
-    pg, _ = gspo(torch.tensor([[12.0]]), torch.zeros(1, 1), -one, one)
+    pg, _ = gspo(torch.tensor([[12.0]]), torch.zeros(1, 1), -one, one, cfg("gspo", **GSPO_PAPER))
     assert pg.item() == pytest.approx(math.exp(10.0), rel=1e-5)
 
 
-def test_gspo_default_clip_range_is_the_papers():
+def test_gspo_with_the_papers_clip_range():
     one = torch.ones(1, 1)
     # s = 0.999 < 1 - 3e-4 with A = -1: max(s, 1 - 3e-4) = 0.9997; s = 1.001 > 1 + 4e-4 with A = 1: -1.0004
-    pg, stats = gspo(torch.tensor([[math.log(0.999)]]), torch.zeros(1, 1), -one, one)
+    pg, stats = gspo(torch.tensor([[math.log(0.999)]]), torch.zeros(1, 1), -one, one, cfg("gspo", **GSPO_PAPER))
     assert pg.item() == pytest.approx(0.9997, abs=1e-6) and stats["clip_frac"] == 1.0
-    pg, _ = gspo(torch.tensor([[math.log(1.001)]]), torch.zeros(1, 1), one, one)
+    pg, _ = gspo(torch.tensor([[math.log(1.001)]]), torch.zeros(1, 1), one, one, cfg("gspo", **GSPO_PAPER))
     assert pg.item() == pytest.approx(-1.0004, abs=1e-6)
-    pg, stats = gspo(torch.tensor([[math.log(0.9998)]]), torch.zeros(1, 1), -one, one)  # inside: unclipped
+    # inside: unclipped
+    pg, stats = gspo(torch.tensor([[math.log(0.9998)]]), torch.zeros(1, 1), -one, one, cfg("gspo", **GSPO_PAPER))
     assert pg.item() == pytest.approx(0.9998, abs=1e-6) and stats["clip_frac"] == 0.0
 
 
@@ -295,7 +311,7 @@ def test_registering_a_taken_name_needs_replace():
 
 def test_dual_clip_accepts_any_bound_above_1_and_kl_is_off_by_default():
     lp = torch.log(torch.tensor([[5.0]]))
-    pg, stats = ppo_clip(lp, torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1), clip_ratio_c=1.5)
+    pg, stats = ppo_clip(lp, torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1), cfg("ppo_clip", clip_ratio_c=1.5))
     assert pg.item() == pytest.approx(1.5) and stats["clip_frac_lower"] == 1.0
     loss, stats = composed(logprobs=lp, old_logprobs=lp, advantages=torch.ones(1, 1), mask=torch.ones(1, 1),
                            ref_logprobs=torch.zeros(1, 1))  # a reference without kl_coef: no KL term

@@ -25,6 +25,12 @@ NAN = float("nan")
 LN2 = math.log(2.0)
 
 
+def train_config(**algorithm):
+    """A train config whose ``train.algorithm`` section holds the rollout-correction settings ``algorithm``
+    (``tis_cap``, ``mis_band``, ``mis_level``)."""
+    return SimpleNamespace(algorithm=SimpleNamespace(**algorithm))
+
+
 def batch(old, rollout, mask):
     return SimpleNamespace(old_logprobs=torch.tensor(old), rollout_logprobs=torch.tensor(rollout),
                            loss_mask=torch.tensor(mask), is_weights=None)
@@ -111,24 +117,24 @@ def test_rollout_correction_weights_and_rejection():
                      [[-1.0, -1.0], [-1.0, -1.0], [NAN, NAN]], [[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
 
     b = fresh()
-    stats = rollout_correction(b, SimpleNamespace(tis_cap=4.0, mis_band=None, mis_level="sequence"))
+    stats = rollout_correction(b, train_config(tis_cap=4.0, mis_band=None, mis_level="sequence"))
     torch.testing.assert_close(b.is_weights, torch.tensor([[2.0, 0.5], [4.0, 1.0], [1.0, 1.0]]))  # 8 capped at 4
     assert b.is_weights.dtype == b.loss_mask.dtype and "offpolicy/mis_rejected" not in stats
     assert stats["offpolicy/tis_capped"] == pytest.approx(1 / 3)
     assert b.loss_mask.tolist() == [[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]]
 
     b = fresh()
-    stats = rollout_correction(b, SimpleNamespace(tis_cap=None, mis_band=(0.5, 4.0), mis_level="sequence"))
+    stats = rollout_correction(b, train_config(tis_cap=None, mis_band=(0.5, 4.0), mis_level="sequence"))
     assert b.is_weights is None
     # sequence ratios 1 (kept), 8 (dropped); row 2 has nothing known: kept, not counted as judged
     assert b.loss_mask.tolist() == [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
     assert stats["offpolicy/mis_rejected"] == 0.5
     b = fresh()
-    stats = rollout_correction(b, SimpleNamespace(tis_cap=None, mis_band=[0.5, 8.5], mis_level="sequence"))
+    stats = rollout_correction(b, train_config(tis_cap=None, mis_band=[0.5, 8.5], mis_level="sequence"))
     assert stats["offpolicy/mis_rejected"] == 0.0 and b.loss_mask.sum() == 5
 
     none = batch([[0.0]], [[NAN]], [[1.0]])
-    assert rollout_correction(none, SimpleNamespace(tis_cap=2.0, mis_band=(0.5, 2.0), mis_level="sequence")) == {}
+    assert rollout_correction(none, train_config(tis_cap=2.0, mis_band=(0.5, 2.0), mis_level="sequence")) == {}
     assert none.is_weights is None and none.loss_mask.tolist() == [[1.0]]
 
 
@@ -149,7 +155,7 @@ def test_sequence_keep_negative_sums_and_one_token_rows():
 def test_mis_rejected_share_with_one_judged_row():
     # one row judged (ratio 8, outside the band: dropped), one with nothing known: the share is 1 of 1
     b = batch([[-1.0 + 3 * LN2, -1.0], [0.0, 0.0]], [[-1.0, -1.0], [NAN, NAN]], [[1.0, 1.0], [1.0, 1.0]])
-    stats = rollout_correction(b, SimpleNamespace(tis_cap=None, mis_band=(0.5, 4.0), mis_level="sequence"))
+    stats = rollout_correction(b, train_config(tis_cap=None, mis_band=(0.5, 4.0), mis_level="sequence"))
     assert stats["offpolicy/mis_rejected"] == 1.0 and b.loss_mask.tolist() == [[0.0, 0.0], [1.0, 1.0]]
 
 

@@ -77,11 +77,11 @@ def test_body_bytes_both_sides(proxy):
         return out
 
     served(proxy.http.post("/v1/chat/completions", content=body(3000)))
-    refused(proxy.http.post("/v1/chat/completions", content=body(3001)), 413, "request body of 3001 bytes exceeds 3000")
+    refused(proxy.http.post("/v1/chat/completions", content=body(3001)), 413, "request body of 3001 bytes exceeds the size limit; the limit is 3000")
     at, over = body(3000), body(3001)
     served(proxy.http.post("/v1/chat/completions", content=iter([at[:1000], at[1000:]])))
     refused(proxy.http.post("/v1/chat/completions", content=iter([over[:1000], over[1000:]])), 413,
-            "request body exceeds 3000 bytes")
+            "request body exceeds the size limit (over 3000 bytes sent); the limit is 3000")
     refused(proxy.http.post("/v1/chat/completions", content=b"{"), 400, "request body is not valid JSON")
     refused(proxy.http.post("/v1/chat/completions", content=b"[1]"), 400, "request body must be a JSON object")
     refused(proxy.http.post("/v1/chat/completions", content=b"[" * 1200 + b"]" * 1200), 400, "nested too deeply")

@@ -96,7 +96,7 @@ def test_body_bytes_both_sides_declared_and_streamed(server):
         return out
 
     ok(post(server.url, body(3000)), 1, 1)
-    refused(post(server.url, body(3001)), 413, "request body is 3001 bytes; the limit is 3000 (max_body_bytes)")
+    refused(post(server.url, body(3001)), 413, "request body of 3001 bytes exceeds the size limit; the limit is 3000 (max_body_bytes)")
     at, over = body(3000), body(3001)
     ok(post(server.url, iter([at[:1000], at[1000:]])), 1, 1)  # chunked: no Content-Length
     refused(post(server.url, iter([over[:1000], over[1000:]])), 413, "the limit is 3000 (max_body_bytes)")

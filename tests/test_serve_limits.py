@@ -61,10 +61,10 @@ def test_body_bytes_both_sides(server):
         return out
 
     assert answered(ask(server.url, body(3000)))["answer"] == "Paris"
-    refused(ask(server.url, body(3001)), 413, "request body of 3001 bytes exceeds 3000")
+    refused(ask(server.url, body(3001)), 413, "request body of 3001 bytes exceeds the size limit; the limit is 3000")
     at, over = body(3000), body(3001)
     assert answered(ask(server.url, iter([at[:1000], at[1000:]])))["answer"] == "Paris"  # chunked
-    refused(ask(server.url, iter([over[:1000], over[1000:]])), 413, "request body exceeds 3000 bytes")
+    refused(ask(server.url, iter([over[:1000], over[1000:]])), 413, "request body exceeds the size limit (over 3000 bytes sent); the limit is 3000")
     refused(ask(server.url, b"{"), 400, "request body is not valid JSON")
     refused(ask(server.url, b"[]"), 400, "request body must be a JSON object")
     refused(ask(server.url, b"[" * 1200 + b"]" * 1200), 400, "nested too deeply")

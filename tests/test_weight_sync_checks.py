@@ -69,7 +69,8 @@ def test_check_engine_tolerance_both_sides_and_its_statistics():
     assert set(stats) == {"sync/probe_lp_diff_mean", "sync/probe_lp_diff_max"}
     with pytest.raises(WeightSyncError, match=r"\(4 tokens of 'Question: Which city is the capital of F'\.\.\.\) "
                                               r"differ from the trainer's by 0\.25 nats per token on average "
-                                              r"\(at most 0\.5, token 2\), over train\.sync_probe_tol=0\.2499"):
+                                              r"\(at most 0\.5, token 2\), "
+                                              r"over train\.rollout\.sync_probe_tol=0\.2499"):
         check_engine(Engine(model, off), model, IDS, tol=0.2499)
 
 
@@ -117,7 +118,7 @@ def test_check_tensors_names_what_differs_or_is_missing():
 
 def test_verify_engine_checks_what_the_backend_has():
     model = Bigram()
-    tc = SimpleNamespace(sync_probe_tol=1e-4)
+    tc = SimpleNamespace(rollout=SimpleNamespace(sync_probe_tol=1e-4))  # train.rollout.sync_probe_tol
     assert verify_engine(SimpleNamespace(model=model), model, {"bias": torch.ones(3)}, tc, IDS) == {}  # same model
     pushed = {k: v.detach().clone() for k, v in model.state_dict().items()}
     engine = Engine(model, shared=Bigram(seed=0))
@@ -129,7 +130,7 @@ def test_verify_engine_checks_what_the_backend_has():
     with pytest.raises(WeightSyncError, match="the rollout process's shared copy"):
         verify_engine(stale, model, pushed, tc, IDS)
     drifted = Engine(model, offsets=[0.0, 0.0, 0.01])
-    with pytest.raises(WeightSyncError, match="sync_probe_tol=0.0001"):
+    with pytest.raises(WeightSyncError, match=r"train\.rollout\.sync_probe_tol=0\.0001"):
         verify_engine(drifted, model, None, tc, IDS)
     no_probe = SimpleNamespace(shared_model=None, probe_logprobs=None)
     assert verify_engine(no_probe, model, pushed, tc, IDS) == {}
