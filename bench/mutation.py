@@ -82,8 +82,8 @@ TARGETS: dict[str, Target] = {
     "maxscore": Target("retrieval/maxscore.py", ("tests/test_maxscore.py",), env=(("NUMBA_DISABLE_JIT", "1"),)),
     "retrieval_server_limits": Target(
         "retrieval/server.py", ("tests/test_retrieval_server_limits.py",),
-        only=("ServerLimits", "parse_request", "_flag", "RetrieveEndpoint.admit", "RetrieveEndpoint._handle",
-              "RetrieveEndpoint._body")),
+        only=("ServerLimits", "parse_request", "_flag", "RetrieveEndpoint.admit", "RetrieveEndpoint._handle")),
+    "http_guard": Target("retrieval/http_guard.py", ("tests/test_http_guard.py", "tests/test_retrieval_server_limits.py")),
     "serve_limits": Target(
         "agent/serve/service.py", ("tests/test_serve_limits.py",),
         only=("check_unicode", "int_in", "AgentService.check_auth", "AgentService.read_json",

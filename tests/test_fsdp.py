@@ -77,9 +77,9 @@ def reference_params() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]
 
     model, batch = build()
     critic = critic_for(model)
-    opt = torch.optim.SGD(model.parameters(), lr=train_cfg().lr)  # Adam would turn float noise in
+    opt = torch.optim.SGD(model.parameters(), lr=train_cfg().optim.lr)  # Adam would turn float noise in
     # gradients that are zero in exact arithmetic (k_proj biases) into +-lr steps
-    copt = torch.optim.SGD(critic.parameters(), lr=train_cfg().lr)
+    copt = torch.optim.SGD(critic.parameters(), lr=train_cfg().optim.lr)
     update_policy(model, None, opt, batch, train_cfg(), critic=critic, critic_optimizer=copt)
     return ({k: v.detach().clone() for k, v in model.state_dict().items()},
             {k: v.detach().clone() for k, v in critic.state_dict().items()})
@@ -96,8 +96,8 @@ def worker(out: str) -> None:
     model, batch = build()
     critic = shard_value_model(critic_for(model))  # built from the full policy, before it is sharded
     fwd = shard(LogprobModule(model))
-    opt = torch.optim.SGD(fwd.parameters(), lr=train_cfg().lr)
-    copt = torch.optim.SGD(critic.parameters(), lr=train_cfg().lr)
+    opt = torch.optim.SGD(fwd.parameters(), lr=train_cfg().optim.lr)
+    copt = torch.optim.SGD(critic.parameters(), lr=train_cfg().optim.lr)
     rows = torch.arange(len(batch))[rank::W]
     # rows 0,2,4 (lengths 20,12,9) -> 2 micro-batches of <= 30 padded tokens; rows 1,3,5 (17,20,15) -> 3
     update_policy(fwd, None, opt, batch.select(rows), train_cfg().updated({"optim.micro_batch_tokens": 30}),
