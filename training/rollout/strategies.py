@@ -25,6 +25,7 @@ Built in:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from collections.abc import Callable
@@ -198,38 +199,24 @@ def rexrag(worker: Any, questions: list[QAExample], group_size: int, opts: RexRa
 
 # -- SSP -------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class SSPRolloutOptions(Options):
-    """Search self-play (Lu et al., 2025, arXiv 2510.18821): ``proposals`` per seed answer (``None``:
-    ``train.rollout.group_size``; they form the seed's group), the proposer's ``reward_type`` (``1-acc`` or
-    ``intermediate_difficulty``, with ``left``, ``right``), the ``format_penalty`` of a rejected question, the
-    question filters (``min_question_chars``, ``max_question_chars``, ``min_question_words``,
-    ``min_searches``, ``forbid_answer_in_queries``) and ``noisy_materials`` (other proposals' documents mixed
-    into the RAG verification). Defaults of the authors' ``rl_config.yaml``; ranges checked by
-    :class:`training.algos.ssp.SSPOptions`."""
+class SSPRolloutOptions(Options, SSPOptions):
+    """Search self-play (Lu et al., 2025, arXiv 2510.18821): the fields of
+    :class:`training.algos.ssp.SSPOptions` (the proposer's ``reward_type`` and its ``left`` / ``right``, the
+    ``format_penalty`` of a rejected question, the question filters and ``noisy_materials``; the authors'
+    ``rl_config.yaml`` defaults, ranges checked there) and ``proposals`` per seed answer (``None``:
+    ``train.rollout.group_size``; they form the seed's group). Raises ``ValueError`` as ``SSPOptions`` does,
+    and for ``proposals < 1``."""
 
     proposals: int | None = None
-    reward_type: str = "1-acc"
-    left: float = 0.0
-    right: float = 1.0
-    format_penalty: float = -1.0
-    min_question_chars: int = 10
-    max_question_chars: int = 1000
-    min_question_words: int = 10
-    min_searches: int = 2
-    forbid_answer_in_queries: bool = False
-    noisy_materials: int = 0
 
     def __post_init__(self) -> None:
         if self.proposals is not None:
             check_range("SSP's proposals", self.proposals, 1.0)
-        self.core()
+        SSPOptions.__post_init__(self)
 
     def core(self) -> SSPOptions:
-        return SSPOptions(reward_type=self.reward_type, left=self.left, right=self.right,
-                          format_penalty=self.format_penalty, min_question_chars=self.min_question_chars,
-                          max_question_chars=self.max_question_chars, min_question_words=self.min_question_words,
-                          min_searches=self.min_searches, forbid_answer_in_queries=self.forbid_answer_in_queries,
-                          noisy_materials=self.noisy_materials)
+        """The core's :class:`training.algos.ssp.SSPOptions`: these options without ``proposals``."""
+        return SSPOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SSPOptions)})
 
 
 @register_rollout_strategy("ssp", options=SSPRolloutOptions,
