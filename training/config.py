@@ -70,6 +70,20 @@ SFTDataName = choice(SFT_DATA)
 StrategyName = choice(ROLLOUT_STRATEGIES)
 
 
+def options_validator(field: str, name_field: str, registry: Registry[Any], key: str) -> Any:
+    """The config validator of ``field``, the settings of the entry of ``registry`` named by the section's
+    ``name_field``: :func:`registered_options` (errors name ``key``); the base :class:`Options` when the name
+    itself failed validation (its error is the one to read)."""
+
+    def validate(cls: Any, v: Any, info: ValidationInfo) -> Any:
+        name = info.data.get(name_field)
+        if name is None:
+            return Options()
+        return registered_options(registry, name, v, key)
+
+    return field_validator(field, mode="before")(validate)
+
+
 def _default_retry_waits() -> list[float]:
     # imported when a config is made: faults imports the agent loop
     from training.rollout.faults import RETRY_WAITS_S
@@ -92,13 +106,7 @@ class SFTConfig(Section):
     data_options: SerializeAsAny[Options] = Field(
         default_factory=Options, description="the builder's own settings (its registered options class)")
 
-    @field_validator("data_options", mode="before")
-    @classmethod
-    def _data_options(cls, v: Any, info: ValidationInfo) -> Any:
-        name = info.data.get("data")
-        if name is None:
-            return Options()
-        return registered_options(SFT_DATA, name, v, "sft.data_options")
+    _data_options = options_validator("data_options", "data", SFT_DATA, "sft.data_options")
 
     @model_validator(mode="after")
     def _check(self) -> SFTConfig:
@@ -202,29 +210,11 @@ class AlgorithmConfig(Section):
     mis_level: Literal["sequence", "geometric"] = Field(
         "sequence", description="MIS ratio of an episode: the product over its tokens, or its geometric mean")
 
-    @field_validator("options", mode="before")
-    @classmethod
-    def _estimator_options(cls, v: Any, info: ValidationInfo) -> Any:
-        name = info.data.get("adv_estimator")
-        if name is None:  # the name itself failed: its error is the one to read
-            return Options()
-        return registered_options(ADV_ESTIMATORS, name, v, "train.algorithm.options")
+    _estimator_options = options_validator("options", "adv_estimator", ADV_ESTIMATORS, "train.algorithm.options")
 
-    @field_validator("loss_options", mode="before")
-    @classmethod
-    def _loss_options(cls, v: Any, info: ValidationInfo) -> Any:
-        name = info.data.get("policy_loss")
-        if name is None:
-            return Options()
-        return registered_options(POLICY_LOSSES, name, v, "train.algorithm.loss_options")
+    _loss_options = options_validator("loss_options", "policy_loss", POLICY_LOSSES, "train.algorithm.loss_options")
 
-    @field_validator("reward_options", mode="before")
-    @classmethod
-    def _reward_options(cls, v: Any, info: ValidationInfo) -> Any:
-        name = info.data.get("reward")
-        if name is None:
-            return Options()
-        return registered_options(REWARDS, name, v, "train.algorithm.reward_options")
+    _reward_options = options_validator("reward_options", "reward", REWARDS, "train.algorithm.reward_options")
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
@@ -316,13 +306,7 @@ class RolloutConfig(Section):
                 raise ValueError(f"train.rollout.engines: an engine is listed twice: {v}")
         return v
 
-    @field_validator("strategy_options", mode="before")
-    @classmethod
-    def _strategy_options(cls, v: Any, info: ValidationInfo) -> Any:
-        name = info.data.get("strategy")
-        if name is None:
-            return Options()
-        return registered_options(ROLLOUT_STRATEGIES, name, v, "train.rollout.strategy_options")
+    _strategy_options = options_validator("strategy_options", "strategy", ROLLOUT_STRATEGIES, "train.rollout.strategy_options")
 
     @field_validator("retry_waits")
     @classmethod
