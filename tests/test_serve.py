@@ -156,8 +156,19 @@ def test_serve_command_binds_loopback_by_default():
     assert args.host == "127.0.0.1" and args.port == 8000
 
 
-def test_threads_are_not_leaked():
-    assert threading.active_count() < 50
+@pytest.fixture(scope="module", autouse=True)
+def threads_before_this_module():
+    """The threads alive before this module's first test: other modules' leftovers are not this module's leak."""
+    return set(threading.enumerate())
+
+
+def _threads_started_here(before: set) -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t not in before and t.is_alive())
+
+
+def test_threads_are_not_leaked(threads_before_this_module):
+    new = _threads_started_here(threads_before_this_module)
+    assert len(new) < 10, new
 
 
 # -- turn-by-turn streaming ---------------------------------------------------------------------------
@@ -308,8 +319,9 @@ def test_client_disconnect_cancels_the_streamed_episode(tiny_llm, retriever, age
     assert inflight == 0  # cancelled well before the backend (gated for 10 s) or the 20 s timeout
 
 
-def test_threads_are_not_leaked_after_streaming():
-    assert threading.active_count() < 50
+def test_threads_are_not_leaked_after_streaming(threads_before_this_module):
+    new = _threads_started_here(threads_before_this_module)
+    assert len(new) < 10, new
 
 
 def test_malformed_chat_content_parts_get_422_not_500(server):
