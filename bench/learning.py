@@ -17,6 +17,7 @@ stopped: finished runs are read back from the JSON, an interrupted run continues
     .venv/bin/python bench/learning.py --task v2 --compare  # the same on task v2 (3 seeds)
     .venv/bin/python bench/learning.py --compare --methods aepo egrpo ikea  # named presets against GRPO
     .venv/bin/python bench/learning.py --compare --short --methods aepo  # the same at SHORT_BUDGET
+    .venv/bin/python bench/learning.py --compare --mid --methods arpo rexrag ssp  # ... at MID_BUDGET
     .venv/bin/python bench/learning.py --stability gigpo    # the 600-step run of one estimator
     .venv/bin/python bench/learning.py --report             # tables + plots from the JSON only
 
@@ -100,8 +101,18 @@ ESTIMATORS = {  # name -> (train.algorithm.adv_estimator, its own train override
     "aepo": ("aepo", {"algorithm.options": {"reinforce_samples": 4}}),
     "egrpo": ("grpo", {"algorithm.reward": "egrpo"}),
     "ikea": ("grpo", {"algorithm.reward": "ikea"}),
+    # the rollout strategies, fixed before their runs: ARPO with the authors' split of the budget (half global
+    # samples, one copy per branching draw, alpha 0.5, beta 0.2) and an entropy window of one turn of this
+    # policy (8 tokens); REX-RAG with the authors' probe probability 0.2 and its importance correction; search
+    # self-play with the policy proposing from each training answer, its question filters relaxed to what an
+    # 8-token turn can write (one word, no minimum of searches)
+    "arpo": ("grpo", {"rollout.strategy": "arpo",
+                      "rollout.strategy_options": {"global_samples": 4, "entropy_window": 8}}),
+    "rexrag": ("grpo", {"rollout.strategy": "rexrag"}),
+    "ssp": ("grpo", {"rollout.strategy": "ssp",
+                     "rollout.strategy_options": {"min_question_words": 1, "min_searches": 0}}),
 }
-METHODS = ("aepo", "egrpo", "ikea")  # the presets of the search-agent methods (--methods default with --compare)
+METHODS = ("aepo", "egrpo", "ikea", "arpo", "rexrag", "ssp")  # the presets of the search-agent methods (--methods default with --compare)
 SEEDS = (0, 1, 2)
 STABILITY_STEPS = 600
 # the winning estimator again with the rest of the 20-minute budget a run may take (1 torch thread): its
@@ -110,6 +121,10 @@ LONG_BUDGET = {"steps": 1500, "monitoring.eval_every": 50, "checkpoints.save_eve
 # a shorter budget for comparisons that must fit a shared CPU (run names <preset>-short-s<seed>, GRPO's too: each
 # preset is compared with GRPO at the same budget)
 SHORT_BUDGET = {"steps": 15, "monitoring.eval_every": 15, "checkpoints.save_every": 15}
+# a middle budget for the comparison of every search-agent method on both tasks within one shared-CPU sitting
+# (run names <preset>-mid-s<seed>, GRPO's too)
+MID_BUDGET = {"steps": 60, "monitoring.eval_every": 20, "checkpoints.save_every": 20}
+BUDGETS = {"long": LONG_BUDGET, "mid": MID_BUDGET, "short": SHORT_BUDGET}
 # ---- task v2: its own corpus, tiny tokenizer and SFT (same recipe); turns and tokens for 4 searches ------
 AGENT_V2 = {**AGENT, "max_turns": 6, "max_total_tokens": 224}
 TASKS = {"v1": {"work": "", "json": "learning.json", "agent": AGENT, "hops": (1, 2, 3), "sft_hops": (1, 2, 3)},
@@ -138,10 +153,9 @@ def run_spec(name: str) -> tuple[str, int, dict]:
         algo, extra = ESTIMATORS[tail]
         return algo, 0, {**COMPARE, **extra, "steps": STABILITY_STEPS}
     budget = {}
-    if est.endswith("-long"):
-        est, budget = est.removesuffix("-long"), LONG_BUDGET
-    elif est.endswith("-short"):
-        est, budget = est.removesuffix("-short"), SHORT_BUDGET
+    for label, steps in BUDGETS.items():
+        if est.endswith(f"-{label}"):
+            est, budget = est.removesuffix(f"-{label}"), steps
     if est in ESTIMATORS and tail.startswith("s") and tail[1:].isdigit():
         algo, extra = ESTIMATORS[est]
         return algo, int(tail[1:]), {**COMPARE, **extra, **budget}
@@ -151,7 +165,7 @@ def run_spec(name: str) -> tuple[str, int, dict]:
 def compare_names(seeds=SEEDS, presets=None, budget: str = "") -> list[str]:
     """The comparison's run names, seed by seed (every preset of seed 0 first): ``presets`` (names of
     :data:`ESTIMATORS`; default all) and GRPO, the baseline each is compared with; ``budget`` ``""`` (the
-    comparison's) or ``"short"`` (:data:`SHORT_BUDGET`)."""
+    comparison's), ``"mid"`` (:data:`MID_BUDGET`) or ``"short"`` (:data:`SHORT_BUDGET`)."""
     chosen = list(ESTIMATORS) if presets is None else ["grpo", *(p for p in presets if p != "grpo")]
     tail = f"-{budget}" if budget else ""
     return [f"{e}{tail}-s{s}" for s in seeds for e in chosen]
@@ -431,7 +445,7 @@ def main() -> int:
     ap.add_argument("--task", choices=list(TASKS), default="v1", help="the synthetic task version (default v1)")
     ap.add_argument("--only", nargs="*", metavar="NAME",
                     help=f"run names: v1's first sweep ({', '.join(RUNS)}; 'hotpot' for the HotpotQA curve), "
-                         f"<estimator>-s<seed>, <estimator>-long-s<seed>, <estimator>-short-s<seed> or "
+                         f"<estimator>-s<seed>, <estimator>-<long|mid|short>-s<seed> or "
                          f"stability-<estimator> with an "
                          f"estimator of {', '.join(ESTIMATORS)}")
     ap.add_argument("--compare", action="store_true", help="the comparison runs of every estimator (--seeds), or of "
@@ -439,6 +453,7 @@ def main() -> int:
     ap.add_argument("--methods", nargs="*", metavar="PRESET", choices=list(ESTIMATORS),
                     help=f"with --compare: only these presets of ESTIMATORS and GRPO (e.g. {' '.join(METHODS)})")
     ap.add_argument("--short", action="store_true", help=f"with --compare: the shorter budget {SHORT_BUDGET}")
+    ap.add_argument("--mid", action="store_true", help=f"with --compare: the middle budget {MID_BUDGET}")
     ap.add_argument("--seeds", nargs="*", type=int, default=list(SEEDS), help="the comparison's seeds")
     ap.add_argument("--stability", metavar="ESTIMATOR", choices=list(ESTIMATORS),
                     help=f"the {STABILITY_STEPS}-step run of one estimator")
@@ -449,7 +464,7 @@ def main() -> int:
     use_task(args.task)
     names = list(args.only or [])
     if args.compare:
-        names += compare_names(args.seeds, args.methods, "short" if args.short else "")
+        names += compare_names(args.seeds, args.methods, "short" if args.short else "mid" if args.mid else "")
     if args.stability:
         names.append(f"stability-{args.stability}")
     if not names and not args.report:

@@ -53,17 +53,21 @@ def _runs_of(res: dict, est: str) -> list[dict]:
 
 
 def _with_long(res: dict, estimators) -> list[str]:
-    """``estimators`` and, after them, each ``<estimator>-long`` and ``<estimator>-short`` that has runs (the
-    longer and the shorter budget; GRPO's first among the short ones)."""
-    longs = sorted({n.rpartition("-")[0] for n in res["runs"] if n.rpartition("-")[0].endswith("-long")})
-    shorts = sorted({n.rpartition("-")[0] for n in res["runs"] if n.rpartition("-")[0].endswith("-short")},
-                    key=lambda e: (e != "grpo-short", e))
-    return [*estimators, *longs, *shorts]
+    """``estimators`` and, after them, each ``<estimator>-long``, ``-mid`` and ``-short`` that has runs (the
+    longer, the middle and the shorter budget; GRPO's first among each budget's)."""
+    out = list(estimators)
+    for label in ("long", "mid", "short"):
+        out += sorted({n.rpartition("-")[0] for n in res["runs"] if n.rpartition("-")[0].endswith(f"-{label}")},
+                      key=lambda e, label=label: (e != f"grpo-{label}", e))
+    return out
 
 
 def _baseline(est: str) -> str:
     """The GRPO runs ``est`` is compared with: GRPO's at the same budget (``grpo-short`` for ``x-short``)."""
-    return "grpo-short" if est.endswith("-short") else "grpo"
+    for label in ("mid", "short"):
+        if est.endswith(f"-{label}"):
+            return f"grpo-{label}"
+    return "grpo"
 
 
 def task_table(task: str, res: dict, estimators: dict, hops: tuple[int, ...]) -> list[str]:
@@ -97,7 +101,7 @@ def task_table(task: str, res: dict, estimators: dict, hops: tuple[int, ...]) ->
             cells.append(f"{100 * statistics.mean(em):.0f} / {statistics.mean(sc):.2f}")
         drop = max(max_drop(r["curve"], r["sft_em"]) for r in rs)
         minutes = statistics.mean(r["wall_s"] for r in rs) / 60
-        label = f"{est.rpartition('-')[0]}, {rs[0]['steps']} steps" if est.endswith(("-long", "-short")) else est
+        label = f"{est.rpartition('-')[0]}, {rs[0]['steps']} steps" if est.endswith(("-long", "-mid", "-short")) else est
         lines.append(f"| {label} | {len(rs)} | {_mean_sd(ems)} | {100 * gain:+.1f} | {ci} | {' | '.join(cells)} | "
                      f"{100 * drop:.1f} | {minutes:.1f} |")
     return lines
