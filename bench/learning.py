@@ -100,8 +100,13 @@ ESTIMATORS = {  # name -> (train.algorithm.adv_estimator, its own train override
     "aepo": ("aepo", {"algorithm.options": {"reinforce_samples": 4}}),
     "egrpo": ("grpo", {"algorithm.reward": "egrpo"}),
     "ikea": ("grpo", {"algorithm.reward": "ikea"}),
+    # AdaSearch's stage 1, fixed before its runs (the stage one run of this harness can train; stage 2 is a
+    # second run from its checkpoint): half of each group's rollouts in parametric mode, the paper's mixed
+    # batch; on task v1 nothing is parametric, so it measures what the search mode keeps at half its rollouts
+    "adasearch": ("grpo", {"rollout.strategy": "adasearch",
+                           "rollout.strategy_options": {"stage": 1, "parametric_share": 0.5}}),
 }
-METHODS = ("aepo", "egrpo", "ikea")  # the presets of the search-agent methods (--methods default with --compare)
+METHODS = ("aepo", "egrpo", "ikea", "adasearch")  # the presets of the search-agent methods (--methods default with --compare)
 SEEDS = (0, 1, 2)
 STABILITY_STEPS = 600
 # the winning estimator again with the rest of the 20-minute budget a run may take (1 torch thread): its
