@@ -112,7 +112,8 @@ STAGES = (1, 2)
 @dataclass(frozen=True)
 class AdaSearchOptions(Options):
     """AdaSearch's two-stage recipe as one rollout strategy (``train.rollout.strategy=adasearch``), one stage
-    per run; stage 2 starts from stage 1's checkpoint (``policy.model=<stage-1 run>/.../checkpoints/latest``).
+    per run; stage 2 is a new run (its own ``out_dir``) from stage 1's weights (``policy.model=<stage-1
+    out_dir>/<run>/checkpoints/latest``).
 
     * ``stage``: 1 (problem solving: parametric-mode and search-mode episodes, outcome reward) or 2 (the
       decision: decision episodes rewarded by :func:`decision_rewards`);

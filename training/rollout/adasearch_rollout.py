@@ -1,9 +1,10 @@
 """AdaSearch's rollout (Lin et al., 2025, "AdaSearch: Balancing Parametric Knowledge and Search in Large
 Language Models via Reinforcement Learning", arXiv 2512.16883): problem solving and the decision to search
 trained in two stages of one policy, each stage a run of ``sleuth train`` with
-``train.rollout.strategy=adasearch`` and ``train.rollout.strategy_options.stage`` 1 or 2 (stage 2 starts from
-stage 1's checkpoint: ``policy.model=<stage-1 out_dir>/<run>/checkpoints/latest``). The strategy function
-has no step counter (it is also called for DAPO's refill rounds), so one run is one stage.
+``train.rollout.strategy=adasearch`` and ``train.rollout.strategy_options.stage`` 1 or 2 (stage 2 is a new run,
+in its own ``out_dir``, starting from stage 1's weights: ``policy.model=<stage-1 out_dir>/<run>/checkpoints/latest``,
+e.g. ``.../grpo/checkpoints/latest``; its optimizer starts afresh). The strategy function has no step counter
+(it is also called for DAPO's refill rounds), so one run is one stage.
 
 **Stage 1** (:func:`stage1_groups`): each question's ``group_size`` rollouts are split into parametric-mode
 episodes (:func:`training.algos.knowledge_boundary.parametric_prompt`, one turn, no retriever: a search
