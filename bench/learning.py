@@ -111,8 +111,13 @@ ESTIMATORS = {  # name -> (train.algorithm.adv_estimator, its own train override
     "rexrag": ("grpo", {"rollout.strategy": "rexrag"}),
     "ssp": ("grpo", {"rollout.strategy": "ssp",
                      "rollout.strategy_options": {"min_question_words": 1, "min_searches": 0}}),
+    # AdaSearch's stage 1, fixed before its runs (the stage one run of this harness can train; stage 2 is a
+    # second run from its checkpoint): half of each group's rollouts in parametric mode, the paper's mixed
+    # batch; on task v1 nothing is parametric, so it measures what the search mode keeps at half its rollouts
+    "adasearch": ("grpo", {"rollout.strategy": "adasearch",
+                           "rollout.strategy_options": {"stage": 1, "parametric_share": 0.5}}),
 }
-METHODS = ("aepo", "egrpo", "ikea", "arpo", "rexrag", "ssp")  # the presets of the search-agent methods (--methods default with --compare)
+METHODS = ("aepo", "egrpo", "ikea", "arpo", "rexrag", "ssp", "adasearch")  # the presets of the search-agent methods (--methods default with --compare)
 SEEDS = (0, 1, 2)
 STABILITY_STEPS = 600
 # the winning estimator again with the rest of the 20-minute budget a run may take (1 torch thread): its

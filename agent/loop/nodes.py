@@ -231,13 +231,16 @@ def after_tool(state: EpisodeState, config: RunnableConfig) -> str:
 EPISODE_METADATA = ("hops", "dataset", "supporting_ids", "chain", "entities")
 
 
-def new_episode(ctx: AgentContext, example: QAExample, group: int = 0) -> EpisodeState:
+def new_episode(ctx: AgentContext, example: QAExample, group: int = 0,
+                prompt_ids: list[int] | None = None) -> EpisodeState:
     """The start state of an episode of ``example``: its trajectory holding the prompt (raises what the
-    tokenizer or chat template raises on it), at turn 1."""
+    tokenizer or chat template raises on it), at turn 1. ``prompt_ids``: another task prompt than the
+    protocol's for the question (e.g. AdaSearch's parametric-mode prompt), as token ids."""
     traj = Trajectory(question_id=example.id, question=example.question,
                       golden_answers=list(example.golden_answers), group=group,
                       metadata={k: v for k, v in example.metadata.items() if k in EPISODE_METADATA})
-    traj.append(ctx.protocol.prompt_ids(example.question), Role.PROMPT, 0)
+    ids = ctx.protocol.prompt_ids(example.question) if prompt_ids is None else list(prompt_ids)
+    traj.append(ids, Role.PROMPT, 0)
     return {"traj": traj, "turn": 1, "finish": "", "episode": f"ep-{next(_EPISODE_IDS)}"}
 
 

@@ -106,6 +106,68 @@ def boundary_mix(known: Sequence[bool], n: int, rng: random.Random, known_share:
 
 
 # -- AdaSearch ---------------------------------------------------------------------------------------------
+STAGES = (1, 2)
+
+
+@dataclass(frozen=True)
+class AdaSearchOptions(Options):
+    """AdaSearch's two-stage recipe as one rollout strategy (``train.rollout.strategy=adasearch``), one stage
+    per run; stage 2 is a new run (its own ``out_dir``) from stage 1's weights (``policy.model=<stage-1
+    out_dir>/<run>/checkpoints/latest``).
+
+    * ``stage``: 1 (problem solving: parametric-mode and search-mode episodes, outcome reward) or 2 (the
+      decision: decision episodes rewarded by :func:`decision_rewards`);
+    * ``parametric_share``: stage 1, the share of each question's ``group_size`` rollouts run in parametric
+      mode (``round(group_size * share)``, halves up; the rest search), in [0, 1];
+    * ``label_rollouts`` ``K``: stage 2, parametric-mode rollouts per question that label it known, >= 1;
+    * ``known_threshold``: stage 2, a question is known when at least this share of its ``K`` parametric
+      rollouts is right (EM), in (0, 1];
+    * ``format_penalty``: stage 2, the reward of a decision without exactly one ``<decision> answer|search
+      </decision>``, <= 0;
+    * ``train_label_rollouts``: stage 2, whether the ``K`` parametric rollouts are trained too (their own
+      group per question, outcome reward) or only label the question (the default: stage 2 trains the
+      decision alone, as the paper's second stage).
+
+    Raises ``ValueError`` for a value out of range (and ``parametric_share`` against ``group_size`` when the
+    rollout section is validated: :func:`adasearch_split`)."""
+
+    stage: int = 1
+    parametric_share: float = 0.5
+    label_rollouts: int = 4
+    known_threshold: float = 0.5
+    format_penalty: float = 0.0
+    train_label_rollouts: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in STAGES:
+            raise ValueError(f"AdaSearch's stage must be 1 (problem solving) or 2 (the search decision), got "
+                             f"{self.stage!r}")
+        check_range("AdaSearch's parametric_share", self.parametric_share, 0.0, 1.0)
+        if isinstance(self.label_rollouts, bool) or self.label_rollouts < 1:
+            raise ValueError(f"AdaSearch's label_rollouts K must be >= 1 parametric rollout per question, got "
+                             f"{self.label_rollouts!r}")
+        check_range("AdaSearch's known_threshold", self.known_threshold, 0.0, 1.0, lo_open=True)
+        check_range("AdaSearch's format_penalty", self.format_penalty, None, 0.0)
+
+
+def adasearch_options(values: dict[str, Any] | None = None) -> AdaSearchOptions:
+    """:class:`AdaSearchOptions` from a mapping; ``ValueError`` for an unknown name or a value out of range."""
+    return parse_options(AdaSearchOptions, values, "AdaSearch")
+
+
+def adasearch_split(group_size: int, parametric_share: float) -> tuple[int, int]:
+    """Stage 1's ``(parametric, search)`` rollouts of a question's ``group_size``: ``floor(group_size * share
+    + 1/2)`` parametric, the rest search. Raises ``ValueError`` when a share strictly between 0 and 1 leaves
+    either mode without a rollout (``group_size`` too small for the share)."""
+    n_par = int(group_size * parametric_share + 0.5)
+    n_par = min(max(n_par, 0), group_size)
+    if 0.0 < parametric_share < 1.0 and not 0 < n_par < group_size:
+        raise ValueError(f"AdaSearch's parametric_share={parametric_share} of group_size={group_size} rollouts "
+                         f"gives {n_par} parametric and {group_size - n_par} search rollouts: both modes need one; "
+                         "raise train.rollout.group_size or set the share to 0 or 1")
+    return n_par, group_size - n_par
+
+
 PARAMETRIC_PROMPT = (
     "Answer the given question from your own knowledge, without any search. Reason inside <think> and "
     "</think>, then give the answer inside <answer> and </answer>, for example <answer> Beijing </answer>. "
@@ -117,18 +179,25 @@ DECISION_PROMPT = (
     "can answer from your own knowledge or <decision> search </decision> if you need a search engine. "
     "Question: {question}\n"
 )
+# the one-line prompts of the tiny from-scratch policy (``agent.short_prompt``), as the search mode's
+# ``Question: ...`` line with the mode named in front of it
+PARAMETRIC_SHORT_PROMPT = "Without search. Question: {question}\n"
+DECISION_SHORT_PROMPT = "Answer or search? Question: {question}\n"
 DECISIONS = ("answer", "search")
+DECISION_STOP = "</decision>"
 _DECISION_RE = re.compile(r"<decision>(.*?)</decision>", re.DOTALL)
 
 
-def parametric_prompt(question: str) -> str:
-    """AdaSearch's parametric-mode prompt (no tools; the episode is one turn ending with ``<answer>``)."""
-    return PARAMETRIC_PROMPT.format(question=" ".join(question.split()))
+def parametric_prompt(question: str, short: bool = False) -> str:
+    """AdaSearch's parametric-mode prompt (no tools; the episode is one turn ending with ``<answer>``).
+    ``short``: the one-line prompt of the tiny policy."""
+    return (PARAMETRIC_SHORT_PROMPT if short else PARAMETRIC_PROMPT).format(question=" ".join(question.split()))
 
 
-def decision_prompt(question: str) -> str:
-    """AdaSearch's decision-stage prompt (one turn ending with ``<decision>``)."""
-    return DECISION_PROMPT.format(question=" ".join(question.split()))
+def decision_prompt(question: str, short: bool = False) -> str:
+    """AdaSearch's decision-stage prompt (one turn ending with ``<decision>``). ``short``: the one-line prompt
+    of the tiny policy."""
+    return (DECISION_SHORT_PROMPT if short else DECISION_PROMPT).format(question=" ".join(question.split()))
 
 
 def parse_decision(text: str) -> str | None:

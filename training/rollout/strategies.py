@@ -20,7 +20,9 @@ Built in:
   (:mod:`training.rollout.arpo_rollout`);
 * ``rexrag``: REX-RAG's probing of dead ends with a reasoning hint, and its importance correction
   (:mod:`training.rollout.rexrag_rollout`);
-* ``ssp``: search self-play, a proposer and a solver role of one policy (:mod:`training.rollout.ssp_rollout`).
+* ``ssp``: search self-play, a proposer and a solver role of one policy (:mod:`training.rollout.ssp_rollout`);
+* ``adasearch``: AdaSearch's two stages, problem solving in a parametric and a search mode, then the decision
+  whether to search (:mod:`training.rollout.adasearch_rollout`; one stage per run).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 from agent.trajectory import Trajectory
 from corpora.formats import QAExample
 from training.algos.arpo import ARPOOptions
+from training.algos.knowledge_boundary import AdaSearchOptions, adasearch_split
 from training.algos.options import check_range
 from training.algos.rexrag import DEFAULT_HINTS, RexRagOptions
 from training.algos.ssp import SSPOptions
@@ -226,6 +229,24 @@ def ssp(worker: Any, questions: list[QAExample], group_size: int, opts: SSPRollo
     from training.rollout.ssp_rollout import ssp_groups
 
     return ssp_groups(worker, questions, group_size, opts.proposals or group_size, opts.core(), rng)
+
+
+# -- AdaSearch -------------------------------------------------------------------------------------------------
+def _check_adasearch(opts: AdaSearchOptions, rollout_cfg: Any) -> None:
+    if opts.stage == 1:
+        try:
+            adasearch_split(rollout_cfg.group_size, opts.parametric_share)
+        except ValueError as e:
+            raise ValueError(f"train.rollout.strategy_options: {e}") from None
+
+
+@register_rollout_strategy("adasearch", options=AdaSearchOptions, check=_check_adasearch,
+                           description="AdaSearch: stage 1 parametric and search modes, stage 2 the search decision")
+def adasearch(worker: Any, questions: list[QAExample], group_size: int, opts: AdaSearchOptions,
+              rng: random.Random) -> tuple[list[Trajectory], dict[str, float]]:
+    from training.rollout.adasearch_rollout import adasearch_groups
+
+    return adasearch_groups(worker, questions, group_size, opts, rng)
 
 
 __all__ = ["ROLLOUT_STRATEGIES", "RolloutStrategy", "prepare_steps", "register_rollout_strategy",
