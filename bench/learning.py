@@ -116,8 +116,15 @@ ESTIMATORS = {  # name -> (train.algorithm.adv_estimator, its own train override
     # batch; on task v1 nothing is parametric, so it measures what the search mode keeps at half its rollouts
     "adasearch": ("grpo", {"rollout.strategy": "adasearch",
                            "rollout.strategy_options": {"stage": 1, "parametric_share": 0.5}}),
+    # SSRL: trained against the self-search engine (the policy writes its own queries' results; TRAIN_RETRIEVERS),
+    # rewarded by the paper's 0.9 EM + 0.1 format (no <think> asked of this policy), evaluated on the real index
+    # (sim-to-real): every test EM of its runs is the real retriever's
+    "ssrl": ("grpo", {"algorithm.reward": "ssrl", "algorithm.reward_options": {"require_think": False}}),
 }
-METHODS = ("aepo", "egrpo", "ikea", "arpo", "rexrag", "ssp", "adasearch")  # the presets of the search-agent methods (--methods default with --compare)
+METHODS = ("aepo", "egrpo", "ikea", "arpo", "rexrag", "ssp", "adasearch", "ssrl")
+# presets trained against another search engine than the task's BM25 index (their evaluations keep the index)
+TRAIN_RETRIEVERS = {"ssrl": "self_search"}
+SELF_SEARCH_DOC_TOKENS = 16  # what the policy writes per self-search result (two of its 8-token turns)  # the presets of the search-agent methods (--methods default with --compare)
 SEEDS = (0, 1, 2)
 STABILITY_STEPS = 600
 # the winning estimator again with the rest of the 20-minute budget a run may take (1 torch thread): its
@@ -323,7 +330,13 @@ def run_one(name: str, retriever, train, test, res: dict) -> None:
             log(f"{name}: step {step} test EM {100 * rec['eval_em']:.1f} reward {rec['reward']:.3f} "
                 f"entropy {rec.get('entropy', float('nan')):.2f}")
 
-    out = rl_train(cfg.train, cfg.agent, model, tok, retriever, train, run_dir, seed=cfg.seed,
+    train_retriever = retriever
+    if TRAIN_RETRIEVERS.get(name.split("-")[0]) == "self_search":  # SSRL: sim-to-real (training only)
+        from retrieval.simulated import SelfSearch
+
+        train_retriever = SelfSearch(seed=seed)
+        cfg.agent.simulator.max_doc_tokens = SELF_SEARCH_DOC_TOKENS
+    out = rl_train(cfg.train, cfg.agent, model, tok, train_retriever, train, run_dir, seed=cfg.seed,
                    top_k=cfg.retrieval.top_k, resume=ckpt is not None, on_step=on_step, evaluate=ev)
     final = evaluate(model, tok, retriever, test, cfg)
     res["runs"][name] = {"algorithm": algorithm, "seed": seed, "extra": extra, "sft_em": res["sft"]["em"],
