@@ -11,7 +11,6 @@ The CPU reference of the same wire, against a fake vLLM server, is ``tests/test_
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import signal
 import subprocess
@@ -24,6 +23,7 @@ import pytest
 import torch
 
 from agent.backends.vllm import vllm_available
+from agent.backends.vllm_plugin import plugin_path
 
 pytestmark = [
     pytest.mark.slow,
@@ -32,21 +32,7 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
-PLUGIN = "agent.backends.vllm_plugin:register"
 TIGHT = 1e-4  # fp32 on the CPU: the same weights score the probe alike to ~1e-6
-
-
-def _plugin_path(tmp: Path) -> str:
-    """A folder that makes the vLLM processes find Sleuth's plugin: empty when the installed Sleuth already
-    declares the entry point, else one holding a distribution that declares only it (a checkout newer than
-    its install)."""
-    if any(ep.value == PLUGIN for ep in importlib.metadata.entry_points(group="vllm.general_plugins")):
-        return ""
-    info = tmp / "sleuth_vllm_plugin-0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sleuth-vllm-plugin\nVersion: 0\n")
-    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\nsleuth_gloo_weight_transfer = {PLUGIN}\n")
-    return str(tmp)
 
 
 def _free_port() -> int:
@@ -72,7 +58,7 @@ def tiny_dir(tmp_path_factory):
 def servers(tiny_dir, tmp_path_factory):
     """Two ``vllm serve`` processes of the tiny policy taking gloo pushes; their root URLs."""
     logs = tmp_path_factory.mktemp("vllm_logs")
-    extra = _plugin_path(tmp_path_factory.mktemp("plugin"))
+    extra = plugin_path(str(tmp_path_factory.mktemp("plugin")))  # this checkout's plugin, when not installed
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), extra, os.environ.get("PYTHONPATH", "")) if p)}
     procs, urls = [], []
@@ -114,14 +100,15 @@ def servers(tiny_dir, tmp_path_factory):
 
 
 def _moved(tiny_dir, seed: int):
-    """The trainer's policy after an "update": the tiny policy plus N(0, 0.05^2) noise (seeded)."""
+    """The trainer's policy after an "update": the tiny policy plus N(0, 0.2^2) noise (seeded; enough to move
+    its greedy tokens)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_dir)).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
     return model
 
 

@@ -6,6 +6,7 @@ The same push into real ``vllm serve`` processes is ``tests/test_fleet_vllm.py``
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -210,3 +211,24 @@ def test_init_info_has_the_fields_of_each_vllm_backend():
     assert vllm_sync.init_info("10.0.0.1", 2900, 1, 2, "gloo", True, 60.0) == {
         "master_address": "10.0.0.1", "master_port": 2900, "rank_offset": 1, "world_size": 2, "packed": True,
         "backend": "gloo", "timeout_s": 60.0}
+
+
+def test_the_gloo_backend_is_declared_as_a_vllm_plugin_and_found_from_a_checkout(tmp_path, monkeypatch):
+    """vLLM loads ``vllm.general_plugins`` entry points in each of its processes: pyproject declares Sleuth's,
+    and ``plugin_path`` makes a checkout not installed with it declare it all the same."""
+    import importlib.metadata
+    import tomllib
+
+    from agent.backends import vllm_plugin
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["vllm.general_plugins"] == {
+        "sleuth_gloo_weight_transfer": "agent.backends.vllm_plugin:register"}
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])  # an install without it
+    assert vllm_plugin.plugin_path(str(tmp_path)) == str(tmp_path)
+    (dist,) = importlib.metadata.distributions(path=[str(tmp_path)])
+    assert [(e.group, e.name, e.value) for e in dist.entry_points] == [
+        ("vllm.general_plugins", "sleuth_gloo_weight_transfer", "agent.backends.vllm_plugin:register")]
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: dist.entry_points)  # installed with it
+    assert vllm_plugin.plugin_path(str(tmp_path / "unused")) == ""
+    assert not (tmp_path / "unused").exists()
