@@ -34,9 +34,12 @@ class FakeVLLM:
     """A ``vllm serve`` as the trainer sees it: ``/v1/models`` (owned by vllm), ``/tokenize``, the dev-mode
     ``/server_info`` (``backend``: the weight-transfer backend, ``None``: started without one, ``"no-routes"``:
     without ``VLLM_SERVER_DEV_MODE``) and the RL routes, receiving over the gloo group as Sleuth's vLLM
-    plugin does. ``calls``: each request as ``"METHOD /path?query"``; ``fail``: a path answered HTTP 500."""
+    plugin does. ``calls``: each request as ``"METHOD /path?query"``; ``fail``: a path answered HTTP 500;
+    ``refuse_bucket``: the n-th ``update_weights`` (from 1) is received, then refused (HTTP 500, as vLLM
+    answers a weight its model does not have)."""
 
-    def __init__(self, tok, backend: str | None = "gloo", fail: str = "", report_version: bool = True):
+    def __init__(self, tok, backend: str | None = "gloo", fail: str = "", report_version: bool = True,
+                 refuse_bucket: int = 0):
         self.calls: list[str] = []
         self.init_info: dict = {}
         self.update_infos: list[dict] = []
@@ -98,6 +101,8 @@ class FakeVLLM:
                     t = torch.empty(m.shape, dtype=DTYPES[m.dtype])
                     broadcast(self.group, t)
                     self.received[m.name] = t
+            if len(self.update_infos) == refuse_bucket:
+                return JSONResponse({"error": {"message": "no weight named so"}}, status_code=500)
             return {"message": "Weights updated"}
 
         @app.post("/finish_weight_update")
@@ -232,3 +237,21 @@ def test_the_gloo_backend_is_declared_as_a_vllm_plugin_and_found_from_a_checkout
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: dist.entry_points)  # installed with it
     assert vllm_plugin.plugin_path(str(tmp_path / "unused")) == ""
     assert not (tmp_path / "unused").exists()
+
+
+def test_an_engine_that_refuses_a_bucket_is_out_and_the_push_to_the_other_goes_on(tiny_llm):
+    """vLLM ends an update whose bucket failed (the next one is refused): no second round to it; the other
+    engine gets every bucket over a group formed again without it."""
+    tok, model = tiny_llm.tokenizer, tiny_llm.model
+    bad, good = FakeVLLM(tok, refuse_bucket=2), FakeVLLM(tok)
+    with ServerThread(bad.app) as s1, ServerThread(good.app) as s2:
+        fleet = Fleet([s1.url, s2.url], tok, "tiny", max_retries=1, backoff_s=0.05, retry_waits=(0.1,))
+        sync = FleetSync(fleet, SyncSettings(bucket_bytes=32 * 1024, timeout_s=30), rank=0)
+        assert sync.push(FullState(model), 3, [s1.url, s2.url]) == [s2.url]
+        sync.close()
+    state = model.state_dict()
+    assert bad.calls.count("POST /update_weights") == 2 and bad.calls[-1] == "POST /resume"
+    assert "weight push bucket 1 failed: POST /update_weights answered HTTP 500" in fleet.describe()[s1.url]["reason"]
+    assert good.calls.count("POST /init_weight_transfer_engine") == 2  # the group formed again without s1
+    assert [n for i in good.update_infos for n in i["names"]] == list(state)
+    assert all(torch.equal(good.received[k], v) for k, v in state.items()) and good.version == "3"

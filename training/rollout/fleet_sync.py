@@ -12,6 +12,10 @@ After an update the trainer streams its weights, parameter by parameter, into bu
 * **through shared disk** (``transport="disk"``): each bucket is written atomically as a safetensors file
   under ``shared_dir`` (a temporary name, then renamed), every engine loads it, and it is removed.
 
+Engines that are ``vllm serve`` processes take the same push through vLLM's RL routes, paused around it, in
+vLLM's payloads and (NCCL) vLLM's group: :mod:`training.rollout.vllm_sync`; :meth:`FleetSync.check_engines`
+refuses before the first step one started without those routes or the transport's backend.
+
 Memory. The trainer's rank 0 holds one parameter as gathered and one bucket (the packed buffer, allocated
 once per push: ``min(bucket_bytes, the model's bytes)``; on disk, the bucket's tensors); never a second full copy of
 the model. Under FSDP2 :class:`FullState` gathers one parameter at a time (``DTensor.full_tensor``, a
@@ -351,11 +355,14 @@ class FleetSync:
         """Broadcast one bucket to the group while each engine's ``/update_weights`` receives it. An engine
         that refuses it (HTTP 403, 409, 422) or is gone is taken out, and the group formed again without it;
         when the others did not get the bucket either (the broadcast failed), it is sent again (at most three
-        rounds in all). Returns the engines left."""
+        rounds in all; never to ``vllm serve`` engines, :meth:`_vllm_bucket_failed`). Returns the engines
+        left."""
         for attempt in range(3):
             failed, group_error = self._broadcast_round(live, info, payload)
             if not failed and group_error is None:
                 return live
+            if self.vllm:
+                return self._vllm_bucket_failed(i, live, failed, group_error)
             dropped = [u for u, e in failed.items() if e.status in (403, 409, 422) or not self._alive(u)]
             for u in dropped:
                 self.fleet.take_out(u, f"weight push bucket {i} failed: {failed[u]}")
@@ -373,6 +380,21 @@ class FleetSync:
         for url in live:
             self.fleet.take_out(url, f"weight push bucket {i} failed in three rounds over the transfer group")
         return []
+
+    def _vllm_bucket_failed(self, i: int, live: list[str], failed: dict[str, EngineCallError],
+                            group_error: BaseException | None) -> list[str]:
+        """Bucket ``i`` failed on ``vllm serve`` engines: a failed ``update_weights`` ends that engine's update
+        (vLLM refuses the next bucket), so no second round. Each that failed is taken out; when the broadcast
+        itself failed, all are. Returns the engines left, in a group formed again."""
+        self.group = None
+        for u, e in failed.items():
+            self.fleet.take_out(u, f"weight push bucket {i} failed: {e}")
+        live = [u for u in live if u not in failed]
+        if group_error is not None:
+            for u in live:
+                self.fleet.take_out(u, f"weight push bucket {i}: the transfer group failed ({group_error})")
+            return []
+        return self._form_group(live) if live else []
 
     def _broadcast_round(self, live: list[str], info: dict[str, Any],
                          payload: list[torch.Tensor]) -> tuple[dict[str, EngineCallError], BaseException | None]:
