@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
@@ -94,7 +95,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group: Any = None
         self.store: Any = None
         self.packed = False
-        self.model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         """Join the trainer's group as rank ``rank_offset`` + this worker's rank across TP x PP x DP (blocks
@@ -124,7 +124,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         """Receive the tensors ``update_info`` names over the group and load them. Raises ``RuntimeError``
         before ``init_transfer_engine``, ``ValueError`` for a malformed ``update_info``, a ``packed`` other
-        than the group's, or more bytes than the served model holds (refused unread)."""
+        than the group's, or more bytes than this host has free (refused unread: on CPU vLLM repacks its linear
+        weights, so the model's own parameters do not tell its size)."""
         if self.group is None:
             raise RuntimeError("gloo weight transfer not initialised: call /init_weight_transfer_engine first")
         if update_info.packed is not None and bool(update_info.packed) != self.packed:
@@ -133,9 +134,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         metas = metas_from_info({"names": update_info.names, "dtype_names": update_info.dtype_names,
                                  "shapes": update_info.shapes}, MAX_TENSORS)
         offsets, total = packed_layout(metas)
-        if total > 4 * self.model_bytes + 16 * len(metas):  # no bucket of this model is that large
-            raise ValueError(f"update_info describes {total} bytes, far more than the served model's "
-                             f"{self.model_bytes}")
+        free = psutil.virtual_memory().available
+        if total > free:
+            raise ValueError(f"update_info describes {total} bytes, more than the {free} bytes this host has free")
         if self.packed:
             buf = torch.empty(total, dtype=torch.uint8)
             broadcast(self.group, buf)
