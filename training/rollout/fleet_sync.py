@@ -12,6 +12,10 @@ After an update the trainer streams its weights, parameter by parameter, into bu
 * **through shared disk** (``transport="disk"``): each bucket is written atomically as a safetensors file
   under ``shared_dir`` (a temporary name, then renamed), every engine loads it, and it is removed.
 
+Engines that are ``vllm serve`` processes take the same push through vLLM's RL routes, paused around it, in
+vLLM's payloads and (NCCL) vLLM's group: :mod:`training.rollout.vllm_sync`; :meth:`FleetSync.check_engines`
+refuses before the first step one started without those routes or the transport's backend.
+
 Memory. The trainer's rank 0 holds one parameter as gathered and one bucket (the packed buffer, allocated
 once per push: ``min(bucket_bytes, the model's bytes)``; on disk, the bucket's tensors); never a second full copy of
 the model. Under FSDP2 :class:`FullState` gathers one parameter at a time (``DTensor.full_tensor``, a
@@ -52,6 +56,7 @@ from agent.backends.engine_protocol import (
 )
 from agent.backends.fleet import Fleet
 from agent.backends.openai import tls_context
+from training.rollout import vllm_sync
 from training.rollout.weight_sync import WeightSyncError, check_engine
 
 log = logging.getLogger(__name__)
@@ -158,9 +163,17 @@ class FleetSync:
         self.group: Any = None
         self.store: Any = None
         self.members: tuple[str, ...] = ()
+        self.vllm = False  # the group's members are vllm serve engines (vLLM's payloads; NCCL: vLLM's group)
         self._buf: torch.Tensor | None = None
         self._http: Any = None
         self.last: dict[str, float] = {}
+
+    def check_engines(self) -> None:
+        """Before the first step: each ``vllm serve`` engine of the fleet has the weight-transfer routes and
+        the backend of this transport (:func:`training.rollout.vllm_sync.check_engines`); raises
+        :class:`agent.backends.fleet.FleetError` naming each that has not, and the flag to add."""
+        vllm_sync.check_engines(self.fleet, self.settings.transport,
+                                lambda url, path: self._get(url, path, min(self.settings.timeout_s, 120.0)))
 
     # -- the whole step ---------------------------------------------------------------------------------
     def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, probe: list[int] | None,
@@ -234,18 +247,31 @@ class FleetSync:
         reason. Always iterates ``named_tensors`` to its end (under FSDP the other ranks gather in step).
         Sets :attr:`last`: ``sync/push_s``, ``sync/buckets``, ``sync/bytes``, ``sync/engines_pushed``."""
         t0 = time.monotonic()
-        live = self._call_all(targets, "/start_weight_update", {"is_checkpoint_format": True}, "start the update")
-        if self.settings.transport == "disk":
-            live, n_buckets, n_bytes = self._push_disk(named_tensors, version, live)
-        else:
-            live, n_buckets, n_bytes = self._push_group(named_tensors, live)
-        replies = self._call_all(live, "/finish_weight_update", {"weight_version": str(version)},
-                                 "finish the update", replies=True)
+        vllm = [u for u in targets if vllm_sync.is_vllm(self.fleet, u)]
+        paused = self._call_all(vllm, "/pause?mode=keep", {}, "pause generation")  # ours pause at start
+        try:
+            targets = [u for u in targets if u not in vllm or u in paused]
+            live = self._call_all(targets, "/start_weight_update", {"is_checkpoint_format": True},
+                                  "start the update")
+            if self.settings.transport == "disk":
+                live, n_buckets, n_bytes = self._push_disk(named_tensors, version, live)
+            else:
+                live, n_buckets, n_bytes = self._push_group(named_tensors, live)
+            replies = self._call_all(live, "/finish_weight_update", {"weight_version": str(version)},
+                                     "finish the update", replies=True)
+            for url in [u for u in replies if u in vllm]:
+                replies[url] = self._vllm_finished(url)
+        finally:
+            for url in paused:  # whatever happened: a paused engine holds its requests
+                try:
+                    self._post(url, "/resume", {})
+                except EngineCallError as e:
+                    self.fleet.take_out(url, f"could not resume generation after the push: {e}")
         pushed = []
         for url, reply in replies.items():
             if str(reply.get("weight_version")) != str(version):
                 self.fleet.take_out(url, f"reports weight version {reply.get('weight_version')!r} after the push of "
-                                         f"version {version}")
+                                         f"version {version}" + (f" ({reply['error']})" if reply.get("error") else ""))
             elif reply.get("missing_count"):
                 self.fleet.take_out(url, f"left {reply['missing_count']} weights of version {version} unloaded "
                                          f"(e.g. {reply.get('missing', [])[:3]})")
@@ -254,6 +280,16 @@ class FleetSync:
         self.last = {"sync/push_s": time.monotonic() - t0, "sync/buckets": float(n_buckets),
                      "sync/bytes": float(n_bytes), "sync/engines_pushed": float(len(pushed))}
         return pushed
+
+    def _vllm_finished(self, url: str) -> dict[str, Any]:
+        """A ``vllm serve`` engine after its finish: its prefix cache reset (no key/value of the old weights
+        reused; frozen requests recomputed) and the version it reports (``GET /weight_info``)."""
+        try:
+            if not self._post(url, "/reset_prefix_cache?reset_running_requests=true", {}).get("success"):
+                return {"weight_version": None, "missing_count": 0, "error": "its prefix cache was not reset"}
+            return {"weight_version": self._get(url, "/weight_info").get("weight_version"), "missing_count": 0}
+        except EngineCallError as e:
+            return {"weight_version": None, "missing_count": 0, "error": str(e)}
 
     def _push_disk(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                    live: list[str]) -> tuple[list[str], int, int]:
@@ -292,6 +328,7 @@ class FleetSync:
         if live:
             live = self._form_group(live)
         device = torch.device("cuda", torch.cuda.current_device()) if s.transport == "nccl" else torch.device("cpu")
+        packed = s.packed and not (self.vllm and s.transport == "nccl")  # vLLM's NCCL: one broadcast per tensor
         cap = min(s.bucket_bytes, getattr(named_tensors, "nbytes", None) or s.bucket_bytes)
         n_buckets = n_bytes = 0
         for i, bucket in enumerate(buckets(named_tensors, s.bucket_bytes)):
@@ -300,14 +337,17 @@ class FleetSync:
             n_buckets, n_bytes = n_buckets + 1, n_bytes + total
             if not live:
                 continue
-            if s.packed:
+            if packed:
                 if self._buf is None or self._buf.numel() < total or self._buf.device != device:
                     self._buf = torch.empty(max(cap, total), dtype=torch.uint8, device=device)
                 pack([t for _, t in bucket], offsets, self._buf)
                 payload = [self._buf[:total]]
             else:
                 payload = [t.detach().to(device).contiguous() for _, t in bucket]
-            live = self._send_bucket(i, live, update_info(metas, s.packed), payload)
+            info = update_info(metas, packed)
+            if self.vllm:  # vLLM's update_info: packing was fixed at init
+                info.pop("packed")
+            live = self._send_bucket(i, live, info, payload)
         self._buf = None  # the training step gets the memory back
         return live, n_buckets, n_bytes
 
@@ -315,11 +355,14 @@ class FleetSync:
         """Broadcast one bucket to the group while each engine's ``/update_weights`` receives it. An engine
         that refuses it (HTTP 403, 409, 422) or is gone is taken out, and the group formed again without it;
         when the others did not get the bucket either (the broadcast failed), it is sent again (at most three
-        rounds in all). Returns the engines left."""
+        rounds in all; never to ``vllm serve`` engines, :meth:`_vllm_bucket_failed`). Returns the engines
+        left."""
         for attempt in range(3):
             failed, group_error = self._broadcast_round(live, info, payload)
             if not failed and group_error is None:
                 return live
+            if self.vllm:
+                return self._vllm_bucket_failed(i, live, failed, group_error)
             dropped = [u for u, e in failed.items() if e.status in (403, 409, 422) or not self._alive(u)]
             for u in dropped:
                 self.fleet.take_out(u, f"weight push bucket {i} failed: {failed[u]}")
@@ -338,6 +381,21 @@ class FleetSync:
             self.fleet.take_out(url, f"weight push bucket {i} failed in three rounds over the transfer group")
         return []
 
+    def _vllm_bucket_failed(self, i: int, live: list[str], failed: dict[str, EngineCallError],
+                            group_error: BaseException | None) -> list[str]:
+        """Bucket ``i`` failed on ``vllm serve`` engines: a failed ``update_weights`` ends that engine's update
+        (vLLM refuses the next bucket), so no second round. Each that failed is taken out; when the broadcast
+        itself failed, all are. Returns the engines left, in a group formed again."""
+        self.group = None
+        for u, e in failed.items():
+            self.fleet.take_out(u, f"weight push bucket {i} failed: {e}")
+        live = [u for u in live if u not in failed]
+        if group_error is not None:
+            for u in live:
+                self.fleet.take_out(u, f"weight push bucket {i}: the transfer group failed ({group_error})")
+            return []
+        return self._form_group(live) if live else []
+
     def _broadcast_round(self, live: list[str], info: dict[str, Any],
                          payload: list[torch.Tensor]) -> tuple[dict[str, EngineCallError], BaseException | None]:
         group_error = None
@@ -345,7 +403,10 @@ class FleetSync:
             futs = {u: pool.submit(self._post, u, "/update_weights", {"update_info": info}) for u in live}
             try:
                 for t in payload:
-                    broadcast(self.group, t)
+                    if self.vllm and self.settings.transport == "nccl":
+                        vllm_sync.nccl_broadcast(self.group, t)
+                    else:
+                        broadcast(self.group, t)
             except Exception as e:  # noqa: BLE001 - a member gone or a timeout: the group is broken
                 group_error = e
                 self.group = None
@@ -394,17 +455,28 @@ class FleetSync:
         error)``."""
         s = self.settings
         world = 1 + sum(sizes.values())
-        store = open_store(s.master_address, 0, world, True, s.timeout_s)
+        self.vllm = vllm_sync.is_vllm(self.fleet, urls[0])
+        nccl_vllm = self.vllm and s.transport == "nccl"
+        store = None if nccl_vllm else open_store(s.master_address, 0, world, True, s.timeout_s)
+        port = free_port(s.master_address) if store is None else store.port
         offsets, nxt = {}, 1
         for u in urls:
             offsets[u], nxt = nxt, nxt + sizes[u]
+
+        def info(u: str) -> dict[str, Any]:
+            if self.vllm:
+                return vllm_sync.init_info(s.master_address, port, offsets[u], world, s.transport,
+                                           s.packed and not nccl_vllm, s.timeout_s)
+            return {"master_address": s.master_address, "master_port": port, "rank_offset": offsets[u],
+                    "world_size": world, "backend": s.transport, "timeout_s": s.timeout_s}
+
         group, error, bad = None, None, {}
         with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
-            futs = {u: pool.submit(self._post, u, "/init_weight_transfer_engine", {"init_info": {
-                "master_address": s.master_address, "master_port": store.port, "rank_offset": offsets[u],
-                "world_size": world, "backend": s.transport, "timeout_s": s.timeout_s}}) for u in urls}
+            futs = {u: pool.submit(self._post, u, "/init_weight_transfer_engine", {"init_info": info(u)})
+                    for u in urls}
             try:
-                group = join_group(store, 0, world, s.transport, s.timeout_s)
+                group = (vllm_sync.nccl_group(s.master_address, port, world) if nccl_vllm
+                         else join_group(store, 0, world, s.transport, s.timeout_s))
             except Exception as e:  # noqa: BLE001 - a member never joined: its own call says why
                 error = e
             for u, f in futs.items():
@@ -448,11 +520,11 @@ class FleetSync:
         except ValueError:
             raise EngineCallError(f"POST {path} answered something that is not JSON: {r.text[:200]!r}") from None
 
-    def _get(self, url: str, path: str) -> dict[str, Any]:
+    def _get(self, url: str, path: str, timeout_s: float | None = None) -> dict[str, Any]:
         import httpx2
 
         try:
-            r = self._client().get(url + path, timeout=self.fleet.connect_timeout_s)
+            r = self._client().get(url + path, timeout=timeout_s or self.fleet.connect_timeout_s)
             if r.status_code != 200:
                 raise EngineCallError(f"GET {path} answered HTTP {r.status_code}: {r.text[:200]}", r.status_code)
             return r.json()
@@ -482,6 +554,15 @@ class FleetSync:
                 except EngineCallError as e:
                     self.fleet.take_out(u, f"could not {what}: {e}")
         return out if replies else [u for u in urls if u in out]
+
+
+def free_port(host: str) -> int:
+    """A TCP port on ``host`` that is free now (for a group whose store the trainer binds itself later)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def share_rotation(fleet: Fleet, error: str | None = None) -> str | None:
