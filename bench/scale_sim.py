@@ -295,7 +295,13 @@ def main() -> int:
     ap.add_argument("--decode-only", action="store_true", help="only measure the decode and search costs")
     ap.add_argument("--no-projections", action="store_true", help="the validation only")
     ap.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b", "3b", "7b"], help="shapes projected")
+    ap.add_argument("--series", default=None, help="the bench/async_rollouts.py series (its --tag) whose runs are "
+                    "measured (default: scale_inputs.TAG)")
     args = ap.parse_args()
+    if args.series is not None:
+        import scale_inputs
+
+        scale_inputs.TAG = args.series
     from scale_inputs import (
         cpu_profile,
         gpu_profiles,
