@@ -3,6 +3,8 @@
 '{"backend": "gloo"}'`` (Sleuth's gloo backend, :mod:`agent.backends.vllm_gloo`, loaded by its
 ``vllm.general_plugins`` entry point), take pushes from :class:`training.rollout.fleet_sync.FleetSync` and
 then generate the trainer's greedy tokens; an engine left on old weights is caught by the probe and named.
+The trainer in fleet mode (``train.rollout.engines`` = the two URLs, gloo) trains the synthetic task with every
+step's push verified on both and ends with both engines running its last checkpoint.
 
 Skipped unless ``import vllm`` works here (``make test-vllm`` runs it from ``.venv-vllm``). vLLM on CPU starts
 slowly (one to three minutes per server on 2 shared cores): both servers are shared by the whole module.
@@ -11,6 +13,7 @@ The CPU reference of the same wire, against a fake vLLM server, is ``tests/test_
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -54,49 +57,90 @@ def tiny_dir(tmp_path_factory):
     return create_tiny_policy(tmp_path_factory.mktemp("vtiny"), PASSAGES, QUESTIONS, cfg, seed=0)
 
 
-@pytest.fixture(scope="module")
-def servers(tiny_dir, tmp_path_factory):
-    """Two ``vllm serve`` processes of the tiny policy taking gloo pushes; their root URLs."""
-    logs = tmp_path_factory.mktemp("vllm_logs")
-    extra = plugin_path(str(tmp_path_factory.mktemp("plugin")))  # this checkout's plugin, when not installed
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), extra, os.environ.get("PYTHONPATH", "")) if p)}
-    procs, urls = [], []
-    for i in range(2):
-        port = _free_port()
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_dir),
-               "--served-model-name", "policy", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-               "--max-model-len", "1024", "--enforce-eager", "--logprobs-mode", "processed_logprobs",
+class VllmServers:
+    """``vllm serve`` processes of ``model_dir`` on fixed free ports, each in its own session (vLLM's engine
+    core is a child process): :meth:`start`, :meth:`wait` and :meth:`kill` (SIGKILL of the whole group) one by
+    index; output in ``logs/vllm<i>.log``."""
+
+    def __init__(self, model_dir: Path, logs: Path, plugin_dir: str, n: int):
+        self.model_dir, self.logs = model_dir, logs
+        self.env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+                    "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), plugin_dir, os.environ.get("PYTHONPATH", ""))
+                                                  if p)}
+        self.ports = [_free_port() for _ in range(n)]
+        self.procs: list[subprocess.Popen | None] = [None] * n
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.ports]
+
+    def start(self, i: int, wait: bool = True) -> None:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+               "--served-model-name", "policy", "--host", "127.0.0.1", "--port", str(self.ports[i]), "--dtype",
+               "float32", "--max-model-len", "1024", "--enforce-eager", "--logprobs-mode", "processed_logprobs",
                "--weight-transfer-config", '{"backend": "gloo"}']
-        with open(logs / f"vllm{i}.log", "wb") as log:
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                          start_new_session=True))
-        urls.append(f"http://127.0.0.1:{port}")
-    try:
-        deadline = time.monotonic() + 900
-        for i, (p, url) in enumerate(zip(procs, urls, strict=True)):
-            while True:
-                if p.poll() is not None:
-                    raise RuntimeError(f"vllm serve {i} exited: {(logs / f'vllm{i}.log').read_text()[-3000:]}")
-                try:
-                    if httpx2.get(url + "/health", timeout=5).status_code == 200:
-                        break
-                except httpx2.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"vllm serve {i} did not start in 900 s")
-                time.sleep(2)
-        yield urls
-    finally:
-        for p in procs:
-            if p.poll() is None:
+        with open(self.logs / f"vllm{i}.log", "ab") as log:
+            self.procs[i] = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                             start_new_session=True)
+        if wait:
+            self.wait(i)
+
+    def wait(self, i: int, timeout_s: float = 900) -> None:
+        """Until server ``i`` answers ``/health``; ``RuntimeError`` with its log's end if it exits or is not up
+        within ``timeout_s`` seconds."""
+        p, url, deadline = self.procs[i], self.urls[i], time.monotonic() + timeout_s
+        while True:
+            if p.poll() is not None:
+                raise RuntimeError(f"vllm serve {i} exited: {(self.logs / f'vllm{i}.log').read_text()[-3000:]}")
+            try:
+                if httpx2.get(url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx2.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve {i} did not start in {timeout_s:g} s")
+            time.sleep(2)
+
+    def kill(self, i: int) -> None:
+        """SIGKILL server ``i`` and its engine core (its process group)."""
+        p = self.procs[i]
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(30)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p is not None and p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
+        for p in self.procs:
+            if p is None:
+                continue
             try:
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(10)
+
+
+@pytest.fixture(scope="module")
+def vllm_servers(tiny_dir, tmp_path_factory):
+    """Two ``vllm serve`` processes of the tiny policy taking gloo pushes, shared by the module (the last test
+    kills one)."""
+    extra = plugin_path(str(tmp_path_factory.mktemp("plugin")))  # this checkout's plugin, when not installed
+    servers = VllmServers(tiny_dir, tmp_path_factory.mktemp("vllm_logs"), extra, 2)
+    try:
+        for i in range(2):
+            servers.start(i, wait=False)
+        for i in range(2):
+            servers.wait(i)
+        yield servers
+    finally:
+        servers.close()
+
+
+@pytest.fixture(scope="module")
+def servers(vllm_servers):
+    """The two servers' root URLs."""
+    return vllm_servers.urls
 
 
 def _moved(tiny_dir, seed: int):
@@ -207,3 +251,62 @@ def test_an_engine_on_another_backend_is_refused_before_the_first_step(servers, 
         assert all(u in str(e.value) for u in servers)
         if transport == "nccl":
             assert str(e.value).count("""--weight-transfer-config '{"backend": "nccl"}'""") == 2
+
+
+def _train_cfg(urls, *extra):
+    from tests.test_trainer import make_cfg
+
+    return make_cfg(f"train.rollout.engines={json.dumps(urls)}", "train.rollout.engine_model=policy",
+                    "train.rollout.sync_transport=gloo", "train.rollout.sync_probe_tol=1e-4",
+                    "train.rollout.sync_bucket_bytes=32768", "train.rollout.sync_timeout_s=120",
+                    "train.rollout.engine_timeout_s=120", "train.rollout.retry_waits=[0.5, 1]", *extra)
+
+
+def _mean_abs(a, b) -> float:
+    return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / len(a)
+
+
+def test_the_trainer_trains_through_two_vllm_engines_each_step_verified_on_both(servers, tiny_dir, retriever,
+                                                                                 tmp_path):
+    """``train.rollout.engines`` = the two ``vllm serve`` URLs, synchronous, 2 steps of the synthetic task: the
+    checkpoint's weights before step 1 (version 0) and after each update (1, 2) reach both engines over gloo
+    and pass the probe on both; every turn was generated by the engines on the weights of its step; at the end
+    both engines score the probe and generate greedily as the last checkpoint does."""
+    from agent.backends.fleet import Fleet
+    from agent.backends.hf import TransformersLLM, load_model_and_tokenizer
+    from agent.trajectory import load_trajectories
+    from tests.conftest import QUESTIONS, run_rl
+    from tests.test_trainer import load, varying_judge
+    from training.infra.checkpoint import latest_checkpoint
+    from training.infra.monitors import read_metrics
+    from training.rollout.weight_sync import probe_ids, sequence_logprobs
+
+    model, tok = load(tiny_dir)
+    ids = probe_ids(tok)
+    before = sequence_logprobs(model, ids)
+    run = tmp_path / "run"
+    res = run_rl(_train_cfg(servers, "train.steps=2"), model, tok, retriever, QUESTIONS, run, judge=varying_judge)
+    assert res["start_step"] == 0 and res["last"]
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == [1, 2]
+    for rec in records:
+        assert rec["sync/engines_pushed"] == 2 == rec["sync/engines_verified"] == rec["sync/engines_in_rotation"]
+        assert rec["sync/engines_failed"] == 0 and rec["sync/buckets"] > 1
+        assert rec["sync/probe_lp_diff_max"] <= 1e-4
+        assert "skipped" not in rec and rec["rollout_dropped"] == 0
+    by_step: dict[int, set] = {}
+    for t in load_trajectories(run / "trajectories.jsonl"):
+        by_step.setdefault(t.metadata["step"], set()).update(turn.weight_version for turn in t.turns)
+    assert by_step == {1: {0}, 2: {1}}
+    assert [httpx2.get(u + "/weight_info").json()["weight_version"] for u in servers] == ["2", "2"]
+
+    ckpt = latest_checkpoint(run)
+    assert ckpt.name == "step_000002"
+    trained, _ = load_model_and_tokenizer(str(ckpt), device="cpu")
+    want = sequence_logprobs(trained, ids)
+    assert _mean_abs(want, before) > 1e-3  # the updates moved the weights: the probe below can fail
+    fleet = Fleet(servers, tok, "policy", timeout_s=300, max_retries=1)
+    for url in servers:
+        assert _mean_abs(fleet.probe(url, ids), want) < 1e-5
+    assert [_each(fleet, u, tok) for u in servers] == [_greedy(TransformersLLM(trained, tok), tok)] * 2
+
