@@ -4,10 +4,13 @@
 ``vllm.general_plugins`` entry point), take pushes from :class:`training.rollout.fleet_sync.FleetSync` and
 then generate the trainer's greedy tokens; an engine left on old weights is caught by the probe and named.
 The trainer in fleet mode (``train.rollout.engines`` = the two URLs, gloo) trains the synthetic task with every
-step's push verified on both and ends with both engines running its last checkpoint.
+step's push verified on both and ends with both engines running its last checkpoint; last, one server is
+SIGKILLed in the middle of a step: it is named and taken out, the run goes on on the other, and restarted at its
+URL it rejoins after a verified push.
 
 Skipped unless ``import vllm`` works here (``make test-vllm`` runs it from ``.venv-vllm``). vLLM on CPU starts
-slowly (one to three minutes per server on 2 shared cores): both servers are shared by the whole module.
+slowly (one to three minutes per server on 2 shared cores): both servers are shared by the whole module,
+whose last test kills and restarts one.
 The CPU reference of the same wire, against a fake vLLM server, is ``tests/test_vllm_sync.py``.
 """
 
@@ -310,3 +313,46 @@ def test_the_trainer_trains_through_two_vllm_engines_each_step_verified_on_both(
         assert _mean_abs(fleet.probe(url, ids), want) < 1e-5
     assert [_each(fleet, u, tok) for u in servers] == [_greedy(TransformersLLM(trained, tok), tok)] * 2
 
+
+def test_a_vllm_engine_killed_mid_step_is_replaced_and_rejoins_after_a_verified_push(vllm_servers, tiny_dir,
+                                                                                     retriever, tmp_path, caplog):
+    """Last in the module (it kills one of the shared servers). Server 1 is SIGKILLed (with its engine core)
+    while step 2's episodes run: it is taken out of rotation, named, its episodes run on server 0 and the run
+    goes on; restarted at its URL after step 2, it gets step 3's push and rejoins once verified."""
+    import logging
+
+    from tests.conftest import QUESTIONS, run_rl
+    from tests.test_trainer import load, varying_judge
+
+    killed, steps, records = [], [], []
+
+    def judge(traj):  # the first episode judged in step 2: server 1 dies while the others may still run
+        if steps == [1] and not killed:
+            vllm_servers.kill(1)
+            killed.append(time.time())
+        return varying_judge(traj)
+
+    def on_step(step, record):
+        steps.append(step)
+        records.append(record)
+        if step == 2:
+            vllm_servers.start(1)  # the launcher restarts it, at the same URL, from the initial weights
+
+    urls = vllm_servers.urls
+    model, tok = load(tiny_dir)
+    with caplog.at_level(logging.WARNING, logger="agent.backends.fleet"):
+        res = run_rl(_train_cfg(urls, "train.steps=3", "train.rollout.questions_per_step=4"), model, tok, retriever,
+                     QUESTIONS, tmp_path / "run", judge=judge, on_step=on_step)
+    assert killed and steps == [1, 2, 3] and res["last"]
+    u1 = urls[1]
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len([m for m in msgs if f"rollout engine {u1} taken out of rotation" in m]) == 1, msgs
+    assert [m for m in msgs if f"rollout engine {u1} rejoins the rotation" in m] == \
+        [f"rollout engine {u1} rejoins the rotation at weight version 3"]
+    assert not any(urls[0] in m for m in msgs), msgs
+    assert records[0]["sync/engines_in_rotation"] == 2 == records[0]["sync/engines_verified"]
+    assert records[1]["sync/engines_pushed"] == 1 == records[1]["sync/engines_in_rotation"]  # the step went on
+    assert records[1]["rollout_dropped"] == 0  # every episode of the killed engine ran again on the other
+    assert records[2]["sync/engines_pushed"] == 2 == records[2]["sync/engines_verified"] == \
+        records[2]["sync/engines_in_rotation"]
+    assert [httpx2.get(u + "/weight_info").json()["weight_version"] for u in urls] == ["3", "3"]
