@@ -315,22 +315,30 @@ def test_the_trainer_trains_through_two_vllm_engines_each_step_verified_on_both(
 
 
 def test_a_vllm_engine_killed_mid_step_is_replaced_and_rejoins_after_a_verified_push(vllm_servers, tiny_dir,
-                                                                                     retriever, tmp_path, caplog):
+                                                                                     retriever, tmp_path, caplog,
+                                                                                     monkeypatch):
     """Last in the module (it kills one of the shared servers). Server 1 is SIGKILLed (with its engine core)
-    while step 2's episodes run: it is taken out of rotation, named, its episodes run on server 0 and the run
-    goes on; restarted at its URL after step 2, it gets step 3's push and rejoins once verified."""
+    in step 2's rollout, as the fleet routes a request to it: that request fails, server 1 is taken out of
+    rotation, named, the request and the rest of its episodes run on server 0 and the run goes on; restarted at
+    its URL after step 2, it gets step 3's push and rejoins once verified."""
     import logging
 
+    from agent.backends.fleet import Fleet
     from tests.conftest import QUESTIONS, run_rl
     from tests.test_trainer import load, varying_judge
 
     killed, steps, records = [], [], []
+    urls = vllm_servers.urls
+    pick = Fleet.pick
 
-    def judge(traj):  # the first episode judged in step 2: server 1 dies while the others may still run
-        if steps == [1] and not killed:
+    def pick_and_kill(self, episode):  # step 2's first request for server 1 finds it dead
+        eng = pick(self, episode)
+        if eng is not None and eng.url == urls[1] and steps == [1] and not killed:
             vllm_servers.kill(1)
             killed.append(time.time())
-        return varying_judge(traj)
+        return eng
+
+    monkeypatch.setattr(Fleet, "pick", pick_and_kill)
 
     def on_step(step, record):
         steps.append(step)
@@ -338,15 +346,15 @@ def test_a_vllm_engine_killed_mid_step_is_replaced_and_rejoins_after_a_verified_
         if step == 2:
             vllm_servers.start(1)  # the launcher restarts it, at the same URL, from the initial weights
 
-    urls = vllm_servers.urls
     model, tok = load(tiny_dir)
     with caplog.at_level(logging.WARNING, logger="agent.backends.fleet"):
-        res = run_rl(_train_cfg(urls, "train.steps=3", "train.rollout.questions_per_step=4"), model, tok, retriever,
-                     QUESTIONS, tmp_path / "run", judge=judge, on_step=on_step)
+        res = run_rl(_train_cfg(urls, "train.steps=3"), model, tok, retriever, QUESTIONS, tmp_path / "run",
+                     judge=varying_judge, on_step=on_step)
     assert killed and steps == [1, 2, 3] and res["last"]
     u1 = urls[1]
     msgs = [r.getMessage() for r in caplog.records]
-    assert len([m for m in msgs if f"rollout engine {u1} taken out of rotation" in m]) == 1, msgs
+    out = [m for m in msgs if f"rollout engine {u1} taken out of rotation" in m]
+    assert len(out) == 1 and "BackendUnreachable" in out[0], msgs  # by a request of the rollout, not the push
     assert [m for m in msgs if f"rollout engine {u1} rejoins the rotation" in m] == \
         [f"rollout engine {u1} rejoins the rotation at weight version 3"]
     assert not any(urls[0] in m for m in msgs), msgs
