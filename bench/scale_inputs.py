@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 ASYNC_JSON = ROOT / "bench" / "results" / "async_rollouts.json"
 GPU_JSON = ROOT / "bench" / "results" / "gpu_scale_h200.json"
 SERVE_JSON = ROOT / "bench" / "results" / "serve_load.json"
-TAG = "-b"  # the async_rollouts series measured with the fleet mode (same machine state for all three)
+TAG = "-c"  # the async_rollouts series measured on an idle machine, all three modes in one sitting
 
 #: what the GPU projections assume where no measurement exists (a projection, not a measurement)
 ASSUMED = {
@@ -142,7 +142,7 @@ def cpu_profile(measure: bool, stored: dict | None) -> tuple[Profile, list, dict
     eps = trajectories("sync")
     sync, asyn, fleet = run_of("sync"), run_of("async"), run_of("fleet")
     if sync is None:
-        raise SystemExit("run bench/async_rollouts.py --modes sync async fleet --seeds 0 --tag=-b first")
+        raise SystemExit(f"run bench/async_rollouts.py --modes sync async fleet --seeds 0 --tag={TAG} first")
     old = (stored or {}).get("inputs", {})  # the machine's own costs are measured once (--remeasure: again)
     dec = old.get("decode") or measure_decode(int(statistics.median(p for p, _ in eps)))
     tokens = statistics.median([sum(g + o for g, o in turns) + p for p, turns in eps])

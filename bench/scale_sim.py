@@ -35,7 +35,7 @@ tokens/s, per shape), Search-R1's episode shape (4 turns of up to 500 tokens, 50
 trajectories' turn counts, the retrieval server's latency under load (``bench/results/serve_load.json``), and
 an NCCL push at an assumed bandwidth (stated in the output): a projection, not a measurement.
 
-    .venv/bin/python bench/async_rollouts.py --modes sync async fleet --seeds 0 --tag=-b   # the measured runs
+    .venv/bin/python bench/async_rollouts.py --modes sync async fleet --seeds 0 --tag=-c   # the measured runs
     .venv/bin/python bench/scale_sim.py --decode-only    # this machine's decode and search costs
     .venv/bin/python bench/scale_sim.py --measure        # inputs from the runs, validate, project
     .venv/bin/python bench/scale_sim.py --measure --no-projections   # the validation only (keeps projections)
@@ -287,6 +287,35 @@ def summary(times: list[float], engines: list[Engine], update_busy: float, gpus:
             "gpu_idle": max(0.0, 1.0 - busy / max(gpus * total, 1e-9)), "staleness": hist}
 
 
+def calls_per_step(cpu, eps: list, q: int, gs: int, inputs: dict) -> float:
+    """The ``generate`` calls of one simulated colocated-sync step: the step's growth when every call costs one
+    second more."""
+    prof = replace(cpu, sync_s=0.0, max_batch=256)
+    a, b = (simulate("colocated-sync", replace(prof, call_fixed_s=cpu.call_fixed_s + d), eps, q, gs, gpus=1,
+                     engine_gpus=1, steps=20)["step_s"] for d in (0.0, 1.0))
+    return b - a
+
+
+def fit_loop_overhead(cpu, eps: list, q: int, gs: int, inputs: dict, measured_sync: float | None) -> float | None:
+    """The agent loop's own seconds per ``generate`` call (LangGraph's nodes, parsing, tokenising observations,
+    the judge: what the decode micro-benchmark does not time), fitted by bisection so that the simulated
+    colocated-sync step equals the measured one (seconds; ``None`` without a measured synchronous run). The
+    validation's variant (c) adds it to every call of every mode: fitted on the synchronous run, checked on
+    the asynchronous ones."""
+    own = (inputs.get("trainer_s_by_mode") or {}).get("sync")
+    if measured_sync is None or not own:
+        return None
+    prof = replace(cpu, sync_s=(inputs["sync_s"] or {}).get("sync") or 0.0, max_batch=256,
+                   update_per_token_s=own / (inputs["tokens_per_episode"] * q * gs))
+    lo, hi = 0.0, 1.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        sim = simulate("colocated-sync", replace(prof, call_fixed_s=cpu.call_fixed_s + mid), eps, q, gs, gpus=1,
+                       engine_gpus=1, steps=20)
+        lo, hi = (mid, hi) if sim["step_s"] < measured_sync else (lo, mid)
+    return (lo + hi) / 2
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--measure", action="store_true", help="take this machine's inputs from its runs (the "
@@ -332,6 +361,8 @@ def main() -> int:
     measured = measured_steps()
     q, gs = cpu_inputs["questions"], cpu_inputs["group_size"]
     syncs = cpu_inputs["sync_s"]
+    loop_s = fit_loop_overhead(cpu, cpu_eps, q, gs, cpu_inputs, measured.get("sync"))
+    out["cpu"]["fitted_loop_s_per_call"] = loop_s
     for mode, key in (("colocated-sync", "sync"), ("colocated-async", "async"), ("fleet-async", "fleet")):
         # the weight sync as measured in each mode; the engine server batches at most 64 prompts (its default),
         # the in-process scheduler 256
@@ -343,6 +374,14 @@ def main() -> int:
         variants = {"a": prof}
         if own:
             variants["b"] = replace(prof, update_per_token_s=own / (cpu_inputs["tokens_per_episode"] * q * gs))
+            if loop_s is not None:  # (c) = (b) plus the agent loop's own time, fitted on sync: per generate
+                # call where the loop runs beside its engine (colocated); in the fleet the loop runs in the
+                # trainer's process (the engine only generates), so its seconds per step land on the trainer
+                if key == "fleet":
+                    per_step = loop_s * calls_per_step(cpu, cpu_eps, q, gs, cpu_inputs)
+                    variants["c"] = replace(variants["b"], update_fixed_s=variants["b"].update_fixed_s + per_step)
+                else:
+                    variants["c"] = replace(variants["b"], call_fixed_s=prof.call_fixed_s + loop_s)
         res = {"measured_step_s": got}
         for v, pr in variants.items():
             sim = simulate(mode, pr, cpu_eps, q, gs, gpus=2 if key == "fleet" else 1, engine_gpus=1, steps=20)
