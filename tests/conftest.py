@@ -79,6 +79,14 @@ def tiny_llm(tiny_policy_dir):
 
 
 @pytest.fixture()
+def tok(tiny_policy_dir):
+    """The tiny policy's tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_policy_dir))
+
+
+@pytest.fixture()
 def agent_cfg():
     from sleuth.config import AgentConfig
 

@@ -50,21 +50,12 @@ class Scripted:
         return out
 
 
-@pytest.fixture()
-def tok(tiny_policy_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_policy_dir))
-
-
 def make_worker(llm, retriever, **agent):
-    from sleuth.config import AgentConfig
-    from training.rollout.worker import RolloutWorker
+    """The rollout strategies' test worker, with 3 turns of up to 64 tokens (a decision or parametric answer
+    fits one turn)."""
+    from tests.test_rollout_strategies import make_worker as strategies_worker
 
-    cfg = AgentConfig(**{"max_turns": 3, "max_new_tokens": 64, "max_total_tokens": 512, "max_obs_tokens": 60,
-                         "max_doc_chars": 80, "short_prompt": True, "chat_template": "off", "reward": "em",
-                         "format_reward": 0.0, **agent})
-    return RolloutWorker(llm, retriever, cfg, top_k=1, retry_waits=())
+    return strategies_worker(llm, retriever, **{"max_turns": 3, "max_new_tokens": 64, **agent})
 
 
 def opts(**kw):

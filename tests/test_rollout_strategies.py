@@ -33,13 +33,6 @@ class ScriptedLLM:
         return out
 
 
-@pytest.fixture()
-def tok(tiny_policy_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_policy_dir))
-
-
 def make_worker(llm, retriever, **agent):
     from sleuth.config import AgentConfig
     from training.rollout.worker import RolloutWorker
