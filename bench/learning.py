@@ -231,7 +231,6 @@ def base_config(seed: int = 0, algorithm: str = "grpo", extra: dict | None = Non
 
 def prepare():
     """Data, index, tiny policy, SFT warm start (each step reused when already on disk)."""
-    import torch
 
     from corpora import read_corpus, read_qa
     from corpora.synthetic import SPEC, SPEC_V2, write
@@ -239,7 +238,6 @@ def prepare():
     from sleuth.config import SFTConfig, TinyPolicyConfig
     from training.model.tiny import create_tiny_policy
     from training.rollout.oracle import ChainOracleLLM
-    from training.sft import sft_train
 
     paths = write(WORK / "data", SPEC_V2 if TASK == "v2" else SPEC)
     if not (WORK / "index" / "manifest.json").exists():
@@ -256,23 +254,39 @@ def prepare():
 
         cfg = base_config()
         llm = TransformersLLM.from_pretrained(str(tiny))
-        hops = TASKS[TASK]["sft_hops"]
-        by_hops = {h: [q for q in train if q.metadata["hops"] == h] for h in hops}
-        sft_qs = [q for h in hops for q in by_hops[h][: N_SFT // len(hops)]]
+        sft_qs = sft_questions(train)
         trajs = run_episodes(sft_qs, ChainOracleLLM(llm.tokenizer, sft_qs), retriever, cfg.agent,
                              top_k=RETRIEVAL_TOP_K, temperature=0.0)
         assert all(t.verdict["em"] == 1.0 for t in trajs), "the oracle must solve its own questions"
-        torch.manual_seed(0)
-        hist = sft_train(llm.model, llm.tokenizer, trajs, SFTConfig(**SFT), seed=0,
-                         max_len=TASKS[TASK]["agent"]["max_total_tokens"])
-        tmp = WORK / "sft.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        llm.model.save_pretrained(tmp)
-        llm.tokenizer.save_pretrained(tmp)
-        (tmp / "sft_history.json").write_text(json.dumps(hist))
-        os.replace(tmp, sft_dir)
+        hist = train_sft(llm, trajs, sft_dir, SFTConfig(**SFT))
         log(f"SFT on {len(trajs)} oracle trajectories: final loss {hist[-1]['loss']:.3f}")
     return retriever, train, test
+
+
+def sft_questions(train) -> list:
+    """The warm start's :data:`N_SFT` training questions: the first of each trained hop class, a share each."""
+    hops = TASKS[TASK]["sft_hops"]
+    by_hops = {h: [q for q in train if q.metadata["hops"] == h] for h in hops}
+    return [q for h in hops for q in by_hops[h][: N_SFT // len(hops)]]
+
+
+def train_sft(llm, trajs, out_dir: Path, sft_cfg) -> list[dict]:
+    """SFT of ``llm`` (a :class:`agent.backends.hf.TransformersLLM`, trained in place) on ``trajs`` with seed 0,
+    then the checkpoint and its per-epoch history (``sft_history.json``) written to ``out_dir`` atomically
+    (a ``.tmp`` sibling renamed). Returns the history."""
+    import torch
+
+    from training.sft import sft_train
+
+    torch.manual_seed(0)
+    hist = sft_train(llm.model, llm.tokenizer, trajs, sft_cfg, seed=0, max_len=TASKS[TASK]["agent"]["max_total_tokens"])
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    llm.model.save_pretrained(tmp)
+    llm.tokenizer.save_pretrained(tmp)
+    (tmp / "sft_history.json").write_text(json.dumps(hist))
+    os.replace(tmp, out_dir)
+    return hist
 
 
 def evaluate(model, tokenizer, retriever, examples, cfg) -> dict:

@@ -42,12 +42,10 @@ N_SET = 20  # trajectories per SFT set: 22 of the pool of 480 qualify as primed;
 def build_sft(data: str, retriever, train) -> tuple[Path, dict]:
     """The SFT checkpoint of set ``data`` (built once) and the set's statistics."""
     import learning as L
-    import torch
 
     from agent.backends.hf import TransformersLLM
     from corpora import read_corpus
     from sleuth.config import SFTConfig
-    from training.sft import sft_train
     from training.sft_data import SFTDataRequest, build_sft_data
 
     out = L.WORK / f"priming-{data}" / "sft"
@@ -55,20 +53,13 @@ def build_sft(data: str, retriever, train) -> tuple[Path, dict]:
     if (out / "config.json").exists():
         return out, json.loads(stats_path.read_text())
     cfg = L.base_config()
-    hops = L.TASKS[L.TASK]["sft_hops"]
-    qs = [q for h in hops for q in [x for x in train if x.metadata["hops"] == h][: L.N_SFT // len(hops)]]
+    qs = L.sft_questions(train)
     titles = {p.id: p.title for p in read_corpus(L.WORK / "data" / "corpus.jsonl")}
     llm = TransformersLLM.from_pretrained(str(L.WORK / "tiny"))
     sft_cfg = SFTConfig(**L.SFT, data=data, data_options={"n": N_SET, "pool_factor": 8, "required": list(REQUIRED)})
     req = SFTDataRequest(qs, llm.tokenizer, retriever, cfg.agent, titles, L.RETRIEVAL_TOP_K, seed=0)
     trajs = build_sft_data(sft_cfg, req)
-    torch.manual_seed(0)
-    sft_train(llm.model, llm.tokenizer, trajs, sft_cfg, seed=0, max_len=L.TASKS[L.TASK]["agent"]["max_total_tokens"])
-    tmp = out.with_suffix(".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    llm.model.save_pretrained(tmp)
-    llm.tokenizer.save_pretrained(tmp)
-    tmp.rename(out)
+    L.train_sft(llm, trajs, out, sft_cfg)
     stats = {"n": len(trajs), "em": sum(t.verdict.get("em", 0.0) for t in trajs) / len(trajs),
              "searches": sum(t.num_search_calls for t in trajs) / len(trajs), **req.stats}
     stats_path.write_text(json.dumps(stats, indent=1))
