@@ -67,6 +67,8 @@ def build_sft(data: str, retriever, train) -> tuple[Path, dict]:
 
 
 def run_set(data: str, seed: int, retriever, train, test, res: dict) -> None:
+    """SFT set ``data`` (built once), its greedy test evaluation, ``MID_BUDGET`` GRPO steps of ``seed`` from it and
+    the evaluation after: recorded in ``res["runs"]["<data>-s<seed>"]`` and written to the JSON."""
     import learning as L
     import torch
 
