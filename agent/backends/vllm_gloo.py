@@ -108,11 +108,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.store, self.packed = store, bool(init_info.packed)
 
     def start_weight_update(self) -> None:
+        """Open vLLM's layerwise reload of the served model before the first bucket (as its NCCL engine does)."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
+        """Close the layerwise reload after the last bucket: vLLM re-derives its processed weights."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
@@ -149,4 +151,5 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             self.model.load_weights([(m.name, t.to(self.device))])
 
     def shutdown(self) -> None:
+        """Forget the transfer group and its store (a new ``init_transfer_engine`` forms another)."""
         self.group = self.store = None
